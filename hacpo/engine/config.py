@@ -1,0 +1,229 @@
+"""Algorithm configuration: typed dataclasses (each default defined once, in ``defaults``),
+named presets, validated overrides.
+
+    cfg = preset("hacpo")                         # SPEC defaults = the authors' reference config
+    cfg = preset("hacpo-table5")                  # delta = 0.8 (lower bound 0.2)
+    cfg = cfg.override({"loss.alpha": 0})         # CLI/YAML only override, never redefine
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import defaults as D
+
+ALGORITHMS = ("grpo", "gspo", "gspo2x", "naive", "hacpo")
+MINIBATCH_ORDERS = ("mixed", "self_first")
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass(frozen=True)
+class CapabilityConfig:
+    window: int = D.CAPABILITY_WINDOW
+    metric: str = D.CAPABILITY_METRIC
+    minimum: float = D.CAPABILITY_MINIMUM
+    ratio_min: float = D.RATIO_MIN
+    ratio_max: float = D.RATIO_MAX
+
+    def __post_init__(self):
+        _require(isinstance(self.window, int) and self.window >= 1,
+                 f"capability.window must be an integer >= 1, got {self.window!r}")
+        _require(self.metric in D.CAPABILITY_METRICS,
+                 f"capability.metric {self.metric!r} unknown; choose one of {D.CAPABILITY_METRICS}")
+        _require(self.minimum > 0, f"capability.minimum must be > 0, got {self.minimum}")
+        _require(self.ratio_min > 0, f"capability.ratio_min must be > 0, got {self.ratio_min}")
+        _require(self.ratio_min <= self.ratio_max,
+                 f"capability.ratio_min ({self.ratio_min}) must be <= ratio_max "
+                 f"({self.ratio_max})")
+
+
+@dataclass(frozen=True)
+class AdvantageConfig:
+    eps: float = D.ADV_EPS
+    uniform_guard: bool = True
+    binary_guard: bool = True
+    cross_baseline: str = "learner"
+    capability_baseline: bool = True  # off: every w_i = 1 (plain mean baseline over the pool)
+
+    def __post_init__(self):
+        _require(self.eps >= 0, f"advantage.eps must be >= 0, got {self.eps}")
+        _require(self.cross_baseline in D.CROSS_BASELINES,
+                 f"advantage.cross_baseline {self.cross_baseline!r} unknown; choose one of "
+                 f"{D.CROSS_BASELINES}")
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    self_clip_low: float = D.SELF_CLIP_LOW
+    self_clip_high: float = D.SELF_CLIP_HIGH
+    max_abs_log_ratio: float = D.MAX_ABS_LOG_RATIO
+    alpha: float = D.ALPHA
+    capability_coefficient: bool = True  # off: omega = 1 in the cross objective
+    cross_clip: str = D.CROSS_CLIP
+    cross_clip_delta: float = D.CROSS_CLIP_DELTA
+    cross_clip_step: float = D.CROSS_CLIP_STEP
+    grpo_clip_low: float = D.GRPO_CLIP_LOW
+    grpo_clip_high: float = D.GRPO_CLIP_HIGH
+    kl_coef: float = D.KL_COEF
+
+    def __post_init__(self):
+        _require(self.alpha >= 0, f"loss.alpha must be >= 0, got {self.alpha}")
+        _require(0 <= self.cross_clip_delta <= 1,
+                 f"loss.cross_clip_delta must be in [0, 1], got {self.cross_clip_delta}")
+        _require(self.cross_clip_step >= 0,
+                 f"loss.cross_clip_step must be >= 0, got {self.cross_clip_step}")
+        _require(self.cross_clip in D.CROSS_CLIPS,
+                 f"loss.cross_clip {self.cross_clip!r} unknown; choose one of {D.CROSS_CLIPS}")
+        for name in ("self_clip_low", "self_clip_high", "grpo_clip_low", "grpo_clip_high"):
+            v = getattr(self, name)
+            _require(0 <= v, f"loss.{name} must be >= 0, got {v}")
+        _require(self.self_clip_low < 1 and self.grpo_clip_low < 1,
+                 "loss.self_clip_low and loss.grpo_clip_low must be < 1")
+        _require(self.max_abs_log_ratio > 0,
+                 f"loss.max_abs_log_ratio must be > 0, got {self.max_abs_log_ratio}")
+        _require(self.kl_coef >= 0, f"loss.kl_coef must be >= 0, got {self.kl_coef}")
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """Which algorithm (SPEC's table of baselines) and its switches."""
+    name: str = "hacpo"
+    capability: CapabilityConfig = field(default_factory=CapabilityConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    num_minibatches: int = 4        # M updates per step; m = 0..M-1 indexes the stepwise clip
+    minibatch_order: str = "mixed"  # mixed (by prompt, shuffled) | self_first (ref behaviour)
+
+    def __post_init__(self):
+        _require(self.name in ALGORITHMS,
+                 f"unknown algorithm {self.name!r}; choose one of {ALGORITHMS}")
+        _require(isinstance(self.num_minibatches, int) and self.num_minibatches >= 1,
+                 f"num_minibatches must be an integer >= 1, got {self.num_minibatches!r}")
+        _require(self.minibatch_order in MINIBATCH_ORDERS,
+                 f"minibatch_order {self.minibatch_order!r} unknown; choose one of "
+                 f"{MINIBATCH_ORDERS}")
+
+    # What the trainer derives from the name (SPEC's table), in one place.
+    @property
+    def shares_samples(self) -> bool:
+        """Does a learner train on other agents' responses?"""
+        return self.name in ("naive", "hacpo")
+
+    @property
+    def samples_per_prompt_factor(self) -> int:
+        """gspo2x samples 2G responses per prompt (HACPO's rollout cost for two agents)."""
+        return 2 if self.name == "gspo2x" else 1
+
+    @property
+    def minibatch_factor(self) -> int:
+        """gspo2x uses half-size minibatches, i.e. twice as many updates per step."""
+        return 2 if self.name == "gspo2x" else 1
+
+    @property
+    def token_level(self) -> bool:
+        return self.name == "grpo"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "AlgorithmConfig":
+        return _from_dict(cls, d, "")
+
+    def override(self, overrides: dict[str, Any]) -> "AlgorithmConfig":
+        """Dotted-key overrides, e.g. {"loss.alpha": 0, "name": "gspo"}; strings are parsed as
+        the field's type (CLI). Unknown keys are an error."""
+        d = self.to_dict()
+        for key, value in overrides.items():
+            _set_dotted(type(self), d, key, value)
+        return AlgorithmConfig.from_dict(d)
+
+
+def _from_dict(cls, d: dict[str, Any], prefix: str):
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(d) - set(fields)
+    if unknown:
+        raise ValueError(f"unknown config key(s) {sorted(prefix + k for k in unknown)}; "
+                         f"known: {sorted(prefix + k for k in fields)}")
+    kwargs = {}
+    for k, v in d.items():
+        sub = fields[k].type
+        sub_cls = _NESTED.get(sub if isinstance(sub, str) else getattr(sub, "__name__", ""))
+        kwargs[k] = _from_dict(sub_cls, v, prefix + k + ".") if sub_cls and isinstance(v, dict) \
+            else v
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, typ: str, key: str) -> Any:
+    if not isinstance(value, str) or typ == "str":
+        if typ == "float" and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        return value
+    try:
+        if typ == "bool":
+            low = value.lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        return {"int": int, "float": float}[typ](value)
+    except (ValueError, KeyError):
+        raise ValueError(f"cannot parse {value!r} as {typ} for config key {key!r}") from None
+
+
+def _set_dotted(cls, d: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node, node_cls = d, cls
+    for i, part in enumerate(parts):
+        fields = {f.name: f for f in dataclasses.fields(node_cls)}
+        if part not in fields:
+            raise ValueError(f"unknown config key {key!r}: {part!r} is not one of "
+                             f"{sorted(fields)}")
+        typ = fields[part].type if isinstance(fields[part].type, str) else \
+            fields[part].type.__name__
+        if i == len(parts) - 1:
+            if typ in _NESTED:
+                raise ValueError(f"config key {key!r} is a section; set one of its fields")
+            node[part] = _coerce(value, typ, key)
+        else:
+            if typ not in _NESTED:
+                raise ValueError(f"unknown config key {key!r}: {part!r} has no sub-keys")
+            node, node_cls = node[part], _NESTED[typ]
+
+
+_NESTED = {"CapabilityConfig": CapabilityConfig, "AdvantageConfig": AdvantageConfig,
+           "LossConfig": LossConfig}
+
+_PRESETS: dict[str, dict[str, Any]] = {
+    "hacpo": {},
+    "hacpo-table5": {"loss.cross_clip_delta": 0.8},
+    "grpo": {"name": "grpo"},
+    "gspo": {"name": "gspo"},
+    "gspo2x": {"name": "gspo2x"},
+    "naive": {"name": "naive"},
+    # Ablations: each switches one HACPO mechanism off (SPEC's table).
+    "hacpo-no-capability-baseline": {"advantage.capability_baseline": False},
+    "hacpo-no-capability-coefficient": {"loss.capability_coefficient": False},
+    "hacpo-alpha0": {"loss.alpha": 0.0},
+    "hacpo-static-clip": {"loss.cross_clip": "static"},
+    "hacpo-no-cross-clip": {"loss.cross_clip": "none"},
+    "hacpo-source-baseline": {"advantage.cross_baseline": "source"},
+    "hacpo-self-first": {"minibatch_order": "self_first"},
+}
+
+
+def available_presets() -> tuple[str, ...]:
+    return tuple(_PRESETS)
+
+
+def preset(name: str, overrides: dict[str, Any] | None = None) -> AlgorithmConfig:
+    """Named preset, then optional dotted-key overrides (see AlgorithmConfig.override)."""
+    if name not in _PRESETS:
+        raise ValueError(f"unknown algorithm preset {name!r}; choose one of {available_presets()}")
+    return AlgorithmConfig().override({**_PRESETS[name], **(overrides or {})})

@@ -1,0 +1,178 @@
+"""Policy losses (SPEC "Sequence ratio", "Per-sample objective"): pure tensors, no config.
+
+Every loss returns ``(loss, metrics)``: ``loss = -sum(obj) / divisor`` where ``divisor`` defaults
+to the number of samples (tokens for GRPO) held here. Pass the global count of the minibatch as
+``divisor`` and sum the losses (or all-reduce the gradients) across micro-batches/ranks: the
+result does not depend on the split. Metrics are detached tensors (no host sync).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import defaults as D
+from .validation import check_same_length, check_same_shape
+
+
+def sequence_mean_logprob(token_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean log-prob over each row's response tokens.
+
+    token_logp: [B, T] float; mask: [B, T] bool/0-1 (which tokens count; the final EOS is
+    excluded by the caller per SPEC). Returns [B]. A row with no token is an error.
+    """
+    check_same_shape(token_logp=token_logp, mask=mask)
+    if token_logp.dim() != 2:
+        raise ValueError(f"token_logp must be [B, T], got shape {tuple(token_logp.shape)}")
+    m = mask.to(token_logp.dtype)
+    count = m.sum(dim=-1)
+    empty = count == 0
+    if bool(empty.any()):
+        rows = empty.nonzero().flatten()
+        raise ValueError(f"sequence {int(rows[0])} has no tokens in its mask ({rows.numel()} empty "
+                         f"of {count.numel()}): an empty response cannot be scored")
+    return (token_logp * m).sum(dim=-1) / count
+
+
+def _divide(total: torch.Tensor, divisor, default: int) -> torch.Tensor:
+    d = default if divisor is None else divisor
+    if isinstance(d, (int, float)) and d <= 0:
+        raise ValueError(f"loss divisor must be > 0 (an empty minibatch has no loss), got {d}")
+    return total / d
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    m = mask.to(x.dtype)
+    return (x * m).sum() / m.sum().clamp_min(1)
+
+
+def sequence_ratio(new_lp: torch.Tensor, old_lp: torch.Tensor,
+                   max_abs_log_ratio: float = D.MAX_ABS_LOG_RATIO) -> torch.Tensor:
+    """s = exp(clamp(new_lp - old_lp, -max, max)) [N]; gradient flows to new_lp."""
+    return torch.exp((new_lp - old_lp).clamp(-max_abs_log_ratio, max_abs_log_ratio))
+
+
+def gspo_objective(s: torch.Tensor, advantages: torch.Tensor, clip_low: float,
+                   clip_high: float) -> torch.Tensor:
+    """Per-sample pessimistic clipped objective min(s*A, clip(s, 1-lo, 1+hi)*A) [N]."""
+    return torch.minimum(s * advantages, s.clamp(1 - clip_low, 1 + clip_high) * advantages)
+
+
+def cross_lower_bound(cross_clip: str, minibatch_index: int, delta: float, step: float) -> float:
+    """Lower clip bound of the cross ratio: stepwise lo_m = min(1, 1 - delta + m*step),
+    static 1 - delta, none -inf (no clipping)."""
+    if cross_clip == "stepwise":
+        return min(1.0, 1.0 - delta + minibatch_index * step)
+    if cross_clip == "static":
+        return 1.0 - delta
+    if cross_clip == "none":
+        return -float("inf")
+    raise ValueError(f"unknown cross_clip {cross_clip!r}; choose one of {D.CROSS_CLIPS}")
+
+
+def gspo_policy_loss(new_lp: torch.Tensor, old_lp: torch.Tensor, advantages: torch.Tensor, *,
+                     clip_low: float = D.SELF_CLIP_LOW, clip_high: float = D.SELF_CLIP_HIGH,
+                     max_abs_log_ratio: float = D.MAX_ABS_LOG_RATIO, divisor=None):
+    """GSPO: sequence ratio, clip [1-clip_low, 1+clip_high], sequence-mean loss.
+
+    new_lp, old_lp: [N] per-sequence mean token log-probs (current / generating policy);
+    advantages: [N]. Returns (loss [], metrics).
+    """
+    n = check_same_length(new_lp=new_lp, old_lp=old_lp, advantages=advantages)
+    s = sequence_ratio(new_lp, old_lp, max_abs_log_ratio)
+    obj = gspo_objective(s, advantages, clip_low, clip_high)
+    loss = -_divide(obj.sum(), divisor, n)
+    with torch.no_grad():
+        sd = s.detach()
+        clipped = (sd < 1 - clip_low) | (sd > 1 + clip_high)
+        ones = torch.ones_like(sd, dtype=torch.bool)
+        metrics = {"self_ratio_mean": _masked_mean(sd, ones),
+                   "self_clip_frac": _masked_mean(clipped.to(sd.dtype), ones)}
+    return loss, metrics
+
+
+def hacpo_policy_loss(new_lp: torch.Tensor, old_lp: torch.Tensor, advantages: torch.Tensor,
+                      is_self: torch.Tensor, omega: torch.Tensor, *, minibatch_index: int,
+                      alpha: float = D.ALPHA, cross_clip: str = D.CROSS_CLIP,
+                      cross_clip_delta: float = D.CROSS_CLIP_DELTA,
+                      cross_clip_step: float = D.CROSS_CLIP_STEP,
+                      self_clip_low: float = D.SELF_CLIP_LOW,
+                      self_clip_high: float = D.SELF_CLIP_HIGH,
+                      max_abs_log_ratio: float = D.MAX_ABS_LOG_RATIO, divisor=None):
+    """HACPO minibatch loss: GSPO on self samples + the capability-weighted cross objective.
+
+    new_lp, old_lp: [N] per-sequence mean token log-probs (learner now / generator at sampling);
+    advantages: [N] (hacpo_advantages); is_self: [N] bool; omega: [N] = omega[source_i, learner]
+    (1 for self samples; pass ones to switch the capability coefficient off);
+    minibatch_index: m, 0-based count of updates within the step.
+
+    self:  obj = min(s*A, clip(s, 1-self_clip_low, 1+self_clip_high)*A)
+    cross: c = clamp(s, lo_m, 1); obj = c * sg(c)^alpha * omega * A   (no pessimistic min)
+    loss = -sum(obj) / divisor (default N). Returns (loss [], metrics).
+    """
+    n = check_same_length(new_lp=new_lp, old_lp=old_lp, advantages=advantages, is_self=is_self,
+                          omega=omega)
+    if alpha < 0:
+        raise ValueError(f"alpha must be >= 0, got {alpha}")
+    if minibatch_index < 0:
+        raise ValueError(f"minibatch_index must be >= 0, got {minibatch_index}")
+    is_self = is_self.bool()
+    lo = cross_lower_bound(cross_clip, minibatch_index, cross_clip_delta, cross_clip_step)
+    s = sequence_ratio(new_lp, old_lp, max_abs_log_ratio)
+    obj_self = gspo_objective(s, advantages, self_clip_low, self_clip_high)
+    c = s.clamp(min=lo, max=1.0) if cross_clip != "none" else s
+    obj_cross = c * c.detach().pow(alpha) * omega.to(s.dtype) * advantages
+    obj = torch.where(is_self, obj_self, obj_cross)
+    loss = -_divide(obj.sum(), divisor, n)
+    with torch.no_grad():
+        sd = s.detach()
+        cross = ~is_self
+        self_clipped = (sd < 1 - self_clip_low) | (sd > 1 + self_clip_high)
+        below = (sd < lo) if cross_clip != "none" else torch.zeros_like(cross)
+        above = (sd > 1) if cross_clip != "none" else torch.zeros_like(cross)
+        metrics = {
+            "self_ratio_mean": _masked_mean(sd, is_self),
+            "cross_ratio_mean": _masked_mean(sd, cross),
+            "self_clip_frac": _masked_mean(self_clipped.to(sd.dtype), is_self),
+            "cross_clip_low_frac": _masked_mean(below.to(sd.dtype), cross),
+            "cross_clip_high_frac": _masked_mean(above.to(sd.dtype), cross),
+            "self_count": is_self.sum(),
+            "cross_count": cross.sum(),
+            "cross_lower_bound": torch.tensor(lo, dtype=sd.dtype, device=sd.device),
+        }
+    return loss, metrics
+
+
+def grpo_policy_loss(token_logp: torch.Tensor, old_token_logp: torch.Tensor, mask: torch.Tensor,
+                     advantages: torch.Tensor, *, clip_low: float = D.GRPO_CLIP_LOW,
+                     clip_high: float = D.GRPO_CLIP_HIGH, divisor=None):
+    """GRPO: token-level ratio, clip [1-clip_low, 1+clip_high], token-mean over the mask.
+
+    token_logp, old_token_logp, mask: [B, T]; advantages: [B] (broadcast over tokens).
+    loss = -sum_{masked tokens} obj / divisor (default: number of masked tokens here).
+    """
+    check_same_shape(token_logp=token_logp, old_token_logp=old_token_logp, mask=mask)
+    if token_logp.dim() != 2 or advantages.shape != token_logp.shape[:1]:
+        raise ValueError(f"expected token_logp [B, T] and advantages [B], got "
+                         f"{tuple(token_logp.shape)} and {tuple(advantages.shape)}")
+    m = mask.to(token_logp.dtype)
+    ratio = torch.exp(token_logp - old_token_logp)
+    a = advantages[:, None].to(token_logp.dtype)
+    obj = torch.minimum(ratio * a, ratio.clamp(1 - clip_low, 1 + clip_high) * a)
+    count = m.sum()
+    loss = -(obj * m).sum() / (count.clamp_min(1) if divisor is None else divisor)
+    with torch.no_grad():
+        rd = ratio.detach()
+        clipped = ((rd < 1 - clip_low) | (rd > 1 + clip_high)).to(rd.dtype)
+        metrics = {"token_ratio_mean": (rd * m).sum() / count.clamp_min(1),
+                   "token_clip_frac": (clipped * m).sum() / count.clamp_min(1)}
+    return loss, metrics
+
+
+def low_var_kl(token_logp: torch.Tensor, ref_token_logp: torch.Tensor,
+               mask: torch.Tensor) -> torch.Tensor:
+    """Per-sequence mean of the low-variance KL estimator k3 = exp(ref-lp) - (ref-lp) - 1,
+    clamped to [-10, 10] per token as in the reference implementation. Inputs [B, T]; -> [B]."""
+    check_same_shape(token_logp=token_logp, ref_token_logp=ref_token_logp, mask=mask)
+    d = (ref_token_logp - token_logp).clamp(-20, 20)
+    k3 = (torch.exp(d) - d - 1).clamp(-10, 10)
+    m = mask.to(k3.dtype)
+    return (k3 * m).sum(-1) / m.sum(-1).clamp_min(1)

@@ -1,0 +1,63 @@
+"""Algorithm config: presets, overrides, validation errors."""
+import pytest
+
+from hacpo.engine import AlgorithmConfig, available_presets, preset
+from hacpo.engine import defaults as D
+
+
+def test_presets():
+    h = preset("hacpo")
+    assert h == AlgorithmConfig()
+    assert (h.loss.cross_clip_delta, h.loss.cross_clip_step, h.loss.alpha) == (0.2, 0.025, 1.0)
+    assert (h.capability.window, h.capability.ratio_min, h.capability.ratio_max) == (5, 0.1, 10.0)
+    assert (h.loss.self_clip_low, h.loss.self_clip_high) == (3e-4, 4e-4)
+    assert preset("hacpo-table5").loss.cross_clip_delta == 0.8
+    assert preset("gspo2x").samples_per_prompt_factor == 2
+    assert preset("gspo2x").minibatch_factor == 2
+    assert preset("naive").shares_samples and not preset("gspo").shares_samples
+    assert preset("grpo").token_level
+    assert preset("hacpo-alpha0").loss.alpha == 0.0
+    assert preset("hacpo-no-cross-clip").loss.cross_clip == "none"
+    assert not preset("hacpo-no-capability-baseline").advantage.capability_baseline
+    assert not preset("hacpo-no-capability-coefficient").loss.capability_coefficient
+    assert preset("hacpo-source-baseline").advantage.cross_baseline == "source"
+    assert set(available_presets()) >= {"grpo", "gspo", "gspo2x", "naive", "hacpo",
+                                        "hacpo-table5"}
+
+
+def test_defaults_defined_once():
+    assert AlgorithmConfig().loss.cross_clip_delta is D.CROSS_CLIP_DELTA
+    import inspect
+    from hacpo.engine import hacpo_policy_loss
+    sig = inspect.signature(hacpo_policy_loss)
+    assert sig.parameters["cross_clip_delta"].default is D.CROSS_CLIP_DELTA
+
+
+def test_overrides_parse_strings_and_roundtrip():
+    c = preset("hacpo", {"loss.alpha": "0.5", "advantage.binary_guard": "false",
+                         "capability.window": "3", "name": "naive"})
+    assert c.loss.alpha == 0.5 and c.advantage.binary_guard is False
+    assert c.capability.window == 3 and c.name == "naive"
+    assert AlgorithmConfig.from_dict(c.to_dict()) == c
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"name": "ppo"}, "unknown algorithm 'ppo'"),
+    ({"loss.alpha": -0.1}, "alpha must be >= 0"),
+    ({"loss.cross_clip_delta": 1.2}, r"cross_clip_delta must be in \[0, 1\]"),
+    ({"loss.cross_clip_delta": -0.1}, r"cross_clip_delta must be in \[0, 1\]"),
+    ({"capability.window": 0}, "window must be an integer >= 1"),
+    ({"capability.ratio_min": 20.0}, "ratio_min .* must be <= ratio_max"),
+    ({"loss.cross_clip": "soft"}, "cross_clip 'soft' unknown"),
+    ({"loss.gamma": 1}, "unknown config key 'loss.gamma'"),
+    ({"capability.window": "five"}, "cannot parse 'five' as int"),
+    ({"loss": 3}, "is a section"),
+])
+def test_bad_values_raise_clear_errors(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        preset("hacpo", overrides)
+
+
+def test_unknown_preset():
+    with pytest.raises(ValueError, match="unknown algorithm preset 'hacpo2'"):
+        preset("hacpo2")

@@ -1,0 +1,233 @@
+"""Losses: hand-computed values, SPEC invariants (incl. the stop-gradient one via autograd),
+gradcheck in float64, micro-batch invariance in-process."""
+import math
+
+import pytest
+import torch
+
+from hacpo.engine import (CapabilityTracker, grpo_policy_loss, gspo_policy_loss,
+                          hacpo_advantages, group_advantages, hacpo_policy_loss,
+                          sequence_mean_logprob)
+from hacpo.engine.losses import cross_lower_bound
+
+F64 = torch.float64
+
+
+def _t(x, **kw):
+    return torch.tensor(x, dtype=F64, **kw)
+
+
+@pytest.mark.parametrize("m,expected", [(0, 0.8), (1, 0.825), (3, 0.875), (7, 0.975), (8, 1.0),
+                                        (12, 1.0)])
+def test_stepwise_lower_bound_default(m, expected):
+    assert cross_lower_bound("stepwise", m, 0.2, 0.025) == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize("m,expected", [(0, 0.2), (4, 0.3), (32, 1.0)])
+def test_stepwise_lower_bound_table5(m, expected):
+    assert cross_lower_bound("stepwise", m, 0.8, 0.025) == pytest.approx(expected, abs=1e-12)
+
+
+def test_cross_objective_by_hand():
+    # s = 0.9 (log_s = log 0.9), A = 2, omega = 0.5, alpha = 1
+    old = _t([0.0])
+    A, om, self_ = _t([2.0]), _t([0.5]), torch.tensor([False])
+    new = _t([math.log(0.9)], requires_grad=True)
+    loss, met = hacpo_policy_loss(new, old, A, self_, om, minibatch_index=0)
+    # m = 0: lo = 0.8, c = 0.9, obj = 0.9 * 0.9 * 0.5 * 2 = 0.81
+    assert loss.item() == pytest.approx(-0.81, abs=1e-12)
+    loss.backward()
+    assert new.grad.item() == pytest.approx(-0.81, abs=1e-12)   # -(c^2 * omega * A)
+    assert met["cross_clip_low_frac"].item() == 0.0
+    # m = 6: lo = 0.95 -> c = 0.95, obj = 0.9025, gradient 0
+    new = _t([math.log(0.9)], requires_grad=True)
+    loss, met = hacpo_policy_loss(new, old, A, self_, om, minibatch_index=6)
+    assert loss.item() == pytest.approx(-0.9025, abs=1e-12)
+    loss.backward()
+    assert new.grad.item() == 0.0
+    assert met["cross_clip_low_frac"].item() == 1.0
+    # s = 1.2 > 1: c = 1, obj = 1 * 1 * 0.5 * 2 = 1, gradient 0
+    new = _t([math.log(1.2)], requires_grad=True)
+    loss, met = hacpo_policy_loss(new, old, A, self_, om, minibatch_index=0)
+    assert loss.item() == pytest.approx(-1.0, abs=1e-12)
+    loss.backward()
+    assert new.grad.item() == 0.0 and met["cross_clip_high_frac"].item() == 1.0
+
+
+def test_self_objective_by_hand_and_ratio_clamp():
+    old = _t([0.0, 0.0, 0.0, 0.0])
+    new = _t([math.log(1.001), math.log(1.001), 1e-4, 50.0])   # last: log ratio clamped to 10
+    A = _t([1.0, -1.0, 3.0, -1.0])
+    loss, met = hacpo_policy_loss(new, old, A, torch.ones(4, dtype=torch.bool), torch.ones(4, dtype=F64),
+                                  minibatch_index=0)
+    # A>0 above the clip: min(1.001, 1.0004) = 1.0004; A<0: min(-1.001, -1.0004) = -1.001;
+    # inside the range: exp(1e-4) * 3; clamped log ratio: -exp(10)
+    expected = -(1.0004 - 1.001 + 3 * math.exp(1e-4) - math.exp(10.0)) / 4
+    assert loss.item() == pytest.approx(expected, rel=1e-12)
+    assert met["self_clip_frac"].item() == pytest.approx(0.75)
+    gl, _ = gspo_policy_loss(new, old, A)
+    assert gl.item() == pytest.approx(expected, rel=1e-12)
+
+
+def test_grpo_by_hand():
+    lp = _t([[math.log(1.5), 0.0, 0.0], [math.log(0.5), math.log(0.9), 0.0]])
+    old = torch.zeros(2, 3, dtype=F64)
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    A = _t([1.0, -2.0])
+    loss, met = grpo_policy_loss(lp, old, mask, A)
+    # row0: min(1.5, 1.28) = 1.28, 1; row1 (A=-2): min(-1.0, -1.6) = -1.6, min(-1.8,-1.8),
+    # min(-2, -2) -> token mean over 5 tokens
+    expected = -(1.28 + 1.0 - 1.6 - 1.8 - 2.0) / 5
+    assert loss.item() == pytest.approx(expected, rel=1e-12)
+    assert met["token_clip_frac"].item() == pytest.approx(2 / 5)
+
+
+def test_sequence_mean_logprob():
+    tl = _t([[-1.0, -2.0, -9.0], [-0.5, -0.5, -2.0]])
+    m = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
+    torch.testing.assert_close(sequence_mean_logprob(tl, m), _t([-1.5, -1.0]))
+    with pytest.raises(ValueError, match="sequence 1 has no tokens"):
+        sequence_mean_logprob(tl, torch.tensor([[1, 0, 0], [0, 0, 0]], dtype=torch.bool))
+    with pytest.raises(ValueError, match="shape mismatch"):
+        sequence_mean_logprob(tl, m[:, :2])
+
+
+def test_one_agent_hacpo_equals_gspo_exactly():
+    g = torch.Generator().manual_seed(0)
+    N = 64
+    r = (torch.rand(N, generator=g) < 0.5).float()
+    p = torch.arange(N) // 8
+    a = torch.zeros(N, dtype=torch.long)
+    tracker = CapabilityTracker(1)
+    tracker.update(r, a)
+    A_h = hacpo_advantages(r, p, a, learner=0, ratios=tracker.ratios())
+    A_g = group_advantages(r, p)
+    assert torch.equal(A_h, A_g)
+    old = torch.randn(N, generator=g) * 0.01
+    base = old + torch.randn(N, generator=g) * 1e-3
+    new_h = base.clone().requires_grad_()
+    new_g = base.clone().requires_grad_()
+    lh, mh = hacpo_policy_loss(new_h, old, A_h, torch.ones(N, dtype=torch.bool), torch.ones(N),
+                               minibatch_index=3)
+    lg, mg = gspo_policy_loss(new_g, old, A_g)
+    lh.backward(); lg.backward()
+    assert torch.equal(lh, lg)
+    assert torch.equal(new_h.grad, new_g.grad)
+    assert torch.equal(mh["self_clip_frac"], mg["self_clip_frac"])
+
+
+def test_alpha0_no_coefficient_no_clip_is_s_times_A():
+    g = torch.Generator().manual_seed(1)
+    new = (torch.randn(16, generator=g, dtype=F64) * 0.5).requires_grad_()
+    old = torch.randn(16, generator=g, dtype=F64) * 0.5
+    A = torch.randn(16, generator=g, dtype=F64)
+    loss, _ = hacpo_policy_loss(new, old, A, torch.zeros(16, dtype=torch.bool),
+                                torch.ones(16, dtype=F64), minibatch_index=0, alpha=0.0,
+                                cross_clip="none")
+    expected = -(torch.exp(new - old) * A).mean()
+    torch.testing.assert_close(loss, expected, rtol=1e-14, atol=0)
+    gl, = torch.autograd.grad(loss, new)
+    ge, = torch.autograd.grad(expected, new)
+    torch.testing.assert_close(gl, ge, rtol=1e-14, atol=0)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0, 2.0])
+def test_cross_gradient_is_c_pow_1_plus_alpha(alpha):
+    # log ratios spanning below lo (0.8), inside [0.8, 1], and above 1
+    log_s = _t([math.log(0.5), math.log(0.79), math.log(0.81), math.log(0.9), math.log(0.99),
+                math.log(1.01), math.log(1.5)], requires_grad=True)
+    N = log_s.numel()
+    A = _t([1.5, -2.0, 0.7, -0.3, 2.0, 1.0, -1.0])
+    om = _t([0.5, 2.0, 1.0, 10.0, 0.1, 3.0, 1.0])
+    obj_sum = -hacpo_policy_loss(log_s, torch.zeros(N, dtype=F64), A, torch.zeros(N, dtype=torch.bool),
+                                 om, minibatch_index=0, alpha=alpha, divisor=1)[0]
+    grad, = torch.autograd.grad(obj_sum, log_s)
+    s = torch.exp(log_s.detach())
+    inside = (s >= 0.8) & (s <= 1.0)
+    expected = torch.where(inside, s.pow(1 + alpha) * om * A, torch.zeros_like(s))
+    torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-15)
+    assert inside.tolist() == [False, False, True, True, True, False, False]
+
+
+def test_gradcheck_all_losses():
+    g = torch.Generator().manual_seed(2)
+    N = 10
+    old = torch.randn(N, generator=g, dtype=F64) * 0.1
+    # self ratios well inside or outside the tiny clip range; cross ratios away from 0.8 and 1
+    log_s = _t([1e-4, -5e-5, 0.2, -0.3, -0.1, -0.05, -0.6, 0.4, -0.15, 0.02])
+    is_self = torch.tensor([True] * 4 + [False] * 6)
+    new = (old + log_s).requires_grad_()
+    A = torch.randn(N, generator=g, dtype=F64)
+    om = torch.rand(N, generator=g, dtype=F64) + 0.5
+
+    # gradcheck compares against finite differences, which see through the stop-gradient in
+    # c * sg(c)^alpha; with alpha = 0 the two agree, and alpha > 0 is covered exactly by
+    # test_cross_gradient_is_c_pow_1_plus_alpha (which checks that they must differ).
+    def hacpo_f(x):
+        return hacpo_policy_loss(x, old, A, is_self, om, minibatch_index=1, alpha=0.0)[0]
+
+    def hacpo_static_f(x):
+        return hacpo_policy_loss(x, old, A, is_self, om, minibatch_index=0, alpha=0.0,
+                                 cross_clip="static", cross_clip_delta=0.5)[0]
+
+    # with alpha = 1 the finite-difference gradient is (1 + alpha) c^alpha ... != autograd's
+    num_vs_auto = torch.autograd.gradcheck(
+        lambda x: hacpo_policy_loss(x, old, A, is_self, om, minibatch_index=1, alpha=1.0)[0],
+        (new,), raise_exception=False)
+    assert not num_vs_auto
+
+    def gspo_f(x):
+        return gspo_policy_loss(x, old, A)[0]
+
+    assert torch.autograd.gradcheck(hacpo_f, (new,))
+    assert torch.autograd.gradcheck(hacpo_static_f, (new,))
+    assert torch.autograd.gradcheck(gspo_f, (new,))
+    tl = (torch.randn(3, 5, generator=g, dtype=F64) * 0.1).requires_grad_()
+    old_t = tl.detach() + torch.tensor([0.05, -0.5, 0.3, 0.0, 0.1], dtype=F64)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    Ag = torch.randn(3, generator=g, dtype=F64)
+    assert torch.autograd.gradcheck(lambda x: grpo_policy_loss(x, old_t, mask, Ag)[0], (tl,))
+    assert torch.autograd.gradcheck(lambda x: sequence_mean_logprob(x, mask), (tl,))
+
+
+def test_microbatch_split_invariance_in_process():
+    g = torch.Generator().manual_seed(3)
+    N = 24
+    old = torch.randn(N, generator=g, dtype=F64) * 0.1
+    new = (old + torch.randn(N, generator=g, dtype=F64) * 0.1).requires_grad_()
+    A = torch.randn(N, generator=g, dtype=F64)
+    is_self = torch.rand(N, generator=g) < 0.5
+    om = torch.rand(N, generator=g, dtype=F64) + 0.5
+    full, _ = hacpo_policy_loss(new, old, A, is_self, om, minibatch_index=2)
+    gfull, = torch.autograd.grad(full, new)
+    parts = [slice(0, 5), slice(5, 17), slice(17, 24)]
+    total = sum(hacpo_policy_loss(new[s], old[s], A[s], is_self[s], om[s], minibatch_index=2,
+                                  divisor=N)[0] for s in parts)
+    gsplit, = torch.autograd.grad(total, new)
+    torch.testing.assert_close(total, full, rtol=1e-14, atol=0)
+    torch.testing.assert_close(gsplit, gfull, rtol=1e-14, atol=0)
+
+
+def test_all_self_all_cross_metrics_finite():
+    N = 6
+    z = torch.zeros(N)
+    for is_self in (torch.ones(N, dtype=torch.bool), torch.zeros(N, dtype=torch.bool)):
+        loss, met = hacpo_policy_loss(z, z, torch.ones(N), is_self, torch.ones(N),
+                                      minibatch_index=0)
+        assert torch.isfinite(loss)
+        assert all(torch.isfinite(v).all() for v in met.values())
+        assert loss.item() == pytest.approx(-1.0)
+
+
+def test_loss_validation():
+    z = torch.zeros(4)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        hacpo_policy_loss(z, z[:3], z, z.bool(), z, minibatch_index=0)
+    with pytest.raises(ValueError, match="cross_clip"):
+        hacpo_policy_loss(z, z, z, z.bool(), z, minibatch_index=0, cross_clip="pessimistic")
+    with pytest.raises(ValueError, match="alpha"):
+        hacpo_policy_loss(z, z, z, z.bool(), z, minibatch_index=0, alpha=-1)
+    with pytest.raises(ValueError, match="divisor"):
+        gspo_policy_loss(z[:0], z[:0], z[:0])
+    with pytest.raises(ValueError, match=r"advantages \[B\]"):
+        grpo_policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), torch.zeros(3))
