@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import defaults as D
+from .configtools import from_dict, override
 
 ALGORITHMS = ("grpo", "gspo", "gspo2x", "naive", "hacpo")
 MINIBATCH_ORDERS = ("mixed", "self_first")
@@ -133,72 +134,13 @@ class AlgorithmConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "AlgorithmConfig":
-        return _from_dict(cls, d, "")
+        return from_dict(cls, d)
 
     def override(self, overrides: dict[str, Any]) -> "AlgorithmConfig":
         """Dotted-key overrides, e.g. {"loss.alpha": 0, "name": "gspo"}; strings are parsed as
         the field's type (CLI). Unknown keys are an error."""
-        d = self.to_dict()
-        for key, value in overrides.items():
-            _set_dotted(type(self), d, key, value)
-        return AlgorithmConfig.from_dict(d)
+        return override(self, overrides)
 
-
-def _from_dict(cls, d: dict[str, Any], prefix: str):
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = set(d) - set(fields)
-    if unknown:
-        raise ValueError(f"unknown config key(s) {sorted(prefix + k for k in unknown)}; "
-                         f"known: {sorted(prefix + k for k in fields)}")
-    kwargs = {}
-    for k, v in d.items():
-        sub = fields[k].type
-        sub_cls = _NESTED.get(sub if isinstance(sub, str) else getattr(sub, "__name__", ""))
-        kwargs[k] = _from_dict(sub_cls, v, prefix + k + ".") if sub_cls and isinstance(v, dict) \
-            else v
-    return cls(**kwargs)
-
-
-def _coerce(value: Any, typ: str, key: str) -> Any:
-    if not isinstance(value, str) or typ == "str":
-        if typ == "float" and isinstance(value, int) and not isinstance(value, bool):
-            return float(value)
-        return value
-    try:
-        if typ == "bool":
-            low = value.lower()
-            if low in ("1", "true", "yes", "on"):
-                return True
-            if low in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
-        return {"int": int, "float": float}[typ](value)
-    except (ValueError, KeyError):
-        raise ValueError(f"cannot parse {value!r} as {typ} for config key {key!r}") from None
-
-
-def _set_dotted(cls, d: dict, key: str, value: Any) -> None:
-    parts = key.split(".")
-    node, node_cls = d, cls
-    for i, part in enumerate(parts):
-        fields = {f.name: f for f in dataclasses.fields(node_cls)}
-        if part not in fields:
-            raise ValueError(f"unknown config key {key!r}: {part!r} is not one of "
-                             f"{sorted(fields)}")
-        typ = fields[part].type if isinstance(fields[part].type, str) else \
-            fields[part].type.__name__
-        if i == len(parts) - 1:
-            if typ in _NESTED:
-                raise ValueError(f"config key {key!r} is a section; set one of its fields")
-            node[part] = _coerce(value, typ, key)
-        else:
-            if typ not in _NESTED:
-                raise ValueError(f"unknown config key {key!r}: {part!r} has no sub-keys")
-            node, node_cls = node[part], _NESTED[typ]
-
-
-_NESTED = {"CapabilityConfig": CapabilityConfig, "AdvantageConfig": AdvantageConfig,
-           "LossConfig": LossConfig}
 
 _PRESETS: dict[str, dict[str, Any]] = {
     "hacpo": {},

@@ -1,0 +1,312 @@
+"""Prompt data: math examples from user-provided JSONL/parquet files, prompt templates, and a
+resumable, deterministic prompt sampler.
+
+Files in GSM8K style (``question``, ``answer`` ending in ``#### 42``) and MATH style
+(``problem``, ``solution`` with ``\\boxed{...}``, or a plain ``answer`` field) load with
+:func:`load_examples`; other layouts with a :class:`FieldMap`. Nothing is downloaded.
+
+Every bad row (malformed JSON, not an object, missing field, no extractable answer) is an
+error naming the file and the 1-based line (JSONL) or 0-based row (parquet), unless
+``skip_bad_rows=True``: then it is skipped and counted in :class:`LoadStats`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import re
+from typing import Iterable, Iterator, Optional, Sequence, Union
+
+from hacpo.engine.rewards import extract_boxed
+
+__all__ = [
+    "Example", "FieldMap", "GSM8K_FIELDS", "MATH_FIELDS", "MATH_ANSWER_FIELDS", "DataError",
+    "LoadStats", "load_examples", "parse_gold", "PROMPT_TEMPLATES", "register_prompt_template",
+    "apply_prompt_template", "PromptSampler",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """One prompt with its gold answer. ``prompt`` is the raw question (no template)."""
+
+    id: str
+    prompt: str
+    answer: str
+    source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class FieldMap:
+    """Which fields hold the prompt and the answer, and how to read the gold from the answer.
+
+    answer_format: ``"gsm8k"`` (text after the last ``####``), ``"boxed"`` (content of the
+    last ``\\boxed{}``) or ``"raw"`` (the field itself, stripped).
+    id: optional field holding a row id; otherwise ids are ``<source>:<line or row>``.
+    """
+
+    prompt: str = "question"
+    answer: str = "answer"
+    answer_format: str = "gsm8k"
+    id: Optional[str] = None
+
+    def __post_init__(self):
+        if self.answer_format not in ("gsm8k", "boxed", "raw"):
+            raise ValueError(f"answer_format must be 'gsm8k', 'boxed' or 'raw', "
+                             f"got {self.answer_format!r}")
+
+
+GSM8K_FIELDS = FieldMap("question", "answer", "gsm8k")
+MATH_FIELDS = FieldMap("problem", "solution", "boxed")
+MATH_ANSWER_FIELDS = FieldMap("problem", "answer", "raw")
+
+
+def _detect_field_map(row: dict) -> Optional[FieldMap]:
+    if "question" in row and "answer" in row:
+        return GSM8K_FIELDS
+    if "problem" in row and "answer" in row:
+        return MATH_ANSWER_FIELDS
+    if "problem" in row and "solution" in row:
+        return MATH_FIELDS
+    return None
+
+
+class DataError(ValueError):
+    """A bad row or file; the message starts with ``path:line N`` or ``path:row N``."""
+
+
+@dataclasses.dataclass
+class LoadStats:
+    rows: int = 0       # non-blank rows read
+    loaded: int = 0
+    skipped: int = 0
+    problems: list = dataclasses.field(default_factory=list)  # first messages of skipped rows
+
+    MAX_KEPT = 20
+
+
+_GSM8K_RE = re.compile(r"####\s*([^\n]*)")
+_THOUSANDS_RE = re.compile(r"^-?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
+
+
+def parse_gold(value, answer_format: str) -> str:
+    """The gold answer string of an answer field; ValueError if there is none."""
+    if value is None:
+        raise ValueError("answer is null")
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ValueError(f"answer has type {type(value).__name__}, expected a string or number")
+    text = str(value)
+    if answer_format == "gsm8k":
+        found = _GSM8K_RE.findall(text)
+        if not found:
+            raise ValueError("no '#### <answer>' in the answer")
+        gold = found[-1].strip().rstrip(".").strip()
+    elif answer_format == "boxed":
+        boxed = extract_boxed(text)
+        if boxed is None:
+            raise ValueError("no \\boxed{...} in the answer")
+        gold = boxed.strip()
+    else:
+        gold = text.strip()
+    if _THOUSANDS_RE.match(gold):
+        gold = gold.replace(",", "")
+    if not gold:
+        raise ValueError("the answer is empty")
+    return gold
+
+
+def _iter_jsonl(path: str) -> Iterator[tuple[str, object]]:
+    """Yields (location, parsed row or the exception) for non-blank lines."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            loc = f"{path}:line {lineno}"
+            try:
+                yield loc, json.loads(line)
+            except json.JSONDecodeError as e:
+                yield loc, DataError(f"{loc}: invalid JSON ({e.msg} at column {e.colno})")
+
+
+def _iter_parquet(path: str) -> Iterator[tuple[str, object]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ImportError("reading parquet needs pyarrow (pip install pyarrow)") from e
+    table = pq.read_table(path)
+    for i, row in enumerate(table.to_pylist()):
+        yield f"{path}:row {i}", row
+
+
+def load_examples(path: Union[str, os.PathLike], field_map: Union[FieldMap, str] = "auto", *,
+                  skip_bad_rows: bool = False, source: Optional[str] = None,
+                  limit: Optional[int] = None) -> tuple[list[Example], LoadStats]:
+    """Load a ``.jsonl``/``.ndjson`` or ``.parquet`` file of math problems.
+
+    field_map: a :class:`FieldMap`, or ``"auto"`` (detected from the first good row:
+        ``question``+``answer`` -> GSM8K; ``problem``+``answer`` -> raw answer;
+        ``problem``+``solution`` -> boxed).
+    source: the examples' ``source`` (default: the file name without extension).
+    limit: stop after this many examples.
+    """
+    path = os.fspath(path)
+    name = os.path.basename(path)
+    stem, ext = os.path.splitext(name)
+    if ext in (".jsonl", ".ndjson"):
+        rows: Iterable = _iter_jsonl(path)
+    elif ext in (".parquet", ".pq"):
+        rows = _iter_parquet(path)
+    else:
+        raise DataError(f"{path}: unsupported file type {ext!r} (use .jsonl or .parquet)")
+    source = stem if source is None else source
+    fm = None if field_map == "auto" else field_map
+    if fm is not None and not isinstance(fm, FieldMap):
+        raise TypeError(f"field_map must be a FieldMap or 'auto', got {field_map!r}")
+    stats = LoadStats()
+    out: list[Example] = []
+    for loc, row in rows:
+        if limit is not None and len(out) >= limit:
+            break
+        stats.rows += 1
+        try:
+            if isinstance(row, Exception):
+                raise row
+            if not isinstance(row, dict):
+                raise DataError(f"{loc}: expected a JSON object, got {type(row).__name__}")
+            if fm is None:
+                fm = _detect_field_map(row)
+                if fm is None:
+                    raise DataError(f"{loc}: cannot detect the fields (keys {sorted(row)}); "
+                                    "pass a FieldMap")
+            out.append(_to_example(row, fm, loc, source))
+        except DataError as e:
+            if not skip_bad_rows:
+                raise
+            stats.skipped += 1
+            if len(stats.problems) < stats.MAX_KEPT:
+                stats.problems.append(str(e))
+    stats.loaded = len(out)
+    return out, stats
+
+
+def _to_example(row: dict, fm: FieldMap, loc: str, source: str) -> Example:
+    for key in (fm.prompt, fm.answer):
+        if key not in row:
+            raise DataError(f"{loc}: missing field {key!r} (keys {sorted(row)})")
+    prompt = row[fm.prompt]
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise DataError(f"{loc}: field {fm.prompt!r} must be a non-empty string")
+    try:
+        gold = parse_gold(row[fm.answer], fm.answer_format)
+    except ValueError as e:
+        raise DataError(f"{loc}: field {fm.answer!r}: {e}") from None
+    if fm.id is not None:
+        if row.get(fm.id) is None:
+            raise DataError(f"{loc}: missing field {fm.id!r}")
+        ex_id = str(row[fm.id])
+    else:
+        ex_id = f"{source}:{loc.rsplit(':', 1)[-1].split()[-1]}"
+    return Example(id=ex_id, prompt=prompt.strip(), answer=gold, source=source)
+
+
+# --------------------------------------------------------------------------------------------
+# Prompt templates
+# --------------------------------------------------------------------------------------------
+
+PROMPT_TEMPLATES: dict[str, str] = {
+    "plain": "{question}",
+    "boxed": "{question}\nPut the final answer in \\boxed{}.",
+    "short": "Q: {question}\nA:",
+}
+
+
+def register_prompt_template(name: str, template: str, *, overwrite: bool = False) -> None:
+    """Add a template; ``{question}`` is replaced by the question (other braces are literal)."""
+    if "{question}" not in template:
+        raise ValueError("a prompt template must contain '{question}'")
+    if name in PROMPT_TEMPLATES and not overwrite and PROMPT_TEMPLATES[name] != template:
+        raise ValueError(f"prompt template {name!r} already exists")
+    PROMPT_TEMPLATES[name] = template
+
+
+def apply_prompt_template(name: str, question: str) -> str:
+    try:
+        template = PROMPT_TEMPLATES[name]
+    except KeyError:
+        raise KeyError(f"unknown prompt template {name!r}; known: {sorted(PROMPT_TEMPLATES)}") \
+            from None
+    return template.replace("{question}", question)
+
+
+# --------------------------------------------------------------------------------------------
+# Sampler
+# --------------------------------------------------------------------------------------------
+
+class PromptSampler:
+    """Deterministic shuffled iteration over examples, epoch after epoch.
+
+    Epoch ``e`` visits the examples in a permutation seeded by ``(seed, e)``; a batch that
+    crosses an epoch boundary finishes one epoch and starts the next. ``state_dict()`` holds
+    the epoch and position, so a sampler restored with ``load_state_dict`` (over the same
+    examples and seed) yields exactly the batches the original would have.
+    """
+
+    def __init__(self, examples: Sequence[Example], *, seed: int = 0, shuffle: bool = True):
+        if not examples:
+            raise ValueError("PromptSampler needs at least one example")
+        self.examples = list(examples)
+        self.seed = int(seed)
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.position = 0
+        self._order_epoch = -1
+        self._order: list[int] = []
+        self._fingerprint = hashlib.sha256(
+            "\x00".join(e.id for e in self.examples).encode()).hexdigest()[:16]
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def _epoch_order(self) -> list[int]:
+        if self._order_epoch != self.epoch:
+            order = list(range(len(self.examples)))
+            if self.shuffle:
+                random.Random(f"hacpo.PromptSampler:{self.seed}:{self.epoch}").shuffle(order)
+            self._order, self._order_epoch = order, self.epoch
+        return self._order
+
+    def next_batch(self, batch_size: int) -> list[Example]:
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be > 0, got {batch_size}")
+        batch: list[Example] = []
+        while len(batch) < batch_size:
+            order = self._epoch_order()
+            take = min(batch_size - len(batch), len(order) - self.position)
+            batch.extend(self.examples[j] for j in order[self.position:self.position + take])
+            self.position += take
+            if self.position == len(order):
+                self.epoch, self.position = self.epoch + 1, 0
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "epoch": self.epoch, "position": self.position,
+                "shuffle": self.shuffle, "num_examples": len(self.examples),
+                "fingerprint": self._fingerprint}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a cursor; ValueError if it was saved over other examples."""
+        if state["num_examples"] != len(self.examples) or \
+                state["fingerprint"] != self._fingerprint:
+            raise ValueError("PromptSampler state was saved over different examples "
+                             f"({state['num_examples']} examples, fingerprint "
+                             f"{state['fingerprint']}; now {len(self.examples)}, "
+                             f"{self._fingerprint})")
+        if not 0 <= state["position"] < len(self.examples):
+            raise ValueError(f"invalid sampler position {state['position']}")
+        self.seed = int(state["seed"])
+        self.shuffle = bool(state["shuffle"])
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
+        self._order_epoch = -1

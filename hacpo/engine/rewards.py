@@ -1,0 +1,637 @@
+"""Verifiable rewards: answer extraction, a math verifier, a registry and a batch scorer.
+
+A reward function maps ``(response: str, gold: str) -> float`` in ``[0, 1]``. Built-ins:
+
+- ``math``: extract the final answer (last ``\\boxed{...}``, else GSM8K ``#### x``, else
+  "the answer is x", else the last number) and compare it with the gold answer. When both sides
+  are plain numbers (integers with or without thousands commas, decimals, ``a/b``,
+  ``\\frac{a}{b}``) they are compared *exactly* as rationals, in the calling process, without
+  math-verify (the fast path). Everything else goes to ``math_verify.verify(parse(gold),
+  parse(pred))`` (the slow path).
+- ``exact``: string equality of the normalized final answer and the normalized gold.
+- ``numeric_closeness``: ``exp(-|pred - gold| / max(|gold|, 1))``, a continuous reward.
+
+``RewardComputer(name, num_workers, timeout_s).score(responses, golds)`` scores a batch: fast
+paths run in the calling process; the rest run in a process pool (``num_workers > 0``, spawn
+or forkserver context) or in-process in the main thread (``num_workers == 0``). Each slow item
+has a timeout: a ``SIGALRM`` timer inside the worker (soft, the worker survives) and a deadline
+in the parent (hard: a worker that does not answer in time, e.g. stuck in C code with signals
+blocked, is killed and the pool replaced). A reward function that raises or times out gives
+0.0 and is counted in :class:`RewardStats`; a reward that is not a finite number in ``[0, 1]``
+is a ``ValueError`` naming the batch index (the trainer maps indices to prompt and agent).
+
+This module imports only the standard library at import time; math-verify (and sympy) are
+imported on first use of the slow path.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import dataclasses
+import logging
+import math
+import multiprocessing
+import pickle
+import re
+import signal
+import threading
+import time
+from fractions import Fraction
+from typing import Callable, Optional, Sequence
+
+logger = logging.getLogger(__name__)
+
+RewardFn = Callable[[str, str], float]
+FastPathFn = Callable[[str, str], Optional[float]]
+
+__all__ = [
+    "RewardFn", "RewardSpec", "RewardStats", "RewardComputer", "register_reward",
+    "get_reward_fn", "get_reward_spec", "list_rewards", "extract_answer", "extract_boxed",
+    "gold_answer",
+    "parse_number", "normalize_answer", "math_reward", "math_fast_path", "exact_reward",
+    "numeric_closeness_reward",
+]
+
+# --------------------------------------------------------------------------------------------
+# Answer extraction
+# --------------------------------------------------------------------------------------------
+
+_BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*")
+_GSM8K_RE = re.compile(r"####\s*([^\n]*)")
+_ANSWER_IS_RE = re.compile(r"answer\s*(?:is|:|=)\s*:?\s*([^\n]*)", re.IGNORECASE)
+# A number: \frac{a}{b}, 1,234.5, 12.5, 3/4, .5 -- with an optional leading minus.
+_NUMBER_RE = re.compile(
+    r"-?\\[dt]?frac\{\d+\}\{\d+\}"
+    r"|-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+(?!\.\d))?"
+    r"|-?\.\d+"
+)
+
+
+def extract_boxed(text: str) -> Optional[str]:
+    """Content of the last ``\\boxed{...}`` / ``\\fbox{...}`` (nested braces), or None."""
+    matches = list(_BOXED_RE.finditer(text))
+    for m in reversed(matches):
+        i = m.end()
+        if i < len(text) and text[i] == "{":
+            depth, j = 0, i
+            while j < len(text):
+                if text[j] == "{":
+                    depth += 1
+                elif text[j] == "}":
+                    depth -= 1
+                    if depth == 0:
+                        return text[i + 1:j].strip()
+                j += 1
+            continue  # unbalanced: try an earlier one
+        # "\boxed 5": the next token up to whitespace or "$".
+        tok = re.match(r"[^\s$]+", text[i:])
+        if tok and m.group(0).endswith(tuple(" \t")):
+            return tok.group(0).rstrip(".")
+    return None
+
+
+def _last_number(text: str) -> Optional[str]:
+    last = None
+    for m in _NUMBER_RE.finditer(text):
+        s = m.group(0)
+        # A minus right after a word character or a closing bracket is subtraction, not a sign.
+        if s.startswith("-") and m.start() > 0 and (text[m.start() - 1].isalnum()
+                                                     or text[m.start() - 1] in ")]}"):
+            s = s[1:]
+        last = s
+    return last
+
+
+def _clean(ans: str) -> str:
+    """Strip whitespace, surrounding ``$`` and trailing periods (repeatedly)."""
+    prev = None
+    while ans != prev:
+        prev = ans
+        ans = ans.strip().strip("$").rstrip(".")
+    return ans
+
+
+def extract_answer(response: str) -> Optional[str]:
+    """Final answer text of a response, or None when there is none.
+
+    Order: last ``\\boxed{}``; text after the last ``####``; text after the last "answer is";
+    the last number in the response. A trailing period and surrounding ``$`` are stripped.
+    """
+    boxed = extract_boxed(response)
+    if boxed is not None:
+        return _clean(boxed) or None
+    gsm = _GSM8K_RE.findall(response)
+    if gsm:
+        ans = _clean(gsm[-1])
+        if ans:
+            return ans
+    said = _ANSWER_IS_RE.findall(response)
+    if said:
+        frag = _clean(said[-1].rsplit("=", 1)[-1])
+        if frag and (parse_number(frag) is not None or " " not in frag
+                     or any(c in frag for c in "\\^_=+*/()[]{}")):
+            return frag
+        num = _last_number(frag)
+        if num is not None:
+            return num
+    num = _last_number(response)
+    return _clean(num) if num is not None else None
+
+
+def gold_answer(gold: str) -> str:
+    """Normalize a gold answer: a boxed or ``####`` gold is reduced to its final answer."""
+    boxed = extract_boxed(gold)
+    if boxed is not None:
+        return _clean(boxed)
+    gsm = _GSM8K_RE.findall(gold)
+    if gsm:
+        return _clean(gsm[-1])
+    return _clean(gold)
+
+
+_INT_COMMAS_RE = re.compile(r"^-?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
+_PLAIN_RE = re.compile(r"^-?(?:\d+(?:\.\d*)?|\.\d+)$")
+_RATIO_RE = re.compile(r"^(-?\d+)\s*/\s*(\d+)$")
+_FRAC_RE = re.compile(r"^(-?)\\[dt]?frac\{\s*(-?\d+)\s*\}\{\s*(\d+)\s*\}$")
+
+
+def parse_number(text: str) -> Optional[Fraction]:
+    """Exact rational value of a plain number (``1,000``, ``-2.5``, ``3/4``, ``\\frac{1}{2}``).
+
+    Returns None for anything else (units, expressions, percent, intervals, ...).
+    """
+    s = _clean(text).replace("\\!", "").replace("\\,", "").replace(" ", "")
+    if not s:
+        return None
+    if _INT_COMMAS_RE.match(s):
+        s = s.replace(",", "")
+    if _PLAIN_RE.match(s):
+        return Fraction(s)
+    m = _RATIO_RE.match(s)
+    if m:
+        num, den = int(m.group(1)), int(m.group(2))
+        return Fraction(num, den) if den else None
+    m = _FRAC_RE.match(s)
+    if m:
+        num, den = int(m.group(2)), int(m.group(3))
+        if not den:
+            return None
+        value = Fraction(num, den)
+        return -value if m.group(1) else value
+    return None
+
+
+def normalize_answer(text: str) -> str:
+    """Normalization for string matching: trimmed, lower case, single spaces, no ``$``,
+    no trailing period, thousands commas removed, ``\\text{x}`` -> ``x``."""
+    s = _clean(text)
+    s = re.sub(r"\\text\{([^{}]*)\}", r"\1", s)
+    if _INT_COMMAS_RE.match(s.replace(" ", "")):
+        s = s.replace(",", "")
+    return re.sub(r"\s+", " ", s).strip().lower()
+
+
+# --------------------------------------------------------------------------------------------
+# Built-in reward functions
+# --------------------------------------------------------------------------------------------
+
+# True while a timer set by this module guards the current call (math-verify must then not arm
+# its own SIGALRM: that would cancel ours).
+_guard = threading.local()
+
+
+class _DropTimeoutDisabledWarning(logging.Filter):
+    # math-verify warns once per process when its own timeout is off; ours is on instead.
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Timeout is disabled")
+
+
+_FILTER = _DropTimeoutDisabledWarning()
+
+
+def _math_verify_timeouts() -> Optional[int]:
+    if getattr(_guard, "timer_active", False):
+        for name in ("math_verify.parser", "math_verify.grader"):
+            lg = logging.getLogger(name)
+            if _FILTER not in lg.filters:
+                lg.addFilter(_FILTER)
+        return None
+    if threading.current_thread() is threading.main_thread():
+        return 5  # math-verify's own signal timeout
+    return None  # signals only work in the main thread; the caller must bound the time
+
+
+def math_fast_path(response: str, gold: str) -> Optional[float]:
+    """The ``math`` reward when it can be decided without math-verify, else None."""
+    pred = extract_answer(response)
+    if pred is None:
+        return 0.0
+    g, p = parse_number(gold_answer(gold)), parse_number(pred)
+    if g is not None and p is not None:
+        return 1.0 if g == p else 0.0
+    return None
+
+
+def math_reward(response: str, gold: str) -> float:
+    """1.0 if the response's final answer equals the gold answer (see the module doc)."""
+    fast = math_fast_path(response, gold)
+    if fast is not None:
+        return fast
+    from math_verify import parse, verify  # sympy-heavy: imported on first slow call
+
+    pred = extract_answer(response)
+    t = _math_verify_timeouts()
+    g_parsed = parse(f"${gold_answer(gold)}$", parsing_timeout=t)
+    p_parsed = parse(f"${pred}$", parsing_timeout=t)
+    if not g_parsed or not p_parsed:
+        # Fall back to string equality of the normalized answers.
+        return 1.0 if normalize_answer(gold_answer(gold)) == normalize_answer(pred) else 0.0
+    return 1.0 if verify(g_parsed, p_parsed, timeout_seconds=t) else 0.0
+
+
+def exact_reward(response: str, gold: str) -> float:
+    """1.0 if the normalized final answer (whole response if none) equals the normalized gold."""
+    pred = extract_answer(response)
+    pred = response if pred is None else pred
+    return 1.0 if normalize_answer(pred) == normalize_answer(gold_answer(gold)) else 0.0
+
+
+def numeric_closeness_reward(response: str, gold: str, *, scale: Optional[float] = None) -> float:
+    """Continuous reward ``exp(-|pred - gold| / scale)``; ``scale`` defaults to
+    ``max(|gold|, 1)``. 0.0 when either side is not a plain number."""
+    pred = extract_answer(response)
+    g = parse_number(gold_answer(gold))
+    p = parse_number(pred) if pred is not None else None
+    if g is None or p is None:
+        return 0.0
+    scale = float(max(abs(g), 1)) if scale is None else float(scale)
+    return math.exp(-float(abs(p - g)) / scale)
+
+
+# --------------------------------------------------------------------------------------------
+# Registry
+# --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class RewardSpec:
+    """A registered reward.
+
+    fn: the reward, ``(response, gold) -> float``; must be a module-level function to run in a
+        process pool.
+    fast_path: optional cheap check run in the calling process; returns the reward, or None to
+        defer to ``fn``.
+    in_process: run ``fn`` in the calling process even when a pool exists (cheap functions).
+    """
+
+    name: str
+    fn: RewardFn
+    fast_path: Optional[FastPathFn] = None
+    in_process: bool = False
+
+
+_REGISTRY: dict[str, RewardSpec] = {}
+
+
+def register_reward(name: str, *, fast_path: Optional[FastPathFn] = None,
+                    in_process: bool = False, overwrite: bool = False):
+    """Decorator registering ``fn(response, gold) -> float`` under ``name``; returns ``fn``."""
+
+    def decorator(fn: RewardFn) -> RewardFn:
+        old = _REGISTRY.get(name)
+        same = old is not None and (old.fn is fn or (
+            getattr(old.fn, "__module__", None) == getattr(fn, "__module__", None)
+            and getattr(old.fn, "__qualname__", None) == getattr(fn, "__qualname__", None)
+            and "<lambda>" not in getattr(fn, "__qualname__", "")))  # a module re-import
+        if old is not None and not overwrite and not same:
+            raise ValueError(f"reward {name!r} is already registered "
+                             f"({_REGISTRY[name].fn.__module__}.{_REGISTRY[name].fn.__qualname__})")
+        _REGISTRY[name] = RewardSpec(name, fn, fast_path, in_process)
+        return fn
+
+    return decorator
+
+
+def get_reward_spec(name: str) -> RewardSpec:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown reward {name!r}; registered: {sorted(_REGISTRY)}") from None
+
+
+def get_reward_fn(name: str) -> RewardFn:
+    """The reward function registered under ``name`` (KeyError listing the known names)."""
+    return get_reward_spec(name).fn
+
+
+def list_rewards() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+register_reward("math", fast_path=math_fast_path)(math_reward)
+register_reward("exact", in_process=True)(exact_reward)
+register_reward("numeric_closeness", in_process=True)(numeric_closeness_reward)
+
+
+# --------------------------------------------------------------------------------------------
+# Running one item under a timeout (in a pool worker or in-process)
+# --------------------------------------------------------------------------------------------
+
+class _RewardTimeout(BaseException):
+    """Raised by our SIGALRM handler. A BaseException so `except Exception` in user code or in
+    math-verify does not swallow it."""
+
+
+def _on_alarm(signum, frame):
+    if getattr(_guard, "timer_active", False):
+        raise _RewardTimeout()
+
+
+def _call_guarded(fn: RewardFn, response: str, gold: str, timeout_s: Optional[float]):
+    """Run ``fn`` and return ``("ok", value) | ("error", message) | ("timeout", message)``.
+
+    The timeout uses SIGALRM and so applies only in the main thread; elsewhere ``fn`` runs
+    unguarded (the pool's parent-side deadline still applies to pool workers).
+    """
+    use_timer = bool(timeout_s) and threading.current_thread() is threading.main_thread()
+    old_handler = None
+    if use_timer:
+        old_handler = signal.signal(signal.SIGALRM, _on_alarm)
+        _guard.timer_active = True
+        signal.setitimer(signal.ITIMER_REAL, float(timeout_s))
+    try:
+        return "ok", fn(response, gold)
+    except _RewardTimeout:
+        return "timeout", f"timed out after {timeout_s} s"
+    except Exception as e:  # a failing reward function scores 0, counted by the caller
+        return "error", f"{type(e).__name__}: {e}"
+    finally:
+        if use_timer:
+            _guard.timer_active = False
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old_handler)
+
+
+def _worker_init() -> None:
+    # Warm the heavy import once per worker so the first item's timeout is not spent on it.
+    try:
+        import math_verify  # noqa: F401
+    except ImportError:
+        pass
+
+
+def _ping() -> int:
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# Batch scorer
+# --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class RewardStats:
+    """Counts for one ``score`` call (or accumulated with ``+=``)."""
+
+    total: int = 0
+    fast_path: int = 0       # decided by the fast path in the calling process
+    slow_path: int = 0       # ran the full reward function
+    errors: int = 0          # the reward function raised -> 0.0
+    timeouts: int = 0        # the reward function ran past timeout_s -> 0.0
+    pool_restarts: int = 0   # pools replaced because a worker hung or died
+    seconds: float = 0.0
+    failures: list = dataclasses.field(default_factory=list)  # (index, message), first few
+
+    MAX_FAILURES_KEPT = 20
+
+    def note_failure(self, index: int, message: str) -> None:
+        if len(self.failures) < self.MAX_FAILURES_KEPT:
+            self.failures.append((index, message))
+
+    def __iadd__(self, other: "RewardStats") -> "RewardStats":
+        for f in ("total", "fast_path", "slow_path", "errors", "timeouts", "pool_restarts",
+                  "seconds"):
+            setattr(self, f, getattr(self, f) + getattr(other, f))
+        for item in other.failures:
+            self.note_failure(*item)
+        return self
+
+    def as_dict(self) -> dict:
+        """Scalar counts, e.g. for a metrics logger."""
+        return {f: getattr(self, f) for f in ("total", "fast_path", "slow_path", "errors",
+                                              "timeouts", "pool_restarts", "seconds")}
+
+
+class RewardComputer:
+    """Scores batches with one registered reward.
+
+    name: a registered reward (``math``, ``exact``, ``numeric_closeness`` or your own).
+    num_workers: processes for the slow path; 0 runs it in-process (main thread: SIGALRM
+        timeout; another thread: no timeout).
+    timeout_s: per-item limit for the slow path.
+    mp_context: ``"spawn"`` (default) or ``"forkserver"``. Never fork: the trainer holds
+        threads (and possibly CUDA) that a fork would copy.
+    hard_timeout_s: parent-side deadline per item before the pool is replaced; default
+        ``timeout_s + max(1.0, timeout_s)``.
+    startup_timeout_s: limit for starting (and warming) the pool's workers.
+
+    Use as a context manager, or call ``close()``: no worker process outlives it.
+    """
+
+    def __init__(self, name: str = "math", num_workers: int = 0, timeout_s: float = 5.0, *,
+                 mp_context: str = "spawn", hard_timeout_s: Optional[float] = None,
+                 startup_timeout_s: float = 120.0):
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if mp_context not in ("spawn", "forkserver"):
+            raise ValueError(f"mp_context must be 'spawn' or 'forkserver', got {mp_context!r}")
+        self.spec = get_reward_spec(name)
+        self.name = name
+        self.num_workers = num_workers
+        self.timeout_s = float(timeout_s)
+        self.hard_timeout_s = (self.timeout_s + max(1.0, self.timeout_s)
+                               if hard_timeout_s is None else float(hard_timeout_s))
+        self.startup_timeout_s = startup_timeout_s
+        self.mp_context = mp_context
+        self._pool: Optional[cf.ProcessPoolExecutor] = None
+        self._closed = False
+        self._warned_thread = False
+        if num_workers > 0 and not self.spec.in_process:
+            try:
+                pickle.dumps(self.spec.fn)
+            except Exception as e:
+                raise TypeError(
+                    f"reward {name!r} cannot be sent to a process pool ({e}); register a "
+                    "module-level function, or use num_workers=0 or in_process=True") from e
+
+    # -- pool management --------------------------------------------------------------------
+
+    def _get_pool(self) -> cf.ProcessPoolExecutor:
+        if self._closed:
+            raise RuntimeError("RewardComputer is closed")
+        if self._pool is None:
+            pool = cf.ProcessPoolExecutor(
+                max_workers=self.num_workers,
+                mp_context=multiprocessing.get_context(self.mp_context),
+                initializer=_worker_init)
+            # Start every worker now so that start-up is not charged to an item's deadline.
+            pings = [pool.submit(_ping) for _ in range(self.num_workers)]
+            done, not_done = cf.wait(pings, timeout=self.startup_timeout_s)
+            errors = [f.exception() for f in done if f.exception() is not None]
+            if not_done or errors:
+                self._kill(pool)
+                why = (f"a worker failed: {errors[0]!r}" if errors
+                       else f"not ready within {self.startup_timeout_s} s")
+                raise RuntimeError(f"reward worker pool ({self.mp_context}) did not start: {why}")
+            self._pool = pool
+        return self._pool
+
+    @staticmethod
+    def _kill(pool: cf.ProcessPoolExecutor) -> None:
+        kill = getattr(pool, "kill_workers", None)  # Python >= 3.14
+        procs = list((getattr(pool, "_processes", None) or {}).values())
+        if kill is not None:
+            kill()
+        else:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+        pool.shutdown(wait=False, cancel_futures=True)
+        for p in procs:
+            p.join(timeout=5)
+
+    def close(self) -> None:
+        """Stop the worker processes (idempotent)."""
+        self._closed = True
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> "RewardComputer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            if self._pool is not None:
+                self._kill(self._pool)
+        except Exception:
+            pass
+
+    # -- scoring -----------------------------------------------------------------------------
+
+    def score(self, responses: Sequence[str], golds: Sequence[str]
+              ) -> tuple[list[float], RewardStats]:
+        """Rewards for ``responses[i]`` against ``golds[i]``, and the call's stats.
+
+        Raises ValueError naming the index of any reward that is not a finite number in [0, 1].
+        """
+        if len(responses) != len(golds):
+            raise ValueError(f"{len(responses)} responses but {len(golds)} gold answers")
+        t0 = time.perf_counter()
+        stats = RewardStats(total=len(responses))
+        raw: list = [None] * len(responses)
+        slow: list[int] = []
+        for i, (resp, gold) in enumerate(zip(responses, golds)):
+            if self.spec.fast_path is not None:
+                status, value = _call_guarded(self.spec.fast_path, resp, gold, None)
+                if status != "ok":
+                    self._fail(stats, i, status, value, raw)
+                    continue
+                if value is not None:
+                    raw[i] = value
+                    stats.fast_path += 1
+                    continue
+            slow.append(i)
+        stats.slow_path = len(slow)
+        if slow:
+            if self.num_workers == 0 or self.spec.in_process:
+                self._score_in_process(slow, responses, golds, raw, stats)
+            else:
+                self._score_in_pool(slow, responses, golds, raw, stats)
+        rewards = [self._validate(i, v) for i, v in enumerate(raw)]
+        stats.seconds = time.perf_counter() - t0
+        if stats.errors or stats.timeouts:
+            logger.warning("reward %r: %d errors, %d timeouts, %d pool restarts out of %d; "
+                           "first: %s", self.name, stats.errors, stats.timeouts,
+                           stats.pool_restarts, stats.total, stats.failures[:1])
+        return rewards, stats
+
+    def _validate(self, index: int, value) -> float:
+        try:
+            if isinstance(value, str):
+                raise TypeError
+            r = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"reward {self.name!r} returned {value!r} for item {index}: "
+                             "not a number") from None
+        if not math.isfinite(r) or r < 0.0 or r > 1.0:
+            raise ValueError(f"reward {self.name!r} returned {r!r} for item {index}: rewards "
+                             "must be finite and in [0, 1]")
+        return r
+
+    @staticmethod
+    def _fail(stats: RewardStats, i: int, status: str, message: str, raw: list) -> None:
+        raw[i] = 0.0
+        if status == "timeout":
+            stats.timeouts += 1
+        else:
+            stats.errors += 1
+        stats.note_failure(i, f"{status}: {message}")
+
+    def _score_in_process(self, idx, responses, golds, raw, stats) -> None:
+        if threading.current_thread() is not threading.main_thread() and not self._warned_thread:
+            logger.warning("RewardComputer(num_workers=0) called outside the main thread: "
+                           "reward timeouts (SIGALRM) are disabled")
+            self._warned_thread = True
+        for i in idx:
+            status, value = _call_guarded(self.spec.fn, responses[i], golds[i], self.timeout_s)
+            if status == "ok":
+                raw[i] = value
+            else:
+                self._fail(stats, i, status, value, raw)
+
+    def _score_in_pool(self, idx, responses, golds, raw, stats) -> None:
+        # At most num_workers items in flight, so submission time ~ start time and each item
+        # gets its own deadline.
+        pending = collections.deque(idx)
+        inflight: dict[cf.Future, tuple[int, float]] = {}
+        fn = self.spec.fn
+        while pending or inflight:
+            pool = self._get_pool()
+            while pending and len(inflight) < self.num_workers:
+                i = pending.popleft()
+                fut = pool.submit(_call_guarded, fn, responses[i], golds[i], self.timeout_s)
+                inflight[fut] = (i, time.monotonic())
+            next_deadline = min(t for _, t in inflight.values()) + self.hard_timeout_s
+            done, _ = cf.wait(list(inflight), timeout=max(0.0, next_deadline - time.monotonic()),
+                              return_when=cf.FIRST_COMPLETED)
+            broken = False
+            for fut in done:
+                i, _ = inflight.pop(fut)
+                exc = fut.exception()
+                if exc is None:
+                    status, value = fut.result()
+                    if status == "ok":
+                        raw[i] = value
+                    else:
+                        self._fail(stats, i, status, value, raw)
+                else:  # the worker died (BrokenProcessPool) or the result did not unpickle
+                    self._fail(stats, i, "error", f"{type(exc).__name__}: {exc}", raw)
+                    broken = broken or isinstance(exc, cf.process.BrokenProcessPool)
+            now = time.monotonic()
+            expired = [f for f, (_, t) in inflight.items() if now - t >= self.hard_timeout_s]
+            for fut in expired:
+                i, _ = inflight.pop(fut)
+                self._fail(stats, i, "timeout",
+                           f"worker did not answer within {self.hard_timeout_s} s", raw)
+            if expired or broken:
+                # Replace the pool; items still in flight are re-run on the new one.
+                for fut, (i, _) in list(inflight.items()):
+                    pending.appendleft(i)
+                inflight.clear()
+                stats.pool_restarts += 1
+                pool, self._pool = self._pool, None
+                self._kill(pool)

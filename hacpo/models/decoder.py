@@ -1,0 +1,220 @@
+"""A small decoder-only transformer in plain torch, with a KV cache for incremental decoding.
+
+Pre-norm (RMSNorm), rotary position embeddings, SwiGLU MLP, tied input/output embeddings.
+Positions are passed in explicitly (``position_ids [B, L]``), so left-padded batches and
+per-row offsets are handled by the caller (see :mod:`hacpo.models.generation`).
+
+Shapes: ``B`` batch, ``L`` new tokens this call, ``S`` cache length, ``D`` d_model,
+``H`` heads, ``Dh`` head dim, ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class DecoderConfig:
+    vocab_size: int
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    d_ff: int | None = None  # default: about 8/3 * d_model, rounded up to a multiple of 8
+    max_len: int = 512
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+
+    def __post_init__(self):
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError("head dim must be even for rotary embeddings")
+        if self.d_ff is None:
+            self.d_ff = -(-8 * self.d_model // 3 // 8) * 8
+
+
+class KVCache:
+    """Preallocated per-layer key/value buffers ``[B, H, S_max, Dh]``.
+
+    ``key_mask [B, S_max]`` marks which cache slots hold real tokens (False for left padding
+    and for slots not written yet); ``length`` is the number of slots written so far (the same
+    for every row: rows are aligned by left padding).
+    """
+
+    def __init__(self, cfg: DecoderConfig, batch: int, max_len: int, *, dtype, device):
+        shape = (batch, cfg.n_heads, max_len, cfg.d_model // cfg.n_heads)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        self.key_mask = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
+        self.length = 0
+        self.max_len = max_len
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Select / repeat batch rows (e.g. expand B prompts to B*G samples after prefill)."""
+        self.k = [k.index_select(0, index) for k in self.k]
+        self.v = [v.index_select(0, index) for v in self.v]
+        self.key_mask = self.key_mask.index_select(0, index)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.to(x.dtype) * self.weight
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype):
+    """position_ids [B, L] -> cos, sin [B, 1, L, Dh] (rotate-half convention)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=position_ids.device,
+                                            dtype=torch.float32) / head_dim)
+    freqs = position_ids.float()[..., None] * inv_freq  # [B, L, Dh/2]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.n_heads, self.head_dim = cfg.n_heads, cfg.d_model // cfg.n_heads
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+
+    def forward(self, x, cos, sin, attn_mask, cache: KVCache | None, layer: int):
+        B, L, D = x.shape
+        q, k, v = self.qkv(x).view(B, L, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            start = cache.length
+            cache.k[layer][:, :, start:start + L] = k
+            cache.v[layer][:, :, start:start + L] = v
+            k = cache.k[layer][:, :, :start + L]
+            v = cache.v[layer][:, :, :start + L]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        return self.out(y.transpose(1, 2).reshape(B, L, D))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.d_ff, bias=False)
+        self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, attn_mask, cache, layer):
+        x = x + self.attn(self.attn_norm(x), cos, sin, attn_mask, cache, layer)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Decoder(nn.Module):
+    """Decoder-only transformer.
+
+    ``forward(input_ids, attention_mask=None, position_ids=None, cache=None) -> logits``;
+    ``hidden(...)`` returns the final-norm hidden states and ``output_weight`` the ``[V, D]``
+    projection, so callers can project only the positions they need.
+    """
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size,
+                                                                 bias=False)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        if max_len > self.cfg.max_len:
+            raise ValueError(f"cache length {max_len} exceeds max_len={self.cfg.max_len}")
+        w = self.embed.weight
+        return KVCache(self.cfg, batch, max_len, dtype=w.dtype, device=w.device)
+
+    def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               position_ids: torch.Tensor | None = None,
+               cache: KVCache | None = None) -> torch.Tensor:
+        """input_ids [B, L] -> hidden [B, L, D].
+
+        attention_mask [B, L] (1 = real token). Without a cache, positions default to the
+        count of real tokens before each one (so left or right padding both work). With a
+        cache, the new tokens are written at slots ``cache.length ...`` and attend to every
+        real slot before them; pass ``position_ids`` explicitly.
+        """
+        B, L = input_ids.shape
+        dev = input_ids.device
+        if attention_mask is None:
+            attention_mask = torch.ones(B, L, dtype=torch.bool, device=dev)
+        attention_mask = attention_mask.bool()
+        if position_ids is None:
+            if cache is not None and cache.length:
+                raise ValueError("position_ids are required when decoding with a non-empty cache")
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        if position_ids.max() >= self.cfg.max_len:
+            raise ValueError(f"position {int(position_ids.max())} >= max_len={self.cfg.max_len}")
+        start = cache.length if cache is not None else 0
+        if cache is not None:
+            if start + L > cache.max_len:
+                raise ValueError(f"cache overflow: {start + L} > {cache.max_len} slots")
+            cache.key_mask[:, start:start + L] = attention_mask
+            key_mask = cache.key_mask[:, :start + L]
+        else:
+            key_mask = attention_mask
+        # [B, 1, L, S]: causal over slots, real keys only; a query always sees itself so that
+        # padded rows stay finite (their outputs are ignored).
+        q_slot = torch.arange(start, start + L, device=dev)[:, None]
+        k_slot = torch.arange(start + L, device=dev)[None, :]
+        mask = (k_slot <= q_slot)[None] & key_mask[:, None, :]
+        mask = (mask | (k_slot == q_slot)[None])[:, None]
+
+        x = self.embed(input_ids)
+        cos, sin = rope_cos_sin(position_ids, self.cfg.d_model // self.cfg.n_heads,
+                                self.cfg.rope_theta, x.dtype)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, mask, cache, i)
+        if cache is not None:
+            cache.length = start + L
+        return self.norm(x)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None):
+        """-> logits [B, L, V] (in the parameter dtype)."""
+        return F.linear(self.hidden(input_ids, attention_mask, position_ids, cache),
+                        self.output_weight)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())

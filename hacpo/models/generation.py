@@ -1,0 +1,225 @@
+"""Batched sampling with a KV cache: ``generate(policy, prompts, num_samples=G, ...) -> Rollout``.
+
+All ``B * G`` sequences decode together. Prompts are left-padded and prefilled once per prompt
+(``B`` rows); the cache is then repeated ``G`` times. Each row's positions count only its real
+tokens, so a sample does not depend on how much padding its prompt got. Rows that produced
+EOS keep decoding padding (ignored) until every row is done or ``max_new_tokens`` is reached.
+
+Sample order is prompt-major: sample ``i`` answers prompt ``i // G``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hacpo.models.policy import Policy
+
+
+@dataclass
+class Rollout:
+    """Responses of one policy to a batch of prompts.
+
+    Attributes (``N = len(prompt_ids) * num_samples`` samples, prompt-major):
+        policy_name: name of the policy that generated them.
+        prompt_ids: the B prompts as given.
+        prompt_index: [N] index into ``prompt_ids`` for each sample.
+        response_ids: [N] response ids; EOS included as the last id iff it was produced.
+        sampler_logprobs: [N] per-token log-probs under the distribution actually sampled
+            from (after temperature and top-p renormalization; the plain softmax for greedy).
+            Informational only: the trainer recomputes ``lp_old`` with a forward pass.
+        finished_eos: [N] the response ended with EOS.
+        truncated: [N] it hit ``max_new_tokens`` without EOS.
+    """
+
+    policy_name: str
+    prompt_ids: list[list[int]]
+    prompt_index: list[int]
+    response_ids: list[list[int]]
+    sampler_logprobs: list[list[float]]
+    finished_eos: list[bool]
+    truncated: list[bool]
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.response_ids)
+
+    @property
+    def response_lengths(self) -> list[int]:
+        return [len(r) for r in self.response_ids]
+
+    @property
+    def num_response_tokens(self) -> int:
+        return sum(self.response_lengths)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt tokens over all samples (each prompt counted once per sample)."""
+        return sum(len(self.prompt_ids[i]) for i in self.prompt_index)
+
+    def sample_prompts(self) -> list[list[int]]:
+        """[N] prompt ids of each sample (for ``Policy.response_logprobs``)."""
+        return [self.prompt_ids[i] for i in self.prompt_index]
+
+
+def sample_next(logits: torch.Tensor, *, temperature: float, top_p: float,
+                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, V] -> (tokens [N] long, log-probs [N] float32 under the sampled distribution).
+
+    ``temperature == 0`` is greedy. ``top_p < 1`` keeps the smallest set of most likely tokens
+    whose mass reaches ``top_p`` (the most likely token is always kept).
+    """
+    logits = logits.float()
+    if temperature == 0:
+        tokens = logits.argmax(-1)
+        return tokens, torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    probs = torch.softmax(logits / temperature, -1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(-1, descending=True)
+        keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < top_p
+        keep_sorted[:, 0] = True
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        probs = probs * keep
+        probs = probs / probs.sum(-1, keepdim=True)
+    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1).log()
+
+
+class _DecoderStepper:
+    """Incremental decoding for :class:`hacpo.models.decoder.Decoder` (its own KV cache)."""
+
+    def __init__(self, policy: Policy, total_len: int):
+        self.model, self.total_len = policy.model, total_len
+        self.weight = policy.output_weight
+
+    def prefill(self, ids, mask, pos):
+        self.cache = self.model.new_cache(ids.shape[0], self.total_len)
+        h = self.model.hidden(ids, mask, pos, self.cache)
+        return F.linear(h[:, -1], self.weight)
+
+    def repeat(self, index):
+        self.cache.reorder(index)
+
+    def step(self, tokens, pos):
+        ones = torch.ones_like(tokens, dtype=torch.bool)
+        h = self.model.hidden(tokens[:, None], ones[:, None], pos[:, None], self.cache)
+        return F.linear(h[:, -1], self.weight)
+
+
+class _HFStepper:
+    """Incremental decoding for transformers causal LMs (``past_key_values``)."""
+
+    def __init__(self, policy: Policy, total_len: int):
+        self.model, self.total_len = policy.model, total_len
+
+    def prefill(self, ids, mask, pos):
+        from transformers import DynamicCache
+
+        self.mask = torch.ones(ids.shape[0], self.total_len, dtype=torch.long,
+                               device=ids.device)
+        self.mask[:, :ids.shape[1]] = mask.long()
+        self.length = ids.shape[1]
+        out = self.model(input_ids=ids, attention_mask=self.mask[:, :self.length],
+                         position_ids=pos, past_key_values=DynamicCache(), use_cache=True,
+                         logits_to_keep=1)
+        self.cache = out.past_key_values
+        return out.logits[:, -1]
+
+    def repeat(self, index):
+        repeats = int(index.numel() // self.mask.shape[0])
+        self.cache.batch_repeat_interleave(repeats)
+        self.mask = self.mask.repeat_interleave(repeats, 0)
+
+    def step(self, tokens, pos):
+        self.length += 1
+        out = self.model(input_ids=tokens[:, None], attention_mask=self.mask[:, :self.length],
+                         position_ids=pos[:, None], past_key_values=self.cache, use_cache=True)
+        self.cache = out.past_key_values
+        return out.logits[:, -1]
+
+
+@torch.inference_mode()
+def generate(policy: Policy, prompt_ids: Sequence[Sequence[int]], *, num_samples: int,
+             max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+             generator: torch.Generator | None = None) -> Rollout:
+    """Sample ``num_samples`` responses per prompt, all ``B * num_samples`` rows batched.
+
+    Args:
+        policy: the policy to sample from (put in eval mode by the caller if it has dropout).
+        prompt_ids: B non-empty prompts (e.g. ``policy.tokenizer.prompt_ids(question)``).
+        num_samples: G responses per prompt.
+        max_new_tokens: response length cap (EOS counts as a token).
+        temperature: 0 = greedy; otherwise logits are divided by it.
+        top_p: nucleus sampling mass (1 = off).
+        generator: a ``torch.Generator`` on the model's device, for reproducible draws.
+
+    Returns:
+        a :class:`Rollout` with ``B * num_samples`` samples, prompt-major.
+    """
+    if num_samples < 1 or max_new_tokens < 0:
+        raise ValueError(f"num_samples={num_samples}, max_new_tokens={max_new_tokens}")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"temperature={temperature} must be >= 0, top_p={top_p} in (0, 1]")
+    prompts = [list(p) for p in prompt_ids]
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate needs at least one prompt, and no empty prompt")
+    tok = policy.tokenizer
+    B, G = len(prompts), num_samples
+    N = B * G
+    P = max(len(p) for p in prompts)
+    if P + max_new_tokens > policy.max_len:
+        raise ValueError(f"policy {policy.name!r}: prompt of {P} + {max_new_tokens} new tokens "
+                         f"exceeds max_len={policy.max_len}")
+    dev = policy.output_weight.device
+    prompt_index = [i for i in range(B) for _ in range(G)]
+    if max_new_tokens == 0:
+        return Rollout(policy.name, prompts, prompt_index, [[] for _ in range(N)],
+                       [[] for _ in range(N)], [False] * N, [True] * N)
+
+    ids = torch.full((B, P), tok.pad_id, dtype=torch.long)
+    mask = torch.zeros(B, P, dtype=torch.bool)
+    for b, p in enumerate(prompts):  # left padding
+        ids[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[b, P - len(p):] = True
+    ids, mask = ids.to(dev), mask.to(dev)
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+    stepper = (_DecoderStepper if policy.kind == "decoder" else _HFStepper)(
+        policy, P + max_new_tokens)
+    V = tok.vocab_size
+    logits = stepper.prefill(ids, mask, pos)[:, :V]
+    index = torch.arange(B, device=dev).repeat_interleave(G)
+    if G > 1:
+        stepper.repeat(index)
+        logits = logits.index_select(0, index)
+    next_pos = mask.sum(-1).index_select(0, index)  # [N] position of the first new token
+
+    out = torch.full((N, max_new_tokens), tok.pad_id, dtype=torch.long, device=dev)
+    out_lp = torch.zeros(N, max_new_tokens, dtype=torch.float32, device=dev)
+    finished = torch.zeros(N, dtype=torch.bool, device=dev)
+    steps = 0
+    for t in range(max_new_tokens):
+        tokens, lp = sample_next(logits, temperature=temperature, top_p=top_p,
+                                 generator=generator)
+        tokens = tokens.masked_fill(finished, tok.pad_id)
+        out[:, t], out_lp[:, t] = tokens, lp
+        steps = t + 1
+        finished |= tokens == tok.eos_id
+        if t + 1 == max_new_tokens or bool(finished.all()):
+            break
+        logits = stepper.step(tokens, next_pos + t)[:, :V]
+
+    # Per row: keep tokens up to and including the first EOS.
+    out, out_lp = out[:, :steps].cpu(), out_lp[:, :steps].cpu()
+    is_eos = out == tok.eos_id
+    has_eos = is_eos.any(-1)
+    lengths = torch.where(has_eos, is_eos.int().argmax(-1) + 1, steps)
+    out_l, lp_l, len_l = out.tolist(), out_lp.tolist(), lengths.tolist()
+    return Rollout(
+        policy_name=policy.name, prompt_ids=prompts, prompt_index=prompt_index,
+        response_ids=[r[:n] for r, n in zip(out_l, len_l)],
+        sampler_logprobs=[r[:n] for r, n in zip(lp_l, len_l)],
+        finished_eos=has_eos.tolist(), truncated=(~has_eos).tolist())

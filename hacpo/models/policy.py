@@ -1,0 +1,217 @@
+"""A policy = a causal LM + its tokenizer + a name, with teacher-forced response log-probs.
+
+The trainer needs exactly two things from a policy besides sampling
+(:func:`hacpo.models.generation.generate`):
+
+- ``response_logprobs(prompt_ids, response_ids)`` -> per-token log-probs of each response
+  under the current parameters (differentiable), in this policy's own tokenization;
+- ``tokenizer`` to build prompts (``prompt_ids``) and re-tokenize other agents' responses.
+
+Build one with :func:`build_policy` from a :class:`PolicyConfig`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hacpo.models.decoder import Decoder, DecoderConfig
+from hacpo.models.tokenizer import Tokenizer, load_tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """logits [T, V], targets [T] -> log p(target) [T] float32 (differentiable).
+
+    The single place the gather happens; switch to ``hacpo.kernels.token_logprobs(logits,
+    targets, temperature=temperature, backend="torch")`` here once it lands.
+    """
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
+
+
+@dataclass
+class PolicyConfig:
+    """Everything needed to build one agent's policy.
+
+    kind "decoder": the plain-torch :class:`~hacpo.models.decoder.Decoder` sized by
+    ``d_model/n_layers/n_heads/max_len``. kind "hf": a transformers causal LM, loaded from
+    ``path`` (a local checkpoint directory) if given, else built with random weights from
+    ``arch`` (``"llama" | "qwen2" | "gpt2"``) and ``hf_config`` overrides.
+    The embedding size is the tokenizer's ``vocab_size`` (after reduction, if
+    ``reduce_vocab``; then :func:`build_policy` needs the ``corpus``).
+    """
+
+    name: str = "agent"
+    kind: Literal["decoder", "hf"] = "decoder"
+    tokenizer: str = "char"
+    reduce_vocab: bool = False
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    max_len: int = 512
+    arch: str = "llama"
+    hf_config: dict = field(default_factory=dict)
+    path: str | None = None
+    dtype: str = "float32"
+    seed: int = 0
+
+
+class Policy(nn.Module):
+    """A causal LM with its tokenizer.
+
+    Args:
+        model: a :class:`Decoder` or a transformers ``*ForCausalLM``.
+        tokenizer: the :class:`Tokenizer` whose ids the model reads and writes.
+        name: agent name (logs, metrics).
+    """
+
+    def __init__(self, model: nn.Module, tokenizer: Tokenizer, name: str):
+        super().__init__()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name
+        self.kind = "decoder" if isinstance(model, Decoder) else "hf"
+        n_emb = self.output_weight.shape[0]
+        if n_emb < tokenizer.vocab_size:
+            raise ValueError(f"policy {name!r}: model has {n_emb} output ids but tokenizer "
+                             f"{tokenizer.name!r} has {tokenizer.vocab_size}")
+
+    # -- model access ---------------------------------------------------------------------------
+    @property
+    def max_len(self) -> int:
+        """Longest prompt + response the model's positions allow."""
+        if self.kind == "decoder":
+            return self.model.cfg.max_len
+        cfg = self.model.config
+        return getattr(cfg, "max_position_embeddings", None) or cfg.n_positions
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """[V, H] output projection (tied or not)."""
+        if isinstance(self.model, Decoder):
+            return self.model.output_weight
+        return self.model.get_output_embeddings().weight
+
+    def forward_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, attention_mask [B, L] -> final hidden states [B, L, H].
+
+        Positions default to the number of real tokens before each token, so left- and
+        right-padded batches give the same result per row.
+        """
+        if position_ids is None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        if self.kind == "decoder":
+            return self.model.hidden(input_ids, attention_mask, position_ids)
+        out = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask.long(),
+                                    position_ids=position_ids, use_cache=False)
+        return out.last_hidden_state
+
+    def forward_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, attention_mask [B, L] -> logits [B, L, V] (parameter dtype)."""
+        return F.linear(self.forward_hidden(input_ids, attention_mask, position_ids),
+                        self.output_weight)
+
+    # -- teacher forcing ------------------------------------------------------------------------
+    def response_logprobs(self, prompt_ids: Sequence[Sequence[int]],
+                          response_ids: Sequence[Sequence[int]], *,
+                          temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token log-probs of each response given its prompt (teacher forcing).
+
+        Args:
+            prompt_ids: B lists of prompt ids (non-empty).
+            response_ids: B lists of response ids (may be empty; EOS included if present).
+            temperature: logits are divided by it (match the sampling temperature).
+
+        Returns:
+            token_logp [B, Tmax] float32, differentiable w.r.t. the parameters; 0 at padding.
+            mask [B, Tmax] bool, True at real response tokens.
+
+        Rows are right-padded into one batch; the output projection and log-softmax run only
+        at the ``sum(len(response))`` response positions. A row's values do not depend on the
+        other rows (up to float rounding).
+        """
+        if len(prompt_ids) != len(response_ids):
+            raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
+        B = len(prompt_ids)
+        dev = self.output_weight.device
+        lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
+        if any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("response_logprobs: every prompt needs at least one token")
+        if max(lengths) > self.max_len:
+            raise ValueError(f"policy {self.name!r}: prompt+response of {max(lengths)} tokens "
+                             f"exceeds max_len={self.max_len}")
+        L = max(lengths)
+        Tmax = max((len(r) for r in response_ids), default=0)
+        ids = torch.full((B, L), self.tokenizer.pad_id, dtype=torch.long)
+        attn = torch.zeros(B, L, dtype=torch.bool)
+        mask = torch.zeros(B, Tmax, dtype=torch.bool)
+        rows, cols, targets = [], [], []
+        for b, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+            ids[b, :lengths[b]] = torch.tensor(list(p) + list(r), dtype=torch.long)
+            attn[b, :lengths[b]] = True
+            mask[b, :len(r)] = True
+            rows += [b] * len(r)
+            cols += range(len(p) - 1, len(p) - 1 + len(r))  # position predicting each token
+            targets += r
+        ids, attn, mask = ids.to(dev), attn.to(dev), mask.to(dev)
+        hidden = self.forward_hidden(ids, attn)
+        h = hidden[torch.tensor(rows, dtype=torch.long, device=dev),
+                   torch.tensor(cols, dtype=torch.long, device=dev)]  # [T, H]
+        logits = F.linear(h, self.output_weight)  # [T, V]
+        if logits.shape[-1] > self.tokenizer.vocab_size:  # padded embedding table
+            logits = logits[:, :self.tokenizer.vocab_size]
+        lp = token_logprobs(logits, torch.tensor(targets, dtype=torch.long, device=dev),
+                            temperature)
+        token_logp = torch.zeros(B, Tmax, dtype=torch.float32, device=dev)
+        token_logp = token_logp.masked_scatter(mask, lp)
+        return token_logp, mask
+
+
+def build_policy(config: PolicyConfig, *, corpus: Iterable[str] | None = None,
+                 tokenizer: Tokenizer | None = None) -> Policy:
+    """Build a :class:`Policy` from its config.
+
+    Args:
+        config: the policy config.
+        corpus: texts for the reduced vocabulary (required iff ``config.reduce_vocab``).
+        tokenizer: an already-built tokenizer to use instead of ``config.tokenizer``.
+    """
+    if config.dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {config.dtype!r}; one of {sorted(DTYPES)}")
+    dtype = DTYPES[config.dtype]
+    if tokenizer is None:
+        if config.reduce_vocab and corpus is None:
+            raise ValueError(f"policy {config.name!r}: reduce_vocab=True needs a corpus")
+        tokenizer = load_tokenizer(config.tokenizer,
+                                   corpus=corpus if config.reduce_vocab else None)
+    if config.kind == "decoder":
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed)
+            model = Decoder(DecoderConfig(vocab_size=tokenizer.vocab_size,
+                                          d_model=config.d_model, n_layers=config.n_layers,
+                                          n_heads=config.n_heads, max_len=config.max_len))
+        model = model.to(dtype)
+    elif config.kind == "hf":
+        from hacpo.models.hf import build_hf_model, load_hf_model
+
+        if config.path is not None:
+            model = load_hf_model(config.path, dtype=dtype)
+        else:
+            model = build_hf_model({"arch": config.arch, **config.hf_config},
+                                   vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
+                                   eos_id=tokenizer.eos_id, dtype=dtype, seed=config.seed)
+    else:
+        raise ValueError(f"unknown policy kind {config.kind!r}; one of 'decoder', 'hf'")
+    return Policy(model, tokenizer, config.name)

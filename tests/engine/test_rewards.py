@@ -1,0 +1,180 @@
+"""Rewards: answer extraction, the math verifier, the registry and the batch scorer.
+
+Pool tests share one 1-worker pool (module fixture) to keep process start-up cost small.
+"""
+import math
+import multiprocessing
+import signal
+import time
+
+import pytest
+
+from hacpo.engine.rewards import (RewardComputer, extract_answer, get_reward_fn,
+                                  list_rewards, math_fast_path, math_reward, parse_number,
+                                  register_reward)
+
+
+# Test rewards: module-level so spawned pool workers can import them by reference.
+@register_reward("test_sleep")
+def _sleep_reward(response: str, gold: str) -> float:
+    if response == "slow":
+        time.sleep(30)  # interrupted by the worker's SIGALRM timer
+    return 1.0
+
+
+@register_reward("test_hang")
+def _hang_reward(response: str, gold: str) -> float:
+    if response == "hang":
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGALRM])  # deaf to the soft timeout
+        time.sleep(30)
+    return 1.0
+
+
+@register_reward("test_raise")
+def _raise_reward(response: str, gold: str) -> float:
+    if response == "boom":
+        raise RuntimeError("boom")
+    return 0.5
+
+
+@register_reward("test_range", in_process=True)
+def _range_reward(response: str, gold: str) -> float:
+    return float(response)
+
+
+def test_builtins_registered():
+    assert {"math", "exact", "numeric_closeness"} <= set(list_rewards())
+    assert get_reward_fn("math") is math_reward
+    with pytest.raises(KeyError, match="unknown reward 'nope'"):
+        get_reward_fn("nope")
+    with pytest.raises(ValueError, match="already registered"):
+        register_reward("math")(lambda r, g: 0.0)
+
+
+@pytest.mark.parametrize("response,gold,expected", [
+    (r"so \boxed{\frac{1}{2}}", "0.5", 1.0),
+    (r"\boxed{\frac{1}{2}}", "0.25", 0.0),
+    (r"we get \boxed{\frac{\sqrt{2}}{2}}", r"\sqrt{2}/2", 1.0),   # slow path (math-verify)
+    (r"\boxed{x^{2}+1}", "1+x^2", 1.0),
+    (r"\boxed{\{1,2\}} is the set", r"\boxed{\{1, 2\}}", 1.0),     # nested braces, boxed gold
+    ("Adding up: 600 + 400.\n#### 1,000", "1000", 1.0),
+    ("#### 1,000", "#### 1000", 1.0),
+    ("The temperature drops to -7.", "-7", 1.0),
+    ("The temperature drops to -7.", "7", 0.0),
+    ("10 - 3 = 7", "-3", 0.0),                 # subtraction is not a sign: last number is 7
+    ("The answer is 42.", "42", 1.0),
+    ("I think 3, then 17, so finally 42", "42", 1.0),
+    ("I think 42, no wait, 17", "42", 0.0),    # last number wins
+    ("I have no idea.", "42", 0.0),
+    ("", "0", 0.0),
+    ("The answer is $\\frac{3}{4}$.", "0.75", 1.0),
+    ("It is 2.50 dollars", "2.5", 1.0),
+    ("so 3/4 of them", r"\frac{3}{4}", 1.0),
+])
+def test_math_reward(response, gold, expected):
+    assert math_reward(response, gold) == expected
+
+
+def test_fast_path_decides_plain_numbers_without_math_verify():
+    assert math_fast_path("#### 1,000", "1000") == 1.0
+    assert math_fast_path("x = -2.5", "-5/2") == 1.0
+    assert math_fast_path("no number", "3") == 0.0
+    assert math_fast_path(r"\boxed{\sqrt{2}}", "1.41") is None  # needs math-verify
+    # Exact comparison: a rounded decimal is not a fraction.
+    assert math_fast_path("0.333", "1/3") == 0.0
+
+
+def test_extraction_and_number_parsing():
+    assert extract_answer(r"x \boxed{a^{b^{c}}} y") == "a^{b^{c}}"
+    assert extract_answer(r"\boxed{1} then \boxed{2}.") == "2"
+    assert extract_answer("the answer is: 7 - 2 = 5.") == "5"
+    assert parse_number("1,234.5") == parse_number("2469/2")
+    assert parse_number(r"-\frac{1}{2}") == parse_number("-0.5")
+    assert parse_number("12 apples") is None
+
+
+def test_exact_and_numeric_closeness():
+    exact, close = get_reward_fn("exact"), get_reward_fn("numeric_closeness")
+    assert exact("The answer is  Paris.", "paris") == 1.0
+    assert exact("#### 1,000", "1000") == 1.0
+    assert exact("#### 999", "1000") == 0.0
+    assert close("#### 10", "10") == 1.0
+    assert close("#### 11", "10") == pytest.approx(math.exp(-0.1))
+    assert close("#### 1000000", "10") >= 0.0
+    assert close("no number", "10") == 0.0
+
+
+def test_in_process_scoring_counts_fast_and_slow():
+    responses = ["#### 5", r"\boxed{\frac{\sqrt{2}}{2}}", "nothing", "#### 4"]
+    golds = ["5", r"\sqrt{2}/2", "1", "5"]
+    with RewardComputer("math", num_workers=0, timeout_s=5) as rc:
+        rewards, stats = rc.score(responses, golds)
+    assert rewards == [1.0, 1.0, 0.0, 0.0]
+    assert (stats.total, stats.fast_path, stats.slow_path) == (4, 3, 1)
+    assert stats.errors == stats.timeouts == 0
+
+
+def test_in_process_timeout_and_error_score_zero():
+    t0 = time.monotonic()
+    with RewardComputer("test_sleep", num_workers=0, timeout_s=0.2) as rc:
+        rewards, stats = rc.score(["fast", "slow", "fast"], ["", "", ""])
+    assert time.monotonic() - t0 < 5
+    assert rewards == [1.0, 0.0, 1.0]
+    assert stats.timeouts == 1 and stats.errors == 0
+    assert stats.failures[0][0] == 1
+    with RewardComputer("test_raise", num_workers=0) as rc:
+        rewards, stats = rc.score(["ok", "boom"], ["", ""])
+    assert rewards == [0.5, 0.0] and stats.errors == 1
+    assert "RuntimeError: boom" in stats.failures[0][1]
+
+
+@pytest.mark.parametrize("bad", ["1.5", "-0.1", "nan", "inf"])
+def test_out_of_range_reward_names_index(bad):
+    with RewardComputer("test_range", num_workers=0) as rc:
+        with pytest.raises(ValueError, match="item 2"):
+            rc.score(["0", "1", bad], ["", "", ""])
+
+
+def test_unpicklable_reward_rejected_for_pool():
+    register_reward("test_lambda", overwrite=True)(lambda r, g: 1.0)
+    with pytest.raises(TypeError, match="process pool"):
+        RewardComputer("test_lambda", num_workers=1)
+
+
+# ---- process pool (one worker, spawned once for the module) -----------------------------
+
+
+def test_pool_math_timeouts_errors_and_hang():
+    """One pool through every path: math slow path, soft timeout, raising fn, hung worker."""
+    rc = RewardComputer("math", num_workers=1, timeout_s=0.5, hard_timeout_s=1.5)
+    try:
+        rewards, stats = rc.score([r"\boxed{\frac{\sqrt{2}}{2}}", "#### 3", r"\boxed{x+1}"],
+                                  [r"\sqrt{2}/2", "3", "x+2"])
+        assert rewards == [1.0, 1.0, 0.0]
+        assert stats.slow_path == 2 and stats.errors == stats.timeouts == 0
+        pool = rc._pool
+        # Reuse the same warm pool for test rewards (swap the spec: avoids a second spawn).
+        from hacpo.engine.rewards import get_reward_spec
+        rc.spec = get_reward_spec("test_sleep")
+        t0 = time.monotonic()
+        rewards, stats = rc.score(["a", "slow", "b"], ["", "", ""])
+        assert rewards == [1.0, 0.0, 1.0] and stats.timeouts == 1
+        assert stats.pool_restarts == 0 and rc._pool is pool  # soft timeout: worker survives
+        assert time.monotonic() - t0 < 5
+        rc.spec = get_reward_spec("test_raise")
+        rewards, stats = rc.score(["boom", "x"], ["", ""])
+        assert rewards == [0.0, 0.5] and stats.errors == 1
+        rc.spec = get_reward_spec("test_hang")
+        old_procs = list(pool._processes.values())
+        t0 = time.monotonic()
+        rewards, stats = rc.score(["a", "hang", "b"], ["", "", ""])
+        assert rewards == [1.0, 0.0, 1.0]
+        assert stats.timeouts == 1 and stats.pool_restarts == 1
+        assert time.monotonic() - t0 < 20
+        assert not any(p.is_alive() for p in old_procs)  # the hung worker was killed
+    finally:
+        procs = list((rc._pool._processes or {}).values()) if rc._pool else []
+        rc.close()
+    assert rc._pool is None
+    assert not any(p.is_alive() for p in procs)
+    assert not multiprocessing.active_children()

