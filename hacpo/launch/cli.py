@@ -16,6 +16,52 @@ def _demo(args) -> int:
     return 0
 
 
+def _train_config(args):
+    from hacpo.engine.configtools import parse_overrides
+    from hacpo.engine.run_config import load_config
+    overrides = parse_overrides(args.set or [])
+    if args.algorithm:
+        from hacpo.engine.config import preset
+        overrides = {**{f"algorithm.{k}": v for k, v in _flat(preset(args.algorithm).to_dict())
+                        .items()}, **overrides}
+    if args.steps is not None:
+        overrides["steps"] = args.steps
+    if args.out_dir:
+        overrides["out_dir"] = args.out_dir
+    return load_config(args.preset, args.config, overrides)
+
+
+def _flat(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def _train(args) -> int:
+    from hacpo.engine.trainer import train
+    cfg = _train_config(args)
+    print(f"[hacpo] run dir {cfg.out_dir}; algorithm {cfg.algorithm.name}; agents "
+          + ", ".join(f"{a.policy.name} ({a.policy.tokenizer})" for a in cfg.agents))
+    train(cfg, resume=args.resume)
+    return 0
+
+
+def _add_run_args(p):
+    p.add_argument("--preset", default="default", help="run preset (default, tiny3)")
+    p.add_argument("--config", default=None, help="YAML file of overrides (nested mapping)")
+    p.add_argument("--algorithm", default=None,
+                   help="algorithm preset: hacpo, hacpo-table5, grpo, gspo, gspo2x, naive, "
+                        "or an ablation (see README)")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--out-dir", default=None)
+    p.add_argument("--set", nargs="*", metavar="KEY=VALUE",
+                   help="dotted overrides, e.g. agents.0.optim.lr=3e-4 rollout.group_size=4")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="hacpo", description="Heterogeneous agent collaborative RL")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -25,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--agents", type=int, default=3)
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=_demo)
+    t = sub.add_parser("train", help="train n agents together (embedded default: no arguments)")
+    _add_run_args(t)
+    t.add_argument("--resume", action="store_true", help="continue the run in --out-dir")
+    t.set_defaults(func=_train)
     args = ap.parse_args(argv)
     return args.func(args)
 

@@ -1,0 +1,67 @@
+"""PNG plots of a run directory: per-agent reward curves, capability ratios over steps, and
+self vs cross sequence-ratio histograms (the paper's Appendix C view)."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from .metrics import read_metrics
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_run(out_dir: str, agent_names: list[str]) -> list[str]:
+    plt = _plt()
+    rows = read_metrics(os.path.join(out_dir, "metrics.jsonl"))
+    written = []
+    if rows:
+        steps = [r["step"] for r in rows]
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for name in agent_names:
+            ys = [r.get(f"reward/{name}") for r in rows]
+            ax.plot(steps, ys, label=name, alpha=0.35)
+            k = min(10, len(ys))
+            if k > 1:
+                sm = np.convolve(np.array(ys, dtype=float), np.ones(k) / k, mode="valid")
+                ax.plot(steps[k - 1:], sm, label=f"{name} (moving avg {k})")
+        ax.set_xlabel("step"), ax.set_ylabel("mean training reward"), ax.legend()
+        ax.set_title("Per-agent training reward")
+        p = os.path.join(out_dir, "reward_curves.png")
+        fig.tight_layout(), fig.savefig(p, dpi=110), plt.close(fig)
+        written.append(p)
+
+        keys = sorted(k for k in rows[-1] if k.startswith("omega/"))
+        if keys:
+            fig, ax = plt.subplots(figsize=(7, 4))
+            for k in keys:
+                ax.plot(steps, [r.get(k) for r in rows], label=k[len("omega/"):])
+            ax.set_yscale("log"), ax.set_xlabel("step"), ax.set_ylabel("omega[source, learner]")
+            ax.set_title("Capability ratios"), ax.legend(fontsize=8)
+            p = os.path.join(out_dir, "capability_ratios.png")
+            fig.tight_layout(), fig.savefig(p, dpi=110), plt.close(fig)
+            written.append(p)
+
+    rpath = os.path.join(out_dir, "log_ratios.npz")
+    if os.path.exists(rpath):
+        data = np.load(rpath)
+        fig, axes = plt.subplots(1, len(agent_names), figsize=(5 * len(agent_names), 3.6),
+                                 squeeze=False)
+        for ax, name in zip(axes[0], agent_names):
+            for kind in ("self", "cross"):
+                key = f"{name}/{kind}"
+                if key in data and data[key].size:
+                    s = np.exp(data[key])
+                    ax.hist(np.clip(s, 0, 2.5), bins=80, alpha=0.55, density=True,
+                            label=f"{kind} (n={s.size})")
+            ax.set_title(f"learner {name}: sequence ratio s"), ax.set_xlabel("s (clipped to 2.5)")
+            ax.legend()
+        p = os.path.join(out_dir, "ratio_histograms.png")
+        fig.tight_layout(), fig.savefig(p, dpi=110), plt.close(fig)
+        written.append(p)
+    return written

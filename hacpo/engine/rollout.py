@@ -1,0 +1,54 @@
+"""Rollout engines: who generates an agent's responses. One interface, in-process sampler here
+(the vLLM/Ray pool implements the same interface)."""
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import torch
+
+from hacpo.models.generation import Rollout, generate
+from hacpo.models.policy import Policy
+
+
+class RolloutEngine(Protocol):
+    def generate(self, agent: int, prompt_ids: Sequence[Sequence[int]], *, num_samples: int,
+                 max_new_tokens: int, temperature: float, top_p: float) -> Rollout: ...
+
+    def sync_weights(self, agent: int) -> None: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, sd: dict) -> None: ...
+
+
+class LocalRolloutEngine:
+    """Samples with the trainer's own policies (KV-cache sampler), one generator per agent.
+
+    Sharing the policy objects means there is nothing to sync after an optimizer step."""
+
+    def __init__(self, policies: Sequence[Policy], seed: int):
+        self.policies = list(policies)
+        self.generators = [torch.Generator().manual_seed(seed * 1000 + 17 + k)
+                           for k in range(len(policies))]
+
+    def generate(self, agent: int, prompt_ids, *, num_samples: int, max_new_tokens: int,
+                 temperature: float, top_p: float) -> Rollout:
+        policy = self.policies[agent]
+        was_training = policy.training
+        policy.eval()
+        try:
+            return generate(policy, prompt_ids, num_samples=num_samples,
+                            max_new_tokens=max_new_tokens, temperature=temperature,
+                            top_p=top_p, generator=self.generators[agent])
+        finally:
+            policy.train(was_training)
+
+    def sync_weights(self, agent: int) -> None:
+        """Weights are shared in-process."""
+
+    def state_dict(self) -> dict:
+        return {"generators": [g.get_state() for g in self.generators]}
+
+    def load_state_dict(self, sd: dict) -> None:
+        for g, s in zip(self.generators, sd["generators"]):
+            g.set_state(s)

@@ -1,0 +1,223 @@
+"""Run configuration for ``hacpo train``: typed dataclasses, each default defined once, named
+presets, YAML files and dotted CLI overrides only override (``configtools``)."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from hacpo.models.policy import PolicyConfig
+
+from .config import AlgorithmConfig, preset as algorithm_preset
+from .configtools import from_dict, override
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0
+
+    def __post_init__(self):
+        if not self.lr > 0 or self.grad_clip < 0:
+            raise ValueError(f"optim.lr must be > 0 and grad_clip >= 0, got {self.lr}, "
+                             f"{self.grad_clip}")
+
+
+@dataclass
+class WarmupConfig:
+    """Supervised warm-up on reference solutions before RL (embedded task: worked answers)."""
+    steps: int = 0
+    lr: float = 3e-3
+    batch_size: int = 32
+
+
+@dataclass
+class AgentConfig:
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+
+
+@dataclass
+class RolloutConfig:
+    group_size: int = 8            # G responses per agent per prompt
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if self.group_size < 1 or self.max_new_tokens < 1:
+            raise ValueError(f"rollout.group_size and max_new_tokens must be >= 1, got "
+                             f"{self.group_size}, {self.max_new_tokens}")
+
+
+@dataclass
+class DataConfig:
+    task: str = "arithmetic"       # embedded procedural task, or "files"
+    difficulty: str = "easy"
+    wording: str = "word"
+    train_path: str | None = None  # JSONL/parquet (task="files")
+    eval_path: str | None = None
+    field_map: str = "auto"        # auto | gsm8k | math | math_answer
+    template: str = "plain"
+    skip_bad_rows: bool = False
+    train_size: int = 20000
+    eval_size: int = 500
+
+    def __post_init__(self):
+        if self.task not in ("arithmetic", "files"):
+            raise ValueError(f"data.task must be 'arithmetic' or 'files', got {self.task!r}")
+        if self.task == "files" and not (self.train_path and self.eval_path):
+            raise ValueError("data.task='files' needs data.train_path and data.eval_path")
+
+
+@dataclass
+class RewardConfig:
+    name: str = "math"
+    num_workers: int = 0           # 0: in-process (fast path covers plain numbers)
+    timeout_s: float = 5.0
+
+
+@dataclass
+class TrainConfig:
+    agents: list[AgentConfig] = field(default_factory=lambda: [AgentConfig(), AgentConfig()])
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    steps: int = 50
+    prompts_per_step: int = 16
+    seed: int = 0
+    micro_batch: int = 256          # samples per forward/backward chunk
+    eval_every: int = 0             # 0: evaluate before and after training only
+    eval_max_new_tokens: int = 0    # 0: rollout.max_new_tokens
+    checkpoint_every: int = 10
+    max_nonfinite: int = 3          # stop after this many non-finite updates in a row
+    drop_unencodable: bool = True   # cross samples the learner's vocabulary cannot spell
+    threads: int = 0                # torch intra-op threads (0: torch's default)
+    out_dir: str = "runs/hacpo"
+    cache_dir: str = "runs/cache"   # warm-up checkpoints shared across runs
+    progress: bool = True
+    plots: bool = True
+    tensorboard: bool = True
+
+    def __post_init__(self):
+        if len(self.agents) < 1:
+            raise ValueError("need at least one agent")
+        names = [a.policy.name for a in self.agents]
+        if len(set(names)) != len(names):
+            raise ValueError(f"agent names must be unique, got {names}")
+        if self.steps < 0 or self.prompts_per_step < 1 or self.max_nonfinite < 1:
+            raise ValueError("steps >= 0, prompts_per_step >= 1 and max_nonfinite >= 1 needed")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+        return from_dict(cls, d)
+
+    def override(self, overrides: dict[str, Any]) -> "TrainConfig":
+        return override(self, overrides)
+
+
+# Keys that may change between a run and its resumption (they do not change the math).
+RESUMABLE_KEYS = {"steps", "out_dir", "cache_dir", "progress", "plots", "tensorboard",
+                  "checkpoint_every", "eval_every", "threads", "micro_batch"}
+
+
+def fingerprint_dict(cfg: TrainConfig) -> dict[str, Any]:
+    return {k: v for k, v in cfg.to_dict().items() if k not in RESUMABLE_KEYS}
+
+
+def config_diff(a: dict, b: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two nested config dicts."""
+    out = []
+    for k in sorted(set(a) | set(b)):
+        va, vb = a.get(k, "<missing>"), b.get(k, "<missing>")
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += config_diff(va, vb, f"{prefix}{k}.")
+        elif isinstance(va, list) and isinstance(vb, list) and len(va) == len(vb):
+            for i, (x, y) in enumerate(zip(va, vb)):
+                if isinstance(x, dict) and isinstance(y, dict):
+                    out += config_diff(x, y, f"{prefix}{k}.{i}.")
+                elif x != y:
+                    out.append(f"{prefix}{k}.{i}")
+        elif va != vb:
+            out.append(f"{prefix}{k}")
+    return out
+
+
+def config_hash(d: dict) -> str:
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _agent(name, tokenizer, d_model, n_layers, n_heads, *, reduce_vocab=False, seed=0, lr=1e-4,
+           warmup_steps=0, warmup_lr=3e-3, max_len=160):
+    return AgentConfig(policy=PolicyConfig(name=name, kind="decoder", tokenizer=tokenizer,
+                                           reduce_vocab=reduce_vocab, d_model=d_model,
+                                           n_layers=n_layers, n_heads=n_heads, max_len=max_len,
+                                           seed=seed),
+                       optim=OptimConfig(lr=lr),
+                       warmup=WarmupConfig(steps=warmup_steps, lr=warmup_lr))
+
+
+def _default() -> TrainConfig:
+    """Embedded default: two agents that differ in size and tokenizer (characters vs the real
+    Qwen3 BPE with a reduced embedding table), warm-started on worked solutions, then HACPO."""
+    return TrainConfig(
+        agents=[_agent("char-small", "char", 64, 2, 4, seed=1, lr=2e-4, warmup_steps=300),
+                _agent("qwen3-large", "qwen3", 128, 3, 4, reduce_vocab=True, seed=2, lr=1e-4,
+                       warmup_steps=300)],
+        algorithm=algorithm_preset("hacpo"),
+        rollout=RolloutConfig(group_size=8, max_new_tokens=40, temperature=1.0),
+        data=DataConfig(difficulty="easy", train_size=20000, eval_size=500),
+        steps=60, prompts_per_step=16, out_dir="runs/default")
+
+
+def _tiny3() -> TrainConfig:
+    """Three agents with three different tokenizers, seconds per step (tests, smoke runs)."""
+    return TrainConfig(
+        agents=[_agent("char", "char", 32, 1, 2, seed=1, lr=1e-3, warmup_steps=2, max_len=128),
+                _agent("qwen3", "qwen3", 32, 1, 2, reduce_vocab=True, seed=2, lr=1e-3,
+                       warmup_steps=2, max_len=128),
+                _agent("llama", "llama3.2", 32, 1, 2, reduce_vocab=True, seed=3, lr=1e-3,
+                       warmup_steps=2, max_len=128)],
+        rollout=RolloutConfig(group_size=2, max_new_tokens=12),
+        data=DataConfig(difficulty="easy", train_size=200, eval_size=16),
+        steps=2, prompts_per_step=4, checkpoint_every=1, out_dir="runs/tiny3",
+        progress=False, plots=True, tensorboard=True)
+
+
+PRESETS = {"default": _default, "tiny3": _tiny3}
+
+
+def load_config(preset: str = "default", yaml_path: str | None = None,
+                overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """Preset -> optional YAML (a nested mapping of overrides) -> dotted overrides."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown run preset {preset!r}; choose one of {sorted(PRESETS)}")
+    cfg = PRESETS[preset]()
+    if yaml_path:
+        import yaml
+        with open(yaml_path) as f:
+            data = yaml.safe_load(f) or {}
+        cfg = cfg.override(_flatten(data))
+    if overrides:
+        cfg = cfg.override(overrides)
+    return cfg
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k != "hf_config":
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out

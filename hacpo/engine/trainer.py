@@ -1,0 +1,264 @@
+"""hacpo train — the paper's Algorithm 1 for n >= 2 heterogeneous agents, every algorithm of
+SPEC through one code path.
+
+    for step t = 0 .. T-1:
+        prompts    <- sampler.next_batch(B)                        data.py
+        rollouts   <- each agent k samples G responses per prompt  rollout.py
+        rewards    <- shared verifier on all n*B*G responses       rewards.py
+        Phat       <- capability tracker update (includes step t)  capability.py
+        lp_old     <- each generator's own forward pass            pool.py
+        for each learner k:
+            idx, A <- its samples and advantages                   algorithm.py
+            view   <- cross samples re-tokenized for k             pool.py
+            M minibatch updates, stepwise index m                  update.py
+        metrics, checkpoint                                        metrics.py, checkpoint.py
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from hacpo.models.retokenize import RetokStats
+
+from . import build, checkpoint as ckpt
+from .algorithm import learner_samples, sample_omega
+from .capability import CapabilityTracker
+from .data import PromptSampler
+from .evaluate import evaluate_policy
+from .metrics import MetricsLogger
+from .pool import build_pool, compute_old_logprobs, learner_view
+from .rewards import RewardComputer
+from .rollout import LocalRolloutEngine
+from .run_config import TrainConfig, config_diff, fingerprint_dict
+from .update import update_learner
+
+CHECKPOINT = "checkpoint.pt"
+
+
+class Stopwatch(dict):
+    def __call__(self, key):
+        sw = self
+
+        class _T:
+            def __enter__(self):
+                self.t = time.perf_counter()
+
+            def __exit__(self, *a):
+                sw[key] = sw.get(key, 0.0) + time.perf_counter() - self.t
+        return _T()
+
+
+def score_batch(rc: RewardComputer, pool, golds: list[str], names: list[str]):
+    """Rewards [N] float32 from the shared verifier; a bad reward names the prompt and agent."""
+    try:
+        rewards, stats = rc.score(pool.texts, [golds[int(p)] for p in pool.prompt])
+    except ValueError as e:
+        msg = str(e)
+        import re
+        m = re.search(r"(?:index|item) (\d+)", msg)
+        if m:
+            i = int(m.group(1))
+            msg += f" (prompt {int(pool.prompt[i])}, agent {names[int(pool.agent[i])]})"
+        raise ValueError(f"reward function {rc.name!r}: {msg}") from e
+    return torch.tensor(rewards, dtype=torch.float32), stats
+
+
+def evaluate_all(cfg, data, policies, rc) -> dict[str, dict]:
+    golds = [e.answer for e in data.eval]
+    out = {}
+    for pol in policies:
+        prompts = [pol.tokenizer.prompt_ids(build.prompt_text(cfg, e)) for e in data.eval]
+        out[pol.name] = evaluate_policy(pol, prompts, golds, rc, max_new_tokens=(
+            cfg.eval_max_new_tokens or cfg.rollout.max_new_tokens), seed=cfg.seed)
+    return out
+
+
+def train(cfg: TrainConfig, *, resume: bool = False, echo=print) -> dict:
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    ck_path = os.path.join(cfg.out_dir, CHECKPOINT)
+    state = None
+    if resume and os.path.exists(ck_path):
+        state = ckpt.load(ck_path)
+        diff = config_diff(state["fingerprint"], fingerprint_dict(cfg))
+        if diff:
+            raise ValueError(f"cannot resume {ck_path}: the config differs from the "
+                             f"checkpoint's in {', '.join(diff)}")
+    elif os.path.exists(ck_path) and not resume:
+        raise FileExistsError(f"{cfg.out_dir} already holds a run ({CHECKPOINT}); pass --resume "
+                              f"to continue it or choose another out_dir")
+    with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+        json.dump(cfg.to_dict(), f, indent=2)
+
+    data = build.load_data(cfg)
+    policies = build.build_policies(cfg, data)
+    names = [p.name for p in policies]
+    n = len(policies)
+    rc = RewardComputer(cfg.reward.name, num_workers=cfg.reward.num_workers,
+                        timeout_s=cfg.reward.timeout_s)
+    tracker = CapabilityTracker(n, **vars(cfg.algorithm.capability))
+    sampler = PromptSampler(data.train, seed=cfg.seed)
+    engine = LocalRolloutEngine(policies, cfg.seed)
+    shuffle_gen = torch.Generator().manual_seed(cfg.seed + 7)
+    nonfinite = {"streak": 0, "total": 0}
+    if state is None:
+        warm = build.warm_start(cfg, data, policies, echo)
+        echo("[eval] held-out accuracy before RL ...")
+        before = evaluate_all(cfg, data, policies, rc)
+        start = 0
+    optims = build.build_optimizers(cfg, policies)
+    refs = build.reference_policies(cfg, policies)
+    if state is not None:
+        for pol, opt, s in zip(policies, optims, state["agents"]):
+            pol.load_state_dict(s["model"])
+            opt.load_state_dict(s["optim"])
+        for ref, s in zip(refs, state["agents"]):
+            if ref is not None:
+                ref.load_state_dict(s["ref_model"])
+        tracker.load_state_dict(state["tracker"])
+        sampler.load_state_dict(state["sampler"])
+        engine.load_state_dict(state["engine"])
+        shuffle_gen.set_state(state["shuffle_gen"])
+        nonfinite = state["nonfinite"]
+        warm, before, start = state["warmup"], state["eval_before"], state["step"]
+        echo(f"[resume] {ck_path} at step {start}")
+    for name in names:
+        echo(f"[eval] {name}: before RL {before[name]['accuracy']:.3f} "
+             f"± {before[name]['stderr']:.3f}")
+
+    logger = MetricsLogger(cfg.out_dir, start_step=start, tensorboard=cfg.tensorboard)
+    ratio_log = defaultdict(list)
+    algo = cfg.algorithm
+    G = cfg.rollout.group_size * algo.samples_per_prompt_factor
+    bar = _progress(cfg, start)
+    try:
+        for step in range(start, cfg.steps):
+            sw = Stopwatch()
+            t_step = time.perf_counter()
+            batch = sampler.next_batch(cfg.prompts_per_step)
+            prompt_ids = [[p.tokenizer.prompt_ids(build.prompt_text(cfg, e)) for e in batch]
+                          for p in policies]
+            rollouts = []
+            for k in range(n):
+                with sw(f"time/generate/{names[k]}"):
+                    ro = engine.generate(k, prompt_ids[k], num_samples=G,
+                                         max_new_tokens=cfg.rollout.max_new_tokens,
+                                         temperature=cfg.rollout.temperature,
+                                         top_p=cfg.rollout.top_p)
+                rollouts.append((ro, policies[k].tokenizer))
+            pool = build_pool(rollouts)
+            with sw("time/reward"):
+                pool.rewards, rstats = score_batch(rc, pool, [e.answer for e in batch], names)
+            tracker.update(pool.rewards, pool.agent)
+            ratios = tracker.ratios()
+            with sw("time/old_logprobs"):
+                compute_old_logprobs(pool, policies, prompt_ids, cfg.micro_batch)
+            metrics: dict[str, float] = {}
+            retok = RetokStats()
+            for k in range(n):
+                idx, adv = learner_samples(algo, pool.rewards, pool.prompt, pool.agent,
+                                           learner=k, ratios=ratios)
+                omega = sample_omega(algo, pool.agent[idx], k, ratios)
+                with sw(f"time/retokenize/{names[k]}"):
+                    view = learner_view(pool, k, idx, adv, omega, policies, prompt_ids,
+                                        cfg.rollout.max_new_tokens, retok, cfg.drop_unencodable)
+                rl = {} if cfg.plots else None
+                with sw(f"time/update/{names[k]}"):
+                    m = update_learner(algo, policies[k], optims[k], view, lp_old=pool.lp_old,
+                                       old_token_logp=pool.old_token_logp,
+                                       prompt_of_sample=pool.prompt, generator=shuffle_gen,
+                                       micro_batch=cfg.micro_batch,
+                                       grad_clip=cfg.agents[k].optim.grad_clip,
+                                       nonfinite=nonfinite, max_nonfinite=cfg.max_nonfinite,
+                                       ref_policy=refs[k], kl_coef=algo.loss.kl_coef,
+                                       ratio_log=rl)
+                engine.sync_weights(k)
+                if rl:
+                    for kind, vals in rl.items():
+                        ratio_log[f"{names[k]}/{kind}"].append(torch.cat(vals).numpy())
+                metrics.update({f"train/{names[k]}/{key}": v for key, v in m.items()})
+                for key, v in view.dropped.items():
+                    metrics[f"dropped/{names[k]}/{key}"] = float(v)
+            metrics.update(_step_metrics(pool, tracker, ratios, names, rstats, retok))
+            metrics.update(sw)
+            metrics["time/step"] = time.perf_counter() - t_step
+            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+                for name, r in evaluate_all(cfg, data, policies, rc).items():
+                    metrics[f"eval/{name}/accuracy"] = r["accuracy"]
+            logger.log(step, metrics)
+            if bar is not None:
+                bar.set_postfix({nm: f"{metrics[f'reward/{nm}']:.2f}" for nm in names})
+                bar.update(1)
+            if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+                _save(ck_path, cfg, step + 1, policies, optims, refs, tracker, sampler, engine,
+                      shuffle_gen, nonfinite, warm, before)
+    finally:
+        if bar is not None:
+            bar.close()
+        logger.close()
+    echo("[eval] held-out accuracy after RL ...")
+    after = evaluate_all(cfg, data, policies, rc)
+    rc.close()
+    summary = {"before": before, "after": after, "warmup": warm, "steps": cfg.steps,
+               "algorithm": algo.name, "agents": names}
+    with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    if cfg.plots:
+        if ratio_log:
+            np.savez_compressed(os.path.join(cfg.out_dir, "log_ratios.npz"),
+                                **{k: np.concatenate(v) for k, v in ratio_log.items()})
+        from .plots import plot_run
+        plot_run(cfg.out_dir, names)
+    for name in names:
+        b, a = before[name], after[name]
+        diff = a["accuracy"] - b["accuracy"]
+        se = (a["stderr"] ** 2 + b["stderr"] ** 2) ** 0.5
+        echo(f"[result] {name}: held-out accuracy {b['accuracy']:.3f} -> {a['accuracy']:.3f} "
+             f"({diff:+.3f}, {diff / se if se else float('nan'):+.1f} SE) on {b['n']} problems")
+    return summary
+
+
+def _step_metrics(pool, tracker, ratios, names, rstats, retok) -> dict[str, float]:
+    out = {}
+    phat = tracker.phat()
+    for k, name in enumerate(names):
+        sel = pool.agent == k
+        lens = [len(r) for r, s in zip(pool.response_ids, sel.tolist()) if s]
+        out[f"reward/{name}"] = float(pool.rewards[sel].mean())
+        out[f"phat/{name}"] = float(phat[k])
+        out[f"response_tokens/{name}"] = sum(lens) / max(len(lens), 1)
+        fin = [f for f, s in zip(pool.finished_eos, sel.tolist()) if s]
+        tr = [t for t, s in zip(pool.truncated, sel.tolist()) if s]
+        out[f"eos_rate/{name}"] = sum(fin) / max(len(fin), 1)
+        out[f"truncated/{name}"] = float(sum(tr))
+        out[f"unscoreable/{name}"] = float(torch.isnan(pool.lp_old[sel]).sum())  # empty/EOS-only
+        for t, tname in enumerate(names):
+            if t != k:
+                out[f"omega/{name}->{tname}"] = float(ratios[k, t])
+    out.update({f"reward_fn/{k}": float(v) for k, v in rstats.as_dict().items()
+                if isinstance(v, (int, float))})
+    out.update(retok.as_dict())
+    return out
+
+
+def _save(path, cfg, next_step, policies, optims, refs, tracker, sampler, engine, shuffle_gen,
+          nonfinite, warm, before):
+    ckpt.save_atomic({
+        "step": next_step, "config": cfg.to_dict(), "fingerprint": fingerprint_dict(cfg),
+        "agents": [{"name": p.name, "model": p.state_dict(), "optim": o.state_dict(),
+                    **({"ref_model": r.state_dict()} if r is not None else {})}
+                   for p, o, r in zip(policies, optims, refs)],
+        "tracker": tracker.state_dict(), "sampler": sampler.state_dict(),
+        "engine": engine.state_dict(), "shuffle_gen": shuffle_gen.get_state(),
+        "nonfinite": dict(nonfinite), "warmup": warm, "eval_before": before}, path)
+
+
+def _progress(cfg, start):
+    if not cfg.progress:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=cfg.steps, initial=start, desc="hacpo", unit="step", dynamic_ncols=True)
