@@ -1,0 +1,244 @@
+"""Build a megatron-core ``GPTModel`` from a Hugging Face Llama / Qwen2 / Qwen3 config.
+
+    arch = ArchSpec.from_hf(hf_config)                     # pure Python, no megatron import
+    par = init_parallel(tp=2, pp=1)                        # megatron parallel_state over gloo/nccl
+    model = build_gpt_model(arch, par, transformer_impl="local")
+
+``ArchSpec`` is the architecture in one flat record (layers, hidden, heads, kv heads, head dim,
+SwiGLU ffn, RMSNorm eps, rope theta, vocab, tied embeddings, qkv bias (Qwen2), qk-norm (Qwen3)).
+The same record drives the weight mapping in :mod:`hacpo.models.megatron.convert`.
+
+megatron-core is imported inside the functions that need it, so ``import hacpo.models`` (and
+this module) never imports megatron.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+log = logging.getLogger(__name__)
+
+TransformerImpl = Literal["local", "transformer_engine"]
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+def require_megatron() -> None:
+    """Raise a clear ImportError if megatron-core is not installed."""
+    if importlib.util.find_spec("megatron") is None or \
+            importlib.util.find_spec("megatron.core") is None:
+        raise ImportError("megatron-core is not installed; install it with "
+                          "`pip install -c requirements/constraints.txt megatron-core==0.16.1`")
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """A decoder-only Llama-family architecture (what both HF and Megatron need to agree on)."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_hf(cls, config: Any) -> "ArchSpec":
+        """From a transformers ``PretrainedConfig`` or its ``to_dict()``."""
+        cfg = config if isinstance(config, dict) else config.to_dict()
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported HF model_type {model_type!r}; "
+                             f"supported: {SUPPORTED_MODEL_TYPES}")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"only SwiGLU (hidden_act='silu') is supported, got {act!r}")
+        for key in ("rope_scaling", "rope_parameters"):   # transformers 4 / 5 spelling
+            rope = cfg.get(key) or {}
+            if rope.get("rope_type", rope.get("type", "default")) != "default":
+                raise ValueError(f"{key} {rope!r} is not supported (only plain RoPE)")
+        if model_type == "llama" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
+            raise ValueError("llama with attention_bias/mlp_bias is not supported")
+        heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        rope_theta = cfg.get("rope_theta")
+        if rope_theta is None:   # transformers 5 keeps it under rope_parameters
+            rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        return cls(
+            model_type=model_type,
+            num_layers=cfg["num_hidden_layers"],
+            hidden_size=hidden,
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            ffn_hidden_size=cfg["intermediate_size"],
+            vocab_size=cfg["vocab_size"],
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2",
+            qk_norm=model_type == "qwen3",
+        )
+
+    def check_parallel(self, tp: int, pp: int) -> None:
+        """Clear errors for a TP/PP split this architecture cannot take."""
+        for what, n in (("num_attention_heads", self.num_heads),
+                        ("num_key_value_heads", self.num_kv_heads),
+                        ("vocab_size", self.vocab_size),
+                        ("intermediate_size", self.ffn_hidden_size)):
+            if n % tp:
+                raise ValueError(f"{what}={n} is not divisible by tensor-parallel size tp={tp}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_kv_heads}")
+        if self.num_layers % pp:
+            raise ValueError(f"num_hidden_layers={self.num_layers} is not divisible by "
+                             f"pipeline-parallel size pp={pp}")
+
+    def layers_of_stage(self, pp: int, pp_rank: int) -> range:
+        """Global layer indices held by pipeline stage ``pp_rank`` (equal split)."""
+        n = self.num_layers // pp
+        return range(pp_rank * n, (pp_rank + 1) * n)
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """This rank's place in the TP x PP x DP grid (megatron parallel_state order tp-dp-pp)."""
+
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_group: Any = None
+    pp_group: Any = None
+    dp_group: Any = None
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+
+def check_world(tp: int, pp: int, dp: int | None, world_size: int) -> int:
+    """Return dp (inferred if None); raise if tp * pp * dp != world_size."""
+    for name, v in (("tp", tp), ("pp", pp)):
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    if dp is None:
+        if world_size % (tp * pp):
+            raise ValueError(f"world size {world_size} is not divisible by tp*pp = {tp}*{pp}")
+        dp = world_size // (tp * pp)
+    if tp * pp * dp != world_size:
+        raise ValueError(f"tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} does not match the world "
+                         f"size {world_size}")
+    return dp
+
+
+def init_parallel(tp: int = 1, pp: int = 1, dp: int | None = None, *, seed: int = 0) -> Parallel:
+    """Initialize megatron's parallel_state on the already-initialized default process group
+    and seed megatron's model-parallel RNG tracker. Returns this rank's :class:`Parallel`."""
+    require_megatron()
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    if not dist.is_initialized():
+        raise RuntimeError("init_parallel needs torch.distributed initialized first "
+                           "(dist.init_process_group)")
+    dp = check_world(tp, pp, dp, dist.get_world_size())
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return Parallel(tp=tp, pp=pp, dp=dp,
+                    tp_rank=ps.get_tensor_model_parallel_rank(),
+                    pp_rank=ps.get_pipeline_model_parallel_rank(),
+                    dp_rank=ps.get_data_parallel_rank(),
+                    tp_group=ps.get_tensor_model_parallel_group(),
+                    pp_group=ps.get_pipeline_model_parallel_group(),
+                    dp_group=ps.get_data_parallel_group())
+
+
+def resolve_transformer_impl(transformer_impl: str) -> str:
+    """"local" (megatron-core's own modules) or "transformer_engine" (must be importable: an
+    error otherwise, never a silent fallback). Logs the choice."""
+    if transformer_impl not in ("local", "transformer_engine"):
+        raise ValueError(f"transformer_impl must be 'local' or 'transformer_engine', "
+                         f"got {transformer_impl!r}")
+    if transformer_impl == "transformer_engine" and \
+            importlib.util.find_spec("transformer_engine") is None:
+        raise RuntimeError("transformer_impl='transformer_engine' requested but "
+                           "transformer_engine is not importable; install it (CUDA only) or "
+                           "use transformer_impl='local'")
+    log.info("megatron GPTModel: transformer_impl=%s", transformer_impl)
+    return transformer_impl
+
+
+def transformer_config(arch: ArchSpec, par: Parallel, *, params_dtype=torch.float32,
+                       transformer_impl: str = "local", use_cpu_initialization: bool = True):
+    """megatron ``TransformerConfig`` for ``arch``: RMSNorm, SwiGLU, GQA, no biases except the
+    Qwen2 qkv bias, qk-norm for Qwen3, no dropout, no fused kernels (they need CUDA/apex)."""
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=arch.num_layers, hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_heads, num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim, ffn_hidden_size=arch.ffn_hidden_size,
+        normalization="RMSNorm", layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, add_qkv_bias=arch.qkv_bias, qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp,
+        params_dtype=params_dtype, pipeline_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=use_cpu_initialization, transformer_impl=transformer_impl,
+    )
+
+
+def layer_spec(arch: ArchSpec, transformer_impl: str):
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if transformer_impl == "transformer_engine":
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+    return specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+
+
+def build_gpt_model(arch: ArchSpec, par: Parallel, *, transformer_impl: TransformerImpl = "local",
+                    params_dtype=torch.float32, max_sequence_length: int | None = None):
+    """This rank's ``GPTModel`` shard (its TP slice of its PP stage), in eval mode.
+
+    Call :func:`init_parallel` first. Returns vocab-parallel logits [B, S, V/tp] from
+    ``model(input_ids, position_ids, attention_mask=None)`` on the last stage.
+    """
+    require_megatron()
+    arch.check_parallel(par.tp, par.pp)
+    impl = resolve_transformer_impl(transformer_impl)
+    from megatron.core.models.gpt import GPTModel
+
+    cfg = transformer_config(arch, par, params_dtype=params_dtype, transformer_impl=impl)
+    model = GPTModel(config=cfg, transformer_layer_spec=layer_spec(arch, impl),
+                     vocab_size=arch.vocab_size,
+                     max_sequence_length=max_sequence_length or arch.max_position_embeddings,
+                     pre_process=par.first_stage, post_process=par.last_stage,
+                     parallel_output=True,
+                     share_embeddings_and_output_weights=arch.tie_word_embeddings,
+                     position_embedding_type="rope", rotary_base=arch.rope_theta)
+    return model.eval()

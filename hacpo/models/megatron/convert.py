@@ -1,0 +1,181 @@
+"""Weight mapping Hugging Face (Llama / Qwen2 / Qwen3) <-> megatron-core GPTModel shards.
+
+Pure tensor code: no megatron import, no communication. One rank's shard is addressed by
+``(tp_rank, pp_rank)``; :func:`hf_to_megatron` cuts it out of a full HF state dict and
+:func:`megatron_to_hf` reassembles a full HF state dict from all shards ``shards[pp][tp]``.
+:func:`iter_hf_weights` yields the same ``(hf_name, tensor)`` pairs one at a time, the shape a
+vLLM ``load_weights`` consumes.
+
+Megatron layouts (per layer ``i``; ``ng`` kv heads, ``nq`` query heads, head dim ``d``):
+
+- ``self_attention.linear_qkv.weight`` [ng*(nq/ng + 2)*d, H], column-parallel: rows grouped
+  by kv head g as ``[q heads of group g (nq/ng * d), k_g (d), v_g (d)]``; rank r holds groups
+  ``r*ng/tp ... (r+1)*ng/tp - 1`` (a contiguous row block). The Qwen2 qkv bias is laid out alike.
+- ``mlp.linear_fc1.weight`` [2*F/tp, H] per rank: ``[gate rows of rank r; up rows of rank r]``
+  (megatron's SwiGLU chunks the fc1 output in two halves *after* the TP split).
+- ``self_attention.linear_proj`` / ``mlp.linear_fc2``: row-parallel, split along dim 1.
+- ``embedding.word_embeddings`` / ``output_layer``: vocab-parallel, contiguous row blocks.
+- norms (and Qwen3's per-head q/k norms) are replicated.
+
+Layers are split evenly into PP stages; a stage numbers its layers from 0. The embedding lives
+on the first stage, the final norm and the output layer on the last. With tied embeddings and
+PP > 1 the last stage holds its own copy of the embedding as ``output_layer.weight`` (megatron
+keeps the two in sync); at PP = 1 a tied model has no ``output_layer.weight``.
+
+``transformer_impl="transformer_engine"`` fuses the pre-attention / pre-MLP RMSNorm weights
+into ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+
+from hacpo.models.megatron.build import ArchSpec
+
+Tensor = torch.Tensor
+
+
+def _norm_names(transformer_impl: str) -> tuple[str, str]:
+    if transformer_impl == "transformer_engine":
+        return ("self_attention.linear_qkv.layer_norm_weight",
+                "mlp.linear_fc1.layer_norm_weight")
+    if transformer_impl == "local":
+        return "input_layernorm.weight", "pre_mlp_layernorm.weight"
+    raise ValueError(f"transformer_impl must be 'local' or 'transformer_engine', "
+                     f"got {transformer_impl!r}")
+
+
+# -- fused QKV ------------------------------------------------------------------------------------
+def fuse_qkv(q: Tensor, k: Tensor, v: Tensor, arch: ArchSpec) -> Tensor:
+    """q [nq*d, ...], k/v [ng*d, ...] -> megatron's grouped [ng*(nq/ng+2)*d, ...]."""
+    ng, d = arch.num_kv_heads, arch.head_dim
+    rest = q.shape[1:]
+    qg = q.reshape(ng, (arch.num_heads // ng) * d, *rest)
+    return torch.cat([qg, k.reshape(ng, d, *rest), v.reshape(ng, d, *rest)], 1).reshape(-1, *rest)
+
+
+def split_qkv(qkv: Tensor, arch: ArchSpec) -> tuple[Tensor, Tensor, Tensor]:
+    """Inverse of :func:`fuse_qkv` (on the full, TP-gathered tensor)."""
+    ng, d = arch.num_kv_heads, arch.head_dim
+    qd = (arch.num_heads // ng) * d
+    rest = qkv.shape[1:]
+    g = qkv.reshape(ng, qd + 2 * d, *rest)
+    q, k, v = g.split([qd, d, d], 1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def _chunk(t: Tensor, tp: int, rank: int, dim: int = 0) -> Tensor:
+    return t.chunk(tp, dim)[rank].clone()
+
+
+# -- HF -> Megatron -------------------------------------------------------------------------------
+def hf_to_megatron(hf: Mapping[str, Tensor], arch: ArchSpec, *, tp: int = 1, tp_rank: int = 0,
+                   pp: int = 1, pp_rank: int = 0,
+                   transformer_impl: str = "local") -> dict[str, Tensor]:
+    """Full HF state dict -> the megatron state dict of shard (tp_rank, pp_rank).
+
+    ``_extra_state`` entries are not produced (load with :func:`load_megatron_state`).
+    """
+    arch.check_parallel(tp, pp)
+    ln1, ln2 = _norm_names(transformer_impl)
+    out: dict[str, Tensor] = {}
+    embed = hf["model.embed_tokens.weight"]
+    if pp_rank == 0:
+        out["embedding.word_embeddings.weight"] = _chunk(embed, tp, tp_rank)
+    for local, i in enumerate(arch.layers_of_stage(pp, pp_rank)):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{local}."
+        a = h + "self_attn."
+        out[m + ln1] = hf[h + "input_layernorm.weight"].clone()
+        qkv = fuse_qkv(hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"],
+                       arch)
+        out[m + "self_attention.linear_qkv.weight"] = _chunk(qkv, tp, tp_rank)
+        if arch.qkv_bias:
+            b = fuse_qkv(hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], arch)
+            out[m + "self_attention.linear_qkv.bias"] = _chunk(b, tp, tp_rank)
+        if arch.qk_norm:
+            out[m + "self_attention.q_layernorm.weight"] = hf[a + "q_norm.weight"].clone()
+            out[m + "self_attention.k_layernorm.weight"] = hf[a + "k_norm.weight"].clone()
+        out[m + "self_attention.linear_proj.weight"] = _chunk(hf[a + "o_proj.weight"], tp,
+                                                              tp_rank, 1)
+        out[m + ln2] = hf[h + "post_attention_layernorm.weight"].clone()
+        gate = _chunk(hf[h + "mlp.gate_proj.weight"], tp, tp_rank)
+        up = _chunk(hf[h + "mlp.up_proj.weight"], tp, tp_rank)
+        out[m + "mlp.linear_fc1.weight"] = torch.cat([gate, up], 0)
+        out[m + "mlp.linear_fc2.weight"] = _chunk(hf[h + "mlp.down_proj.weight"], tp, tp_rank, 1)
+    if pp_rank == pp - 1:
+        out["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone()
+        if not arch.tie_word_embeddings:
+            out["output_layer.weight"] = _chunk(hf["lm_head.weight"], tp, tp_rank)
+        elif pp > 1:   # the last stage's own copy of the tied embedding
+            out["output_layer.weight"] = _chunk(embed, tp, tp_rank)
+    return out
+
+
+# -- Megatron -> HF -------------------------------------------------------------------------------
+def iter_hf_weights(shards: Sequence[Sequence[Mapping[str, Tensor]]], arch: ArchSpec, *,
+                    transformer_impl: str = "local") -> Iterator[tuple[str, Tensor]]:
+    """``shards[pp_rank][tp_rank]`` (megatron state dicts of every shard) -> (HF name, full
+    tensor) pairs. A tied model yields no ``lm_head.weight`` (HF and vLLM tie it themselves)."""
+    pp, tp = len(shards), len(shards[0])
+    if any(len(s) != tp for s in shards):
+        raise ValueError("every pipeline stage needs the same number of TP shards")
+    arch.check_parallel(tp, pp)
+    ln1, ln2 = _norm_names(transformer_impl)
+
+    def cat(stage: int, name: str, dim: int = 0) -> Tensor:
+        return torch.cat([shards[stage][r][name] for r in range(tp)], dim)
+
+    yield "model.embed_tokens.weight", cat(0, "embedding.word_embeddings.weight")
+    for stage in range(pp):
+        first = shards[stage][0]
+        for local, i in enumerate(arch.layers_of_stage(pp, stage)):
+            h, m = f"model.layers.{i}.", f"decoder.layers.{local}."
+            a = h + "self_attn."
+            yield h + "input_layernorm.weight", first[m + ln1]
+            q, k, v = split_qkv(cat(stage, m + "self_attention.linear_qkv.weight"), arch)
+            yield a + "q_proj.weight", q
+            yield a + "k_proj.weight", k
+            yield a + "v_proj.weight", v
+            if arch.qkv_bias:
+                q, k, v = split_qkv(cat(stage, m + "self_attention.linear_qkv.bias"), arch)
+                yield a + "q_proj.bias", q
+                yield a + "k_proj.bias", k
+                yield a + "v_proj.bias", v
+            if arch.qk_norm:
+                yield a + "q_norm.weight", first[m + "self_attention.q_layernorm.weight"]
+                yield a + "k_norm.weight", first[m + "self_attention.k_layernorm.weight"]
+            yield a + "o_proj.weight", cat(stage, m + "self_attention.linear_proj.weight", 1)
+            yield h + "post_attention_layernorm.weight", first[m + ln2]
+            fc1 = [shards[stage][r][m + "mlp.linear_fc1.weight"].chunk(2, 0) for r in range(tp)]
+            yield h + "mlp.gate_proj.weight", torch.cat([g for g, _ in fc1], 0)
+            yield h + "mlp.up_proj.weight", torch.cat([u for _, u in fc1], 0)
+            yield h + "mlp.down_proj.weight", cat(stage, m + "mlp.linear_fc2.weight", 1)
+    yield "model.norm.weight", shards[pp - 1][0]["decoder.final_layernorm.weight"]
+    if not arch.tie_word_embeddings:
+        yield "lm_head.weight", cat(pp - 1, "output_layer.weight")
+
+
+def megatron_to_hf(shards: Sequence[Sequence[Mapping[str, Tensor]]], arch: ArchSpec, *,
+                   transformer_impl: str = "local") -> dict[str, Tensor]:
+    """:func:`iter_hf_weights` collected into a dict."""
+    return dict(iter_hf_weights(shards, arch, transformer_impl=transformer_impl))
+
+
+def hf_state_dict(model) -> dict[str, Tensor]:
+    """An HF causal LM's state dict in the names :func:`megatron_to_hf` produces (without the
+    tied ``lm_head.weight``)."""
+    sd = dict(model.state_dict())
+    if getattr(model.config, "tie_word_embeddings", False):
+        sd.pop("lm_head.weight", None)
+    return sd
+
+
+def load_megatron_state(model: torch.nn.Module, state: Mapping[str, Tensor]) -> None:
+    """Load a converted shard into a megatron module: every parameter must be provided and no
+    extra name may be left; only megatron's ``_extra_state`` entries may be missing."""
+    missing, unexpected = model.load_state_dict(dict(state), strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ValueError(f"converted weights do not match the megatron model: missing {missing}, "
+                         f"unexpected {unexpected}")

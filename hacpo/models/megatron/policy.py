@@ -1,0 +1,209 @@
+"""A megatron-core TP/PP/DP policy: per-token log-probs and one optimizer step.
+
+    par = init_parallel(tp=2, pp=1)
+    pol = MegatronPolicy.from_hf(hf_model, par)            # builds GPTModel, loads this shard
+    lp = pol.token_logprobs(input_ids, targets)            # [B, S] float32 on every rank
+    opt = pol.build_optimizer(lr=1e-5)                     # megatron DDP + megatron optimizer
+    metrics = pol.train_step(opt, microbatches, loss_fn)   # loss_fn(lp, mb) -> (loss, metrics)
+
+Log-probs come from ``hacpo.kernels.token_logprobs(logits, targets, tp_group=...)`` on the
+vocab-parallel logits [b*S, V/tp] of each rank: full logits are never gathered. Micro-batches run
+through megatron-core's own schedule (``get_forward_backward_func``: no pipelining at PP=1,
+1F1B at PP>1).
+
+Loss convention (pass the divisor in): ``loss_fn`` returns a loss already divided by the *global*
+divisor (e.g. the number of samples of the whole minibatch across micro-batches and DP ranks);
+gradients are therefore *summed* over micro-batches and DP ranks (megatron's
+``calculate_per_token_loss`` mode, no 1/num_microbatches or 1/dp scaling), so a step does not
+depend on how the batch is split.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hacpo.kernels import token_logprobs
+from hacpo.models.megatron.build import ArchSpec, Parallel, build_gpt_model, require_megatron
+from hacpo.models.megatron.convert import (hf_to_megatron, load_megatron_state,
+                                           megatron_to_hf)
+
+LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
+
+
+class MegatronPolicy:
+    """One rank's shard of a megatron GPTModel plus the parallel layout it lives in.
+
+    Args:
+        model: this rank's ``GPTModel`` (or its megatron DDP wrapper after
+            :meth:`build_optimizer`).
+        arch: the architecture (for weight mapping).
+        par: this rank's :class:`~hacpo.models.megatron.build.Parallel`.
+        transformer_impl: "local" or "transformer_engine" (weight names differ).
+    """
+
+    def __init__(self, model: torch.nn.Module, arch: ArchSpec, par: Parallel,
+                 transformer_impl: str = "local"):
+        self.model, self.arch, self.par = model, arch, par
+        self.transformer_impl = transformer_impl
+
+    @classmethod
+    def from_hf(cls, hf_model, par: Parallel, *, transformer_impl: str = "local",
+                params_dtype=torch.float32) -> "MegatronPolicy":
+        """Build this rank's GPTModel from an HF model's config and load its weights shard."""
+        arch = ArchSpec.from_hf(hf_model.config)
+        model = build_gpt_model(arch, par, transformer_impl=transformer_impl,
+                                params_dtype=params_dtype)
+        state = hf_to_megatron(hf_model.state_dict(), arch, tp=par.tp, tp_rank=par.tp_rank,
+                               pp=par.pp, pp_rank=par.pp_rank, transformer_impl=transformer_impl)
+        load_megatron_state(model, state)
+        return cls(model, arch, par, transformer_impl)
+
+    # -- weights --------------------------------------------------------------------------------
+    @property
+    def module(self) -> torch.nn.Module:
+        """The bare GPTModel (unwrapped from megatron DDP)."""
+        return getattr(self.model, "module", self.model)
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.module.state_dict().items()
+                if isinstance(v, torch.Tensor)}
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full HF-named weights on every rank: all-gather TP shards (tensor collectives), then
+        the PP stages (object collective; fine for weight sync of small models, a streaming
+        per-tensor broadcast is the follow-up for large ones)."""
+        local = self.local_state()
+        if self.par.tp > 1:
+            tp_shards = [dict() for _ in range(self.par.tp)]
+            for name, t in local.items():
+                parts = [torch.empty_like(t) for _ in range(self.par.tp)]
+                dist.all_gather(parts, t.contiguous(), group=self.par.tp_group)
+                for r in range(self.par.tp):
+                    tp_shards[r][name] = parts[r]
+        else:
+            tp_shards = [local]
+        if self.par.pp > 1:
+            stages: list[Any] = [None] * self.par.pp
+            dist.all_gather_object(stages, tp_shards, group=self.par.pp_group)
+        else:
+            stages = [tp_shards]
+        return megatron_to_hf(stages, self.arch, transformer_impl=self.transformer_impl)
+
+    # -- forward --------------------------------------------------------------------------------
+    def _forward_step(self, temperature: float, loss_fn: LossFn | None, data_iterator, model):
+        mb = next(data_iterator)
+        ids, targets = mb["input_ids"], mb["targets"]
+        b, s = ids.shape
+        pos = torch.arange(s, device=ids.device).expand(b, s)
+        out = model(ids, pos, attention_mask=None)          # last stage: [b, s, V/tp] logits
+
+        def loss_func(logits):
+            lp = token_logprobs(logits.reshape(b * s, -1), targets.reshape(-1),
+                                temperature=temperature, tp_group=self.par.tp_group,
+                                validate=False).view(b, s)
+            if loss_fn is None:
+                return lp.sum() * 0.0, torch.ones((), dtype=torch.int), {"logprobs": lp.detach()}
+            loss, metrics = loss_fn(lp, mb)
+            return loss, torch.ones((), dtype=torch.int), {"logprobs": lp.detach(), **metrics}
+
+        return out, loss_func
+
+    def _run(self, microbatches: Sequence[dict], *, forward_only: bool, temperature: float,
+             loss_fn: LossFn | None):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        b, s = microbatches[0]["input_ids"].shape
+        if any(mb["input_ids"].shape != (b, s) for mb in microbatches):
+            raise ValueError("all micro-batches need the same [b, S] shape (pad them)")
+        fb = get_forward_backward_func()
+        return fb(forward_step_func=partial(self._forward_step, temperature, loss_fn),
+                  data_iterator=iter(microbatches), model=[self.model],
+                  num_microbatches=len(microbatches), seq_length=s, micro_batch_size=b,
+                  forward_only=forward_only)
+
+    def _from_last_stage(self, t: torch.Tensor | None, shape) -> torch.Tensor:
+        """Broadcast a tensor that exists on the last PP stage to every stage."""
+        if self.par.pp == 1:
+            return t
+        buf = t.contiguous() if t is not None else torch.empty(shape, dtype=torch.float32)
+        src = dist.get_global_rank(self.par.pp_group, self.par.pp - 1)
+        dist.broadcast(buf, src=src, group=self.par.pp_group)
+        return buf
+
+    @torch.no_grad()
+    def token_logprobs(self, input_ids: torch.Tensor, targets: torch.Tensor, *,
+                       temperature: float = 1.0, micro_batch_size: int | None = None):
+        """input_ids [B, S], targets [B, S] (global token ids; usually ids shifted by one) ->
+        log p(targets) [B, S] float32 on every rank (computed on the last PP stage)."""
+        B, S = input_ids.shape
+        mbs = micro_batch_size or B
+        if B % mbs:
+            raise ValueError(f"batch size {B} is not divisible by micro_batch_size {mbs}")
+        mbs_list = [{"input_ids": input_ids[i:i + mbs], "targets": targets[i:i + mbs]}
+                    for i in range(0, B, mbs)]
+        self.model.eval()
+        out = self._run(mbs_list, forward_only=True, temperature=temperature, loss_fn=None)
+        lp = torch.cat([o["logprobs"] for o in out]) if self.par.last_stage else None
+        return self._from_last_stage(lp, (B, S))
+
+    # -- training -------------------------------------------------------------------------------
+    def build_optimizer(self, *, lr: float, optimizer: str = "adam", weight_decay: float = 0.0,
+                        adam_beta1: float = 0.9, adam_beta2: float = 0.999, adam_eps: float = 1e-8,
+                        sgd_momentum: float = 0.0, clip_grad: float = 0.0,
+                        use_distributed_optimizer: bool = False):
+        """Wrap the model in megatron's DistributedDataParallel and return megatron's optimizer
+        (``get_megatron_optimizer``, fp32 params: its ``FP32Optimizer`` around torch's
+        AdamW/SGD when neither TE nor apex is installed).
+
+        ``use_distributed_optimizer=True`` shards the optimizer state over DP (megatron's
+        ``DistributedOptimizer``, Adam only). It needs CUDA parameters: on CPU megatron-core
+        0.16.1 raises ``TypeError: Wrapped parameters must be one of torch.cuda.FloatTensor,
+        torch.cuda.HalfTensor, or torch.cuda.BFloat16Tensor. Received torch.FloatTensor``.
+        """
+        require_megatron()
+        from megatron.core.distributed import (DistributedDataParallel,
+                                               DistributedDataParallelConfig,
+                                               finalize_model_grads)
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        module = self.module
+        cfg = module.config
+        cfg.calculate_per_token_loss = True      # gradients summed over micro-batches and DP
+        # the loss already holds the global divisor: no extra 1/num_tokens scaling
+        cfg.finalize_model_grads_func = lambda chunks, num_tokens=None, **kw: \
+            finalize_model_grads(chunks, None, **kw)
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=use_distributed_optimizer)
+        self.model = DistributedDataParallel(cfg, ddp_cfg, module)
+        cfg.no_sync_func = self.model.no_sync
+        opt_cfg = OptimizerConfig(optimizer=optimizer, lr=lr, weight_decay=weight_decay,
+                                  adam_beta1=adam_beta1, adam_beta2=adam_beta2, adam_eps=adam_eps,
+                                  sgd_momentum=sgd_momentum, clip_grad=clip_grad,
+                                  bf16=cfg.bf16, fp16=cfg.fp16, params_dtype=cfg.params_dtype,
+                                  use_distributed_optimizer=use_distributed_optimizer)
+        return get_megatron_optimizer(opt_cfg, [self.model])
+
+    def train_step(self, optimizer, microbatches: Sequence[dict], loss_fn: LossFn, *,
+                   temperature: float = 1.0) -> list[dict]:
+        """One optimizer step over ``microbatches`` (this DP rank's share of the minibatch).
+
+        Each micro-batch dict holds ``input_ids`` and ``targets`` [b, S] plus whatever
+        ``loss_fn(token_logp [b, S], mb) -> (loss, metrics)`` needs; the loss must be divided by
+        the global divisor already (see the module docstring). Returns the per-micro-batch
+        metrics on the last PP stage (empty elsewhere).
+        """
+        self.model.train()
+        self.model.zero_grad_buffer()
+        optimizer.zero_grad()
+        out = self._run(microbatches, forward_only=False, temperature=temperature,
+                        loss_fn=loss_fn)
+        ok, _grad_norm, _ = optimizer.step()
+        if not ok:
+            raise RuntimeError("megatron optimizer step was skipped (non-finite gradients)")
+        self.model.eval()
+        return out

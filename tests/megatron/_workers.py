@@ -1,0 +1,114 @@
+"""Tiny HF models and the gloo worker functions of the megatron tests (module level, so that
+torch.multiprocessing can spawn them). Every worker writes its result with torch.save; the
+test process compares."""
+from __future__ import annotations
+
+import torch
+
+ARCHS = ("llama", "qwen2", "qwen3")
+B, S = 4, 8           # batch rows and sequence length of the log-prob checks
+
+
+def tiny_hf(arch: str, *, tie: bool = True, seed: int = 0, layers: int = 2):
+    """A random tiny HF causal LM (fp32, eval), with weights scaled up and norm weights away
+    from 1 so that a wrong mapping moves log-probs by far more than any tolerance used."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
+    # Qwen3 gets head_dim != hidden/heads (as Qwen3-0.6B: 1024 hidden, 16 x 128 heads) and
+    # the Qwens their real rope theta, so that both mappings are exercised.
+    cfg = cls(hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+              num_attention_heads=4, num_key_value_heads=2,
+              head_dim=32 if arch == "qwen3" else 16, vocab_size=96,
+              max_position_embeddings=64, tie_word_embeddings=tie, rms_norm_eps=1e-6,
+              rope_theta=10000.0 if arch == "llama" else 1e6)
+    cfg._attn_implementation = "eager"
+    g = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            elif p.dim() == 1:      # qkv biases (Qwen2)
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    return model.float().eval()
+
+
+def batch(vocab: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (B, S), generator=g)
+    targets = torch.randint(0, vocab, (B, S), generator=g)
+    return ids, targets
+
+
+@torch.no_grad()
+def hf_logprobs(model, ids, targets):
+    logits = model(input_ids=ids).logits.float()
+    return torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
+
+
+def _policy(arch, tie, tp, pp, dp=None, layers=2):
+    from hacpo.models.megatron import MegatronPolicy, init_parallel
+
+    par = init_parallel(tp, pp, dp)
+    hf = tiny_hf(arch, tie=tie, layers=layers)
+    return hf, MegatronPolicy.from_hf(hf, par)
+
+
+# -- workers: fn(rank, world, *args) ----------------------------------------------------------
+def logprobs_worker(rank, world, tp, pp, out_path, cases):
+    """For each (arch, tie): load the HF weights into this rank's shard, gather them back, and
+    compute log-probs (2 micro-batches). Rank 0 saves {case: (lp, gathered == original)}."""
+    from megatron.core import parallel_state as ps
+
+    from hacpo.models.megatron import hf_state_dict
+
+    results = {}
+    for arch, tie in cases:
+        hf, pol = _policy(arch, tie, tp, pp)
+        ids, targets = batch(pol.arch.vocab_size)
+        lp = pol.token_logprobs(ids, targets, micro_batch_size=B // 2)
+        ref = hf_state_dict(hf)
+        back = pol.hf_state_dict()
+        same = back.keys() == ref.keys() and all(torch.equal(back[k], ref[k]) for k in ref)
+        results[(arch, tie)] = (lp, same, hf_logprobs(hf, ids, targets))
+        ps.destroy_model_parallel()
+    if rank == 0:
+        torch.save(results, out_path)
+
+
+def sgd_loss(lp, mb):
+    """A token-level surrogate with the global divisor passed in (SPEC: pass the divisor in)."""
+    loss = -(lp * mb["adv"][:, None] * mb["mask"]).sum() / mb["divisor"]
+    return loss, {"loss": loss.detach()}
+
+
+def train_worker(rank, world, arch, micro_rows, optimizers, out_path):
+    """For each optimizer name: one megatron optimizer step at TP=1 PP=1 DP=world on this rank's
+    rows of a fixed batch of B rows (micro-batches of ``micro_rows``). Rank 0 saves
+    {optimizer: (weights before, weights after)}."""
+    from megatron.core import parallel_state as ps
+
+    results = {}
+    for name in optimizers:
+        hf, pol = _policy(arch, True, 1, 1)
+        opt = pol.build_optimizer(lr=0.5, optimizer=name)
+        ids, targets = batch(pol.arch.vocab_size)
+        g = torch.Generator().manual_seed(2)
+        adv = torch.randn(B, generator=g)
+        mask = torch.rand(B, S, generator=g) < 0.7
+        divisor = mask.sum().float()
+        lo, hi = rank * B // world, (rank + 1) * B // world
+        mbs = [{"input_ids": ids[i:i + micro_rows], "targets": targets[i:i + micro_rows],
+                "adv": adv[i:i + micro_rows], "mask": mask[i:i + micro_rows],
+                "divisor": divisor} for i in range(lo, hi, micro_rows)]
+        before = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+        pol.train_step(opt, mbs, sgd_loss)
+        results[name] = (before, pol.hf_state_dict())
+        ps.destroy_model_parallel()
+    if rank == 0:
+        torch.save(results, out_path)

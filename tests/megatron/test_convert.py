@@ -1,0 +1,147 @@
+"""HF <-> megatron weight mapping (pure tensors: needs transformers, not megatron-core) and the
+configuration errors. Runs in a few seconds."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hacpo.models.megatron.build import ArchSpec, check_world, resolve_transformer_impl
+from hacpo.models.megatron.convert import (fuse_qkv, hf_state_dict, hf_to_megatron,
+                                           megatron_to_hf)
+from tests.megatron._workers import ARCHS, tiny_hf
+
+
+def _shards(sd, arch, tp, pp, impl="local"):
+    return [[hf_to_megatron(sd, arch, tp=tp, tp_rank=r, pp=pp, pp_rank=p, transformer_impl=impl)
+             for r in range(tp)] for p in range(pp)]
+
+
+@pytest.mark.parametrize("arch_name", ARCHS)
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_roundtrip_exact(arch_name, tie, tp, pp):
+    model = tiny_hf(arch_name, tie=tie)
+    arch = ArchSpec.from_hf(model.config)
+    sd = hf_state_dict(model)
+    back = megatron_to_hf(_shards(sd, arch, tp, pp), arch)
+    assert back.keys() == sd.keys()
+    for k in sd:
+        assert torch.equal(back[k], sd[k]), k
+
+
+def test_roundtrip_transformer_engine_names():
+    model = tiny_hf("qwen3", tie=False)
+    arch = ArchSpec.from_hf(model.config)
+    sd = hf_state_dict(model)
+    shards = _shards(sd, arch, 2, 1, impl="transformer_engine")
+    assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in shards[0][0]
+    assert "decoder.layers.0.input_layernorm.weight" not in shards[0][0]
+    back = megatron_to_hf(shards, arch, transformer_impl="transformer_engine")
+    assert all(torch.equal(back[k], sd[k]) for k in sd) and back.keys() == sd.keys()
+
+
+def test_shard_layout_is_megatrons():
+    """The layouts a round trip cannot see (it would also pass for a consistently wrong one):
+    fused QKV grouped by kv head and split by group over TP; fc1 = [gate_r; up_r] per rank;
+    row-parallel splits along dim 1; PP stages renumber layers from 0; tied output at PP>1."""
+    model = tiny_hf("qwen2", tie=True, layers=2)
+    arch = ArchSpec.from_hf(model.config)   # 4 q heads, 2 kv heads, head_dim 16
+    sd = hf_state_dict(model)
+    a = "model.layers.1.self_attn."
+    q, k, v = sd[a + "q_proj.weight"], sd[a + "k_proj.weight"], sd[a + "v_proj.weight"]
+    d = 16
+    # group 0 = q heads 0,1 then k head 0 then v head 0; TP rank 1 holds group 1
+    r1 = hf_to_megatron(sd, arch, tp=2, tp_rank=1, pp=2, pp_rank=1)
+    expect = torch.cat([q[2 * d:4 * d], k[d:2 * d], v[d:2 * d]])
+    assert torch.equal(r1["decoder.layers.0.self_attention.linear_qkv.weight"], expect)
+    assert torch.equal(fuse_qkv(q, k, v, arch)[4 * d:], expect)
+    F = arch.ffn_hidden_size
+    gate, up = sd["model.layers.1.mlp.gate_proj.weight"], sd["model.layers.1.mlp.up_proj.weight"]
+    assert torch.equal(r1["decoder.layers.0.mlp.linear_fc1.weight"],
+                       torch.cat([gate[F // 2:], up[F // 2:]]))
+    assert torch.equal(r1["decoder.layers.0.mlp.linear_fc2.weight"],
+                       sd["model.layers.1.mlp.down_proj.weight"][:, F // 2:])
+    assert torch.equal(r1["decoder.layers.0.self_attention.linear_proj.weight"],
+                       sd[a + "o_proj.weight"][:, 32:])
+    emb = sd["model.embed_tokens.weight"]
+    assert torch.equal(r1["output_layer.weight"], emb[emb.shape[0] // 2:])
+    assert "embedding.word_embeddings.weight" not in r1
+    assert not any(n.startswith("decoder.layers.1.") for n in r1)
+    # at PP=1 a tied model has no separate output layer
+    assert "output_layer.weight" not in hf_to_megatron(sd, arch, tp=2, tp_rank=0)
+
+
+def _arch(**kw):
+    base = dict(model_type="llama", num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                num_key_value_heads=2, intermediate_size=96, vocab_size=96)
+    return ArchSpec.from_hf({**base, **kw})
+
+
+@pytest.mark.parametrize("kw,tp,pp,msg", [
+    (dict(num_attention_heads=6, num_key_value_heads=6), 4, 1,
+     "num_attention_heads=6 is not divisible by tensor-parallel size tp=4"),
+    (dict(num_attention_heads=8, num_key_value_heads=2), 4, 1,
+     "num_key_value_heads=2 is not divisible by tensor-parallel size tp=4"),
+    (dict(vocab_size=97), 2, 1, "vocab_size=97 is not divisible by tensor-parallel size tp=2"),
+    (dict(num_hidden_layers=3), 1, 2,
+     "num_hidden_layers=3 is not divisible by pipeline-parallel size pp=2"),
+])
+def test_divisibility_errors_name_the_numbers(kw, tp, pp, msg):
+    arch = _arch(**kw)
+    with pytest.raises(ValueError, match=msg):
+        arch.check_parallel(tp, pp)
+    with pytest.raises(ValueError, match=msg):   # the converter checks too
+        hf_to_megatron({}, arch, tp=tp, pp=pp)
+
+
+def test_world_size_errors():
+    assert check_world(2, 1, None, 4) == 2
+    with pytest.raises(ValueError, match=r"tp\*pp\*dp = 2\*2\*2 = 8 does not match the world "
+                                         r"size 4"):
+        check_world(2, 2, 2, 4)
+    with pytest.raises(ValueError, match="world size 3 is not divisible by tp\\*pp = 2\\*1"):
+        check_world(2, 1, None, 3)
+
+
+def test_arch_from_hf_reads_every_field():
+    arch = ArchSpec.from_hf(tiny_hf("qwen3", tie=False).config)
+    assert (arch.num_layers, arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
+            arch.ffn_hidden_size, arch.vocab_size) == (2, 64, 4, 2, 32, 96, 96)
+    assert (arch.rope_theta, arch.rms_norm_eps, arch.tie_word_embeddings) == (1e6, 1e-6, False)
+    assert arch.qk_norm and not arch.qkv_bias
+    assert ArchSpec.from_hf(tiny_hf("qwen2").config).qkv_bias
+    assert ArchSpec.from_hf(tiny_hf("llama").config).rope_theta == 1e4
+
+
+def test_unsupported_configs():
+    from transformers import LlamaConfig
+
+    scaled = LlamaConfig(rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                       "original_max_position_embeddings": 8192,
+                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0})
+    with pytest.raises(ValueError, match="only plain RoPE"):
+        ArchSpec.from_hf(scaled)
+    with pytest.raises(ValueError, match="unsupported HF model_type 'gpt2'"):
+        ArchSpec.from_hf({"model_type": "gpt2"})
+    with pytest.raises(ValueError, match="only SwiGLU"):
+        _arch(hidden_act="gelu")
+
+
+def test_transformer_engine_missing_is_an_error():
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("transformer_engine is installed here")
+    with pytest.raises(RuntimeError, match="transformer_engine is not importable"):
+        resolve_transformer_impl("transformer_engine")
+    with pytest.raises(ValueError, match="transformer_impl must be"):
+        resolve_transformer_impl("apex")
+
+
+def test_packages_do_not_import_megatron():
+    code = ("import sys, hacpo.engine, hacpo.models, hacpo.models.megatron; "
+            "print([m for m in sys.modules if m.split('.')[0] == 'megatron'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]", out.stdout
