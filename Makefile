@@ -18,7 +18,7 @@ $(STAMP): setup.py requirements/cpu.in requirements/constraints.txt requirements
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/hacpo demo
+	$(VENV)/bin/hacpo train
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q tests

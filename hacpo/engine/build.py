@@ -35,7 +35,7 @@ class Data:
 def load_data(cfg: TrainConfig) -> Data:
     d = cfg.data
     if d.task == "arithmetic":
-        task = ArithmeticTask.from_difficulty(d.difficulty, wording=d.wording, seed=cfg.seed)
+        task = ArithmeticTask.from_difficulty(d.difficulty, wording=d.wording, seed=d.seed)
         return Data(task.train_split(d.train_size), task.heldout_split(d.eval_size), True, {})
     fm = _FIELD_MAPS.get(d.field_map, d.field_map)
     if isinstance(fm, str) and fm != "auto":
@@ -70,14 +70,15 @@ def build_policies(cfg: TrainConfig, data: Data) -> list[Policy]:
 
 def warm_start(cfg: TrainConfig, data: Data, policies: list[Policy], echo=print) -> list[dict]:
     """Supervised warm-up per agent, cached in cfg.cache_dir by a hash of everything that
-    determines its result (so `hacpo compare` runs share it)."""
+    determines its result. It does not depend on the RL seed or algorithm, so every run of
+    `hacpo compare` shares it."""
     out = []
     for k, (a, pol) in enumerate(zip(cfg.agents, policies)):
         if a.warmup.steps <= 0:
             out.append({"steps": 0})
             continue
         key = config_hash({"policy": asdict(a.policy), "warmup": asdict(a.warmup),
-                           "data": asdict(cfg.data), "seed": cfg.seed, "v": 1})
+                           "data": asdict(cfg.data), "v": 1})
         path = os.path.join(cfg.cache_dir, f"warmup-{a.policy.name}-{key}.pt")
         if os.path.exists(path):
             state = ckpt.load(path)
@@ -96,7 +97,7 @@ def warm_start(cfg: TrainConfig, data: Data, policies: list[Policy], echo=print)
                 echo(f"[warm-up] {name}: step {step + 1}/{total} loss {loss:.3f}")
 
         losses = supervised_warmup(pol, prompts, targets, steps=a.warmup.steps, lr=a.warmup.lr,
-                                   batch_size=a.warmup.batch_size, seed=cfg.seed + 101 * k,
+                                   batch_size=a.warmup.batch_size, seed=a.policy.seed + 101 * k,
                                    micro_batch=cfg.micro_batch, progress=progress)
         ckpt.save_atomic({"model": pol.state_dict(), "losses": losses}, path)
         out.append({"steps": a.warmup.steps, "cached": False, "final_loss": losses[-1]})

@@ -3,10 +3,22 @@ estimator, using the same verifier as training."""
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 
 from hacpo.models.generation import generate
+
+
+def score_named(rc, texts: list[str], golds: list[str], where):
+    """rc.score, with a bad-reward error extended by ``where(i)`` (its prompt and agent)."""
+    try:
+        return rc.score(texts, golds)
+    except ValueError as e:
+        m = re.search(r"item (\d+)", str(e))
+        if not m:
+            raise
+        raise ValueError(f"{e} ({where(int(m.group(1)))})") from e
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -34,7 +46,9 @@ def evaluate_policy(policy, prompt_ids: list[list[int]], golds: list[str], rewar
                           generator=gen)
             texts = [policy.tokenizer.decode(r) for r in ro.response_ids]
             gs = [golds[s + i] for i in ro.prompt_index]
-            r, _ = reward_computer.score(texts, gs)
+            r, _ = score_named(reward_computer, texts, gs,
+                               lambda i: f"held-out prompt {s + ro.prompt_index[i]}, "
+                                         f"agent {policy.name}")
             rewards += r
             lengths += ro.response_lengths
             eos += sum(ro.finished_eos)

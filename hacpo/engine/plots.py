@@ -57,7 +57,7 @@ def plot_run(out_dir: str, agent_names: list[str]) -> list[str]:
                 key = f"{name}/{kind}"
                 if key in data and data[key].size:
                     s = np.exp(data[key])
-                    ax.hist(np.clip(s, 0, 2.5), bins=80, alpha=0.55, density=True,
+                    ax.hist(np.clip(s, 0, 2.5), bins=np.linspace(0, 2.5, 81), alpha=0.55, density=True,
                             label=f"{kind} (n={s.size})")
             ax.set_title(f"learner {name}: sequence ratio s"), ax.set_xlabel("s (clipped to 2.5)")
             ax.legend()

@@ -23,7 +23,7 @@ def scored_lengths(response_ids: list[list[int]], eos_id: int) -> list[int]:
 
 
 def score_responses(policy: Policy, prompts: list[list[int]], responses: list[list[int]],
-                    micro_batch: int, *, grad: bool):
+                    micro_batch: int, *, grad: bool, temperature: float = 1.0):
     """Per-sample token log-probs of scoreable responses, in micro-batches.
 
     Returns (seq_mean [N] float32, token_logp list of [len_i] tensors); rows with no scored
@@ -38,7 +38,8 @@ def score_responses(policy: Policy, prompts: list[list[int]], responses: list[li
         for s in range(0, len(keep), micro_batch):
             idx = keep[s:s + micro_batch]
             tl, mask = policy.response_logprobs([prompts[i] for i in idx],
-                                                [responses[i][:lens[i]] for i in idx])
+                                                [responses[i][:lens[i]] for i in idx],
+                                                temperature=temperature)
             n = mask.sum(-1)
             seq[idx] = ((tl * mask).sum(-1) / n).detach().float() if not grad else seq[idx]
             for j, i in enumerate(idx):
@@ -77,14 +78,17 @@ def build_pool(rollouts) -> StepPool:
 
 
 def compute_old_logprobs(pool: StepPool, policies: list[Policy],
-                         prompt_ids: list[list[list[int]]], micro_batch: int) -> None:
-    """lp_old from each generator's forward pass (no grad), in its own tokenization."""
+                         prompt_ids: list[list[list[int]]], micro_batch: int,
+                         temperature: float = 1.0) -> None:
+    """lp_old from each generator's forward pass (no grad), in its own tokenization, under the
+    sampling temperature (logits / T), as the ratio's numerator will be."""
     lp = torch.full((pool.num_samples,), float("nan"))
     toks: list[torch.Tensor] = [torch.empty(0)] * pool.num_samples
     for k, policy in enumerate(policies):
         idx = (pool.agent == k).nonzero().flatten().tolist()
         seq, tl = score_responses(policy, [prompt_ids[k][int(pool.prompt[i])] for i in idx],
-                                  [pool.response_ids[i] for i in idx], micro_batch, grad=False)
+                                  [pool.response_ids[i] for i in idx], micro_batch, grad=False,
+                                  temperature=temperature)
         lp[idx] = seq
         for j, i in enumerate(idx):
             toks[i] = tl[j]

@@ -68,6 +68,7 @@ class DataConfig:
     skip_bad_rows: bool = False
     train_size: int = 20000
     eval_size: int = 500
+    seed: int = 0                  # task/data seed: fixed across RL seeds so runs compare
 
     def __post_init__(self):
         if self.task not in ("arithmetic", "files"):
@@ -96,6 +97,7 @@ class TrainConfig:
     micro_batch: int = 256          # samples per forward/backward chunk
     eval_every: int = 0             # 0: evaluate before and after training only
     eval_max_new_tokens: int = 0    # 0: rollout.max_new_tokens
+    eval_pass_k: int = 0            # > 1: also sample k responses per held-out prompt (pass@k)
     checkpoint_every: int = 10
     max_nonfinite: int = 3          # stop after this many non-finite updates in a row
     drop_unencodable: bool = True   # cross samples the learner's vocabulary cannot spell

@@ -29,7 +29,7 @@ from . import build, checkpoint as ckpt
 from .algorithm import learner_samples, sample_omega
 from .capability import CapabilityTracker
 from .data import PromptSampler
-from .evaluate import evaluate_policy
+from .evaluate import evaluate_policy, score_named
 from .metrics import MetricsLogger
 from .pool import build_pool, compute_old_logprobs, learner_view
 from .rewards import RewardComputer
@@ -55,26 +55,28 @@ class Stopwatch(dict):
 
 def score_batch(rc: RewardComputer, pool, golds: list[str], names: list[str]):
     """Rewards [N] float32 from the shared verifier; a bad reward names the prompt and agent."""
-    try:
-        rewards, stats = rc.score(pool.texts, [golds[int(p)] for p in pool.prompt])
-    except ValueError as e:
-        msg = str(e)
-        import re
-        m = re.search(r"(?:index|item) (\d+)", msg)
-        if m:
-            i = int(m.group(1))
-            msg += f" (prompt {int(pool.prompt[i])}, agent {names[int(pool.agent[i])]})"
-        raise ValueError(f"reward function {rc.name!r}: {msg}") from e
+    rewards, stats = score_named(rc, pool.texts, [golds[int(p)] for p in pool.prompt],
+                                 lambda i: f"prompt {int(pool.prompt[i])}, "
+                                           f"agent {names[int(pool.agent[i])]}")
     return torch.tensor(rewards, dtype=torch.float32), stats
 
 
-def evaluate_all(cfg, data, policies, rc) -> dict[str, dict]:
+def evaluate_all(cfg, data, policies, rc, pass_k: int = 0) -> dict[str, dict]:
+    """Greedy avg@1 per agent on the held-out set; with pass_k > 1 also avg@k and pass@k of
+    k samples at the rollout temperature."""
     golds = [e.answer for e in data.eval]
+    max_new = cfg.eval_max_new_tokens or cfg.rollout.max_new_tokens
     out = {}
     for pol in policies:
         prompts = [pol.tokenizer.prompt_ids(build.prompt_text(cfg, e)) for e in data.eval]
-        out[pol.name] = evaluate_policy(pol, prompts, golds, rc, max_new_tokens=(
-            cfg.eval_max_new_tokens or cfg.rollout.max_new_tokens), seed=cfg.seed)
+        out[pol.name] = evaluate_policy(pol, prompts, golds, rc, max_new_tokens=max_new,
+                                        seed=cfg.seed)
+        if pass_k > 1:
+            r = evaluate_policy(pol, prompts, golds, rc, max_new_tokens=max_new,
+                                samples=pass_k, temperature=cfg.rollout.temperature,
+                                top_p=cfg.rollout.top_p, seed=cfg.seed + 1)
+            out[pol.name][f"avg@{pass_k}"] = r["accuracy"]
+            out[pol.name][f"pass@{pass_k}"] = r[f"pass@{pass_k}"]
     return out
 
 
@@ -156,7 +158,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, echo=print) -> dict:
             tracker.update(pool.rewards, pool.agent)
             ratios = tracker.ratios()
             with sw("time/old_logprobs"):
-                compute_old_logprobs(pool, policies, prompt_ids, cfg.micro_batch)
+                compute_old_logprobs(pool, policies, prompt_ids, cfg.micro_batch,
+                                     _score_temperature(cfg))
             metrics: dict[str, float] = {}
             retok = RetokStats()
             for k in range(n):
@@ -175,7 +178,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, echo=print) -> dict:
                                        grad_clip=cfg.agents[k].optim.grad_clip,
                                        nonfinite=nonfinite, max_nonfinite=cfg.max_nonfinite,
                                        ref_policy=refs[k], kl_coef=algo.loss.kl_coef,
-                                       ratio_log=rl)
+                                       ratio_log=rl, temperature=_score_temperature(cfg))
                 engine.sync_weights(k)
                 if rl:
                     for kind, vals in rl.items():
@@ -201,7 +204,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, echo=print) -> dict:
             bar.close()
         logger.close()
     echo("[eval] held-out accuracy after RL ...")
-    after = evaluate_all(cfg, data, policies, rc)
+    after = evaluate_all(cfg, data, policies, rc, pass_k=cfg.eval_pass_k)
     rc.close()
     summary = {"before": before, "after": after, "warmup": warm, "steps": cfg.steps,
                "algorithm": algo.name, "agents": names}
@@ -220,6 +223,11 @@ def train(cfg: TrainConfig, *, resume: bool = False, echo=print) -> dict:
         echo(f"[result] {name}: held-out accuracy {b['accuracy']:.3f} -> {a['accuracy']:.3f} "
              f"({diff:+.3f}, {diff / se if se else float('nan'):+.1f} SE) on {b['n']} problems")
     return summary
+
+
+def _score_temperature(cfg) -> float:
+    """Log-probs for ratios are taken under the sampling distribution's temperature."""
+    return cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
 
 
 def _step_metrics(pool, tracker, ratios, names, rstats, retok) -> dict[str, float]:

@@ -31,7 +31,8 @@ def update_learner(algo: AlgorithmConfig, policy, optimizer, view: LearnerView, 
                    lp_old: torch.Tensor, old_token_logp: list[torch.Tensor],
                    prompt_of_sample: torch.Tensor, generator: torch.Generator, micro_batch: int,
                    grad_clip: float, nonfinite: dict, max_nonfinite: int, ref_policy=None,
-                   kl_coef: float = 0.0, ratio_log: dict | None = None) -> dict[str, float]:
+                   kl_coef: float = 0.0, ratio_log: dict | None = None,
+                   temperature: float = 1.0) -> dict[str, float]:
     """Run the M updates; returns averaged metrics (floats). ``nonfinite`` carries the count of
     consecutive non-finite updates across calls ({"streak": int, "total": int})."""
     M = algo.num_minibatches * algo.minibatch_factor
@@ -55,7 +56,7 @@ def update_learner(algo: AlgorithmConfig, policy, optimizer, view: LearnerView, 
             js = mb_list[s:s + micro_batch]
             prompts = [view.prompt_ids[j] for j in js]
             resps = [view.response_ids[j] for j in js]
-            tl, mask = policy.response_logprobs(prompts, resps)
+            tl, mask = policy.response_logprobs(prompts, resps, temperature=temperature)
             new_lp = (tl * mask).sum(-1) / mask.sum(-1)
             pool_idx = view.idx[js]
             kwargs = {}
@@ -71,7 +72,8 @@ def update_learner(algo: AlgorithmConfig, policy, optimizer, view: LearnerView, 
                 self_rows = view.is_self[js]
                 if bool(self_rows.any()):
                     with torch.no_grad():
-                        ref_tl, _ = ref_policy.response_logprobs(prompts, resps)
+                        ref_tl, _ = ref_policy.response_logprobs(prompts, resps,
+                                                             temperature=temperature)
                     kl = low_var_kl(tl, ref_tl, mask)[self_rows]
                     loss = loss + kl_coef * kl.sum() / divisor
                     mb_metrics["kl"] += kl.detach().sum() / max(len(mb_list), 1)

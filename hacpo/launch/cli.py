@@ -28,6 +28,8 @@ def _train_config(args):
         overrides["steps"] = args.steps
     if args.out_dir:
         overrides["out_dir"] = args.out_dir
+    if getattr(args, "skip_bad_rows", False):
+        overrides["data.skip_bad_rows"] = True
     return load_config(args.preset, args.config, overrides)
 
 
@@ -47,6 +49,14 @@ def _train(args) -> int:
     print(f"[hacpo] run dir {cfg.out_dir}; algorithm {cfg.algorithm.name}; agents "
           + ", ".join(f"{a.policy.name} ({a.policy.tokenizer})" for a in cfg.agents))
     train(cfg, resume=args.resume)
+    return 0
+
+
+def _compare(args) -> int:
+    from hacpo.engine.compare import run_compare
+    cfg = _train_config(args)
+    run_compare(cfg, args.algorithms, args.seeds, args.out_dir or "runs/compare",
+                pass_k=args.pass_k)
     return 0
 
 
@@ -74,7 +84,16 @@ def main(argv: list[str] | None = None) -> int:
     t = sub.add_parser("train", help="train n agents together (embedded default: no arguments)")
     _add_run_args(t)
     t.add_argument("--resume", action="store_true", help="continue the run in --out-dir")
+    t.add_argument("--skip-bad-rows", action="store_true",
+                   help="skip (and count) dataset rows that cannot be parsed")
     t.set_defaults(func=_train)
+    c = sub.add_parser("compare", help="same budget under several algorithms and seeds; "
+                                       "markdown table + plot")
+    _add_run_args(c)
+    c.add_argument("--algorithms", nargs="+", default=["grpo", "gspo", "gspo2x", "naive", "hacpo"])
+    c.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    c.add_argument("--pass-k", type=int, default=4)
+    c.set_defaults(func=_compare)
     args = ap.parse_args(argv)
     return args.func(args)
 

@@ -1,0 +1,117 @@
+"""hacpo compare — the same run budget under several algorithms and seeds, evaluated on the
+held-out set; a Table-1-style markdown table (mean ± 95% CI over seeds, per agent) and a plot.
+
+Warm-up checkpoints are shared: they depend on the agents, warm-up and data config only."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+
+from .config import preset
+from .run_config import TrainConfig
+
+# two-sided 95% Student-t quantiles by degrees of freedom
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+        9: 2.262, 10: 2.228, 15: 2.131, 20: 2.086, 30: 2.042}
+
+
+def t95(df: int) -> float:
+    if df <= 0:
+        return float("nan")
+    return _T95.get(df) or _T95[max(k for k in _T95 if k <= df)]
+
+
+def mean_ci(xs: list[float]) -> tuple[float, float]:
+    m = statistics.fmean(xs)
+    if len(xs) < 2:
+        return m, float("nan")
+    return m, t95(len(xs) - 1) * statistics.stdev(xs) / math.sqrt(len(xs))
+
+
+def run_compare(base: TrainConfig, algorithms: list[str], seeds: list[int], root: str, *,
+                pass_k: int = 4, echo=print) -> dict:
+    from .trainer import train
+    os.makedirs(root, exist_ok=True)
+    results: dict[str, dict[str, list[dict]]] = {}
+    for algo in algorithms:
+        for seed in seeds:
+            out = os.path.join(root, f"{algo}-seed{seed}")
+            cfg = base.override({"seed": seed, "out_dir": out, "progress": False,
+                                 "eval_pass_k": pass_k, "cache_dir": base.cache_dir})
+            cfg = _with_algorithm(cfg, algo)
+            summ_path = os.path.join(out, "summary.json")
+            if os.path.exists(summ_path):         # finished earlier: reuse (resumable compare)
+                summary = json.load(open(summ_path))
+            else:
+                echo(f"[compare] {algo} seed {seed} -> {out}")
+                summary = train(cfg, resume=True, echo=lambda *_: None)
+            for agent, r in summary["after"].items():
+                results.setdefault(algo, {}).setdefault(agent, []).append(
+                    {"seed": seed, **r, "before": summary["before"][agent]["accuracy"]})
+    table = render_table(results, pass_k)
+    with open(os.path.join(root, "compare.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    with open(os.path.join(root, "compare.md"), "w") as f:
+        f.write(table)
+    plot_compare(results, os.path.join(root, "compare.png"))
+    echo(table)
+    return results
+
+
+def _with_algorithm(cfg: TrainConfig, algo: str) -> TrainConfig:
+    import dataclasses
+    return dataclasses.replace(cfg, algorithm=preset(algo, {
+        "num_minibatches": cfg.algorithm.num_minibatches,
+        "minibatch_order": cfg.algorithm.minibatch_order}))
+
+
+def render_table(results: dict, pass_k: int) -> str:
+    agents = sorted({a for per in results.values() for a in per})
+    lines = ["| algorithm | " + " | ".join(f"{a} avg@1 | {a} pass@{pass_k}" for a in agents)
+             + " | seeds |",
+             "| --- |" + " --- | --- |" * len(agents) + " --- |"]
+    for algo, per in results.items():
+        cells = []
+        for a in agents:
+            rows = per.get(a, [])
+            for key in ("accuracy", f"pass@{pass_k}"):
+                xs = [100 * r[key] for r in rows if key in r]
+                if xs:
+                    m, ci = mean_ci(xs)
+                    cells.append(f"{m:.1f} ± {ci:.1f}" if math.isfinite(ci) else f"{m:.1f}")
+                else:
+                    cells.append("–")
+        n = max((len(v) for v in per.values()), default=0)
+        lines.append(f"| {algo} | " + " | ".join(cells) + f" | {n} |")
+    before = {a: statistics.fmean(r["before"] for per in results.values() for r in per.get(a, []))
+              for a in agents}
+    lines.append("")
+    lines.append("Accuracy in % on the held-out set (greedy avg@1; pass@k from k samples at the "
+                 "rollout temperature, unbiased estimator); mean ± 95% CI (Student t) over "
+                 "seeds. Before RL (after the shared warm-up): "
+                 + ", ".join(f"{a} {100 * v:.1f}" for a, v in before.items()) + ".")
+    return "\n".join(lines) + "\n"
+
+
+def plot_compare(results: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    agents = sorted({a for per in results.values() for a in per})
+    algos = list(results)
+    fig, ax = plt.subplots(figsize=(1.6 * len(algos) + 3, 4))
+    width = 0.8 / max(len(agents), 1)
+    for j, a in enumerate(agents):
+        ms, cis = [], []
+        for algo in algos:
+            xs = [100 * r["accuracy"] for r in results[algo].get(a, [])]
+            m, ci = mean_ci(xs) if xs else (float("nan"), float("nan"))
+            ms.append(m), cis.append(0 if not math.isfinite(ci) else ci)
+        ax.bar(np.arange(len(algos)) + j * width, ms, width, yerr=cis, capsize=3, label=a)
+    ax.set_xticks(np.arange(len(algos)) + width * (len(agents) - 1) / 2, algos)
+    ax.set_ylabel("held-out greedy accuracy (%)"), ax.legend()
+    ax.set_title("hacpo compare: mean ± 95% CI over seeds")
+    fig.tight_layout(), fig.savefig(path, dpi=110), plt.close(fig)

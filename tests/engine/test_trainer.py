@@ -1,0 +1,180 @@
+"""End to end: `hacpo train` on the tiny3 preset (3 agents, 3 different tokenizers), resume after
+kill -9, config mismatch, and the trainer's bad-input paths."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from hacpo.engine.rewards import register_reward
+from hacpo.engine.run_config import load_config
+from hacpo.engine.trainer import train
+
+
+def _cfg(tmp_path, name="run", **over):
+    base = {"out_dir": str(tmp_path / name), "cache_dir": str(tmp_path / "cache"),
+            "threads": "1"}
+    return load_config("tiny3", overrides={**base, **over})
+
+
+def test_two_step_run_three_tokenizers(tmp_path):
+    t0 = time.time()
+    cfg = _cfg(tmp_path)
+    assert len({a.policy.tokenizer for a in cfg.agents}) == 3
+    summary = train(cfg, echo=lambda *_: None)
+    assert time.time() - t0 < 60
+    out = tmp_path / "run"
+    for f in ("config.json", "metrics.jsonl", "checkpoint.pt", "summary.json",
+              "reward_curves.png", "capability_ratios.png", "ratio_histograms.png"):
+        assert (out / f).exists(), f
+    assert any(p.name.startswith("events.out.tfevents") for p in (out / "tensorboard").iterdir())
+    rows = [json.loads(l) for l in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1]
+    for name in ("char", "qwen3", "llama"):
+        assert 0.0 <= rows[-1][f"reward/{name}"] <= 1.0
+        assert rows[-1][f"train/{name}/trained_self"] > 0
+        assert f"time/generate/{name}" in rows[-1]
+    # every response was scored by the verifier and re-tokenized for two other learners
+    n = 3 * cfg.prompts_per_step * cfg.rollout.group_size
+    assert rows[0]["reward_fn/total"] == n
+    assert rows[0]["retok/samples"] == 2 * n
+    assert set(summary["after"]) == {"char", "qwen3", "llama"}
+    with pytest.raises(FileExistsError, match="--resume"):
+        train(cfg, echo=lambda *_: None)
+
+
+def _strip_times(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "reward_fn/seconds"))}
+            for r in rows]
+
+
+def test_resume_after_kill_matches_uninterrupted(tmp_path):
+    steps = 30
+    common = ["--preset", "tiny3", "--steps", str(steps), "--set", "threads=1",
+              f"cache_dir={tmp_path / 'cache'}", "plots=false", "tensorboard=false",
+              "checkpoint_every=1", "rollout.group_size=4", "prompts_per_step=6"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cli = [sys.executable, "-m", "hacpo.launch.cli", "train"]
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "killed"
+    subprocess.run(cli + ["--out-dir", str(ref_dir)] + common, check=True, env=env,
+                   capture_output=True)
+    proc = subprocess.Popen(cli + ["--out-dir", str(run_dir)] + common, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if metrics.exists() and sum(1 for _ in open(metrics)) >= 3:
+            break
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    lines_at_kill = sum(1 for _ in open(metrics))
+    assert lines_at_kill < steps, "the run finished before it could be killed"
+    subprocess.run(cli + ["--out-dir", str(run_dir), "--resume"] + common, check=True, env=env,
+                   capture_output=True)
+    ref = [json.loads(l) for l in open(ref_dir / "metrics.jsonl")]
+    got = [json.loads(l) for l in open(metrics)]
+    assert len(got) == steps
+    assert _strip_times(got) == _strip_times(ref)
+    s_ref = json.load(open(ref_dir / "summary.json"))
+    s_got = json.load(open(run_dir / "summary.json"))
+    assert s_got["after"] == s_ref["after"] and s_got["before"] == s_ref["before"]
+
+
+def test_resume_with_other_config_is_clear_error(tmp_path):
+    cfg = _cfg(tmp_path, steps="1", plots="false", tensorboard="false")
+    train(cfg, echo=lambda *_: None)
+    other = cfg.override({"agents.1.optim.lr": 0.5, "rollout.group_size": 3, "steps": 2})
+    with pytest.raises(ValueError, match=r"agents\.1\.optim\.lr.*rollout\.group_size"):
+        train(other, resume=True, echo=lambda *_: None)
+    train(cfg.override({"steps": 2}), resume=True, echo=lambda *_: None)   # steps may grow
+
+
+@register_reward("_test_out_of_range", in_process=True, overwrite=True)
+def _bad_reward(response, gold):
+    return 1.5
+
+
+@register_reward("_test_raises", in_process=True, overwrite=True)
+def _raising_reward(response, gold):
+    raise RuntimeError("boom")
+
+
+def test_reward_out_of_range_names_prompt_and_agent(tmp_path):
+    cfg = _cfg(tmp_path, **{"reward.name": "_test_out_of_range", "steps": "1",
+                            "agents.0.warmup.steps": "0", "agents.1.warmup.steps": "0",
+                            "agents.2.warmup.steps": "0"})
+    with pytest.raises(ValueError, match=r"item \d+.*prompt \d+, agent char"):
+        train(cfg, echo=lambda *_: None)
+
+
+def test_raising_reward_counts_zero(tmp_path):
+    cfg = _cfg(tmp_path, **{"reward.name": "_test_raises", "steps": "1", "plots": "false"})
+    train(cfg, echo=lambda *_: None)
+    row = json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())
+    assert row["reward_fn/errors"] == row["reward_fn/total"] > 0
+    assert row["reward/char"] == 0.0
+
+
+def test_bad_dataset_row_error_and_skip(tmp_path):
+    good = {"question": "What is 2+2?", "answer": "2+2=4 #### 4"}
+    train_f = tmp_path / "train.jsonl"
+    train_f.write_text("\n".join(json.dumps(r) for r in
+                                 [good, {"question": "no answer here"}, good]) + "\n")
+    eval_f = tmp_path / "eval.jsonl"
+    eval_f.write_text(json.dumps(good) + "\n")
+    over = {"data.task": "files", "data.train_path": str(train_f),
+            "data.eval_path": str(eval_f), "steps": "1", "plots": "false",
+            "agents.0.policy.tokenizer": "char", "agents.1.policy.tokenizer": "char",
+            "agents.2.policy.tokenizer": "char", "agents.1.policy.reduce_vocab": "false",
+            "agents.2.policy.reduce_vocab": "false"}
+    with pytest.raises(ValueError, match=r"train\.jsonl:line 2"):
+        train(_cfg(tmp_path, **over), echo=lambda *_: None)
+    train(_cfg(tmp_path, name="skip", **{**over, "data.skip_bad_rows": "true"}),
+          echo=lambda *_: None)
+
+
+def test_unknown_tokenizer_path_is_clear_error(tmp_path):
+    cfg = _cfg(tmp_path, **{"agents.1.policy.tokenizer": str(tmp_path / "nope")})
+    with pytest.raises(FileNotFoundError, match="nope"):
+        train(cfg, echo=lambda *_: None)
+
+
+def test_nonfinite_updates_are_skipped_then_stop():
+    from hacpo.engine import preset
+    from hacpo.engine.pool import LearnerView
+    from hacpo.engine.update import NonFiniteUpdateError, update_learner
+
+    class NaNPolicy(torch.nn.Module):
+        name = "nan"
+
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(()))
+
+        def response_logprobs(self, prompts, resps, temperature=1.0):
+            T = max(len(r) for r in resps)
+            return self.w * torch.full((len(resps), T), float("nan")), \
+                torch.ones(len(resps), T, dtype=torch.bool)
+
+    pol = NaNPolicy()
+    opt = torch.optim.SGD(pol.parameters(), lr=0.1)
+    view = LearnerView(torch.arange(4), torch.ones(4), torch.ones(4), torch.ones(4, dtype=torch.bool),
+                       [[1]] * 4, [[2, 3]] * 4, {})
+    state = {"streak": 0, "total": 0}
+    algo = preset("gspo", {"num_minibatches": 2})
+    m = update_learner(algo, pol, opt, view, lp_old=torch.zeros(4), old_token_logp=[],
+                       prompt_of_sample=torch.tensor([0, 0, 1, 1]),
+                       generator=torch.Generator().manual_seed(0), micro_batch=8, grad_clip=1.0,
+                       nonfinite=state, max_nonfinite=3)
+    assert m["skipped_updates"] == 2 and state == {"streak": 2, "total": 2}
+    assert pol.w.item() == 1.0   # no update applied
+    with pytest.raises(NonFiniteUpdateError, match="3 non-finite updates in a row"):
+        update_learner(algo, pol, opt, view, lp_old=torch.zeros(4), old_token_logp=[],
+                       prompt_of_sample=torch.tensor([0, 0, 1, 1]),
+                       generator=torch.Generator().manual_seed(0), micro_batch=8,
+                       grad_clip=1.0, nonfinite=state, max_nonfinite=3)
