@@ -30,13 +30,11 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor,
                    temperature: float = 1.0) -> torch.Tensor:
     """logits [T, V], targets [T] -> log p(target) [T] float32 (differentiable).
 
-    The single place the gather happens; switch to ``hacpo.kernels.token_logprobs(logits,
-    targets, temperature=temperature, backend="torch")`` here once it lands.
+    The single place the gather happens: ``hacpo.kernels.token_logprobs`` (Triton on CUDA, the
+    chunked torch path elsewhere; never a [T, V] float32 copy of low-precision logits).
     """
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    return torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
+    from hacpo.kernels import token_logprobs as kernel
+    return kernel(logits, targets, temperature=temperature, backend="auto")
 
 
 @dataclass
