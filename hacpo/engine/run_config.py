@@ -171,15 +171,19 @@ def _agent(name, tokenizer, d_model, n_layers, n_heads, *, reduce_vocab=False, s
 
 def _default() -> TrainConfig:
     """Embedded default: two agents that differ in size and tokenizer (characters vs the real
-    Qwen3 BPE with a reduced embedding table), warm-started on worked solutions, then HACPO."""
+    Qwen3 BPE with a reduced embedding table), warm-started on worked solutions, then HACPO.
+
+    Tuned on 2 CPU cores: 300 warm-up steps leave the agents at about 35% and 78% greedy
+    held-out accuracy; RL then needs >= 256 samples per update per agent (32 prompts x G=8) —
+    with 16 prompts, or at lr 3e-4, accuracy stayed flat or collapsed."""
     return TrainConfig(
-        agents=[_agent("char-small", "char", 64, 2, 4, seed=1, lr=2e-4, warmup_steps=300),
+        agents=[_agent("char-small", "char", 64, 2, 4, seed=1, lr=1e-4, warmup_steps=300),
                 _agent("qwen3-large", "qwen3", 128, 3, 4, reduce_vocab=True, seed=2, lr=1e-4,
                        warmup_steps=300)],
-        algorithm=algorithm_preset("hacpo"),
+        algorithm=algorithm_preset("hacpo", {"num_minibatches": 2}),
         rollout=RolloutConfig(group_size=8, max_new_tokens=40, temperature=1.0),
         data=DataConfig(difficulty="easy", train_size=20000, eval_size=500),
-        steps=60, prompts_per_step=16, out_dir="runs/default")
+        steps=40, prompts_per_step=32, out_dir="runs/default")
 
 
 def _tiny3() -> TrainConfig:
