@@ -57,7 +57,7 @@ def run(algorithm: str = "hacpo", *, agents: int = 3, prompts: int = 64, answers
                 loss.backward()
                 opts[k].step()
         if step % log_every == 0 or step == steps - 1:
-            acc = [float(torch.softmax(w, -1).gather(1, correct[:, None]).mean()) for w in logits]
+            acc = [float(torch.softmax(w.detach(), -1).gather(1, correct[:, None]).mean()) for w in logits]
             echo(f"{algorithm:6s} step {step:3d}  expected accuracy per agent: "
                  + "  ".join(f"{a:.3f}" for a in acc))
     return acc

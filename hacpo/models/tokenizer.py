@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import os
 from collections.abc import Iterable, Sequence
 from typing import Literal
@@ -333,12 +334,18 @@ def _load_hf(path: str):
     if os.path.isfile(os.path.join(path, "tokenizer.json")) or os.path.isfile(
             os.path.join(path, "tokenizer_config.json")):
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    vocab, merges = os.path.join(path, "vocab.json"), os.path.join(path, "merges.txt")
-    if os.path.isfile(vocab) and os.path.isfile(merges):  # bare GPT-2 BPE files
-        tok = GPT2TokenizerFast(vocab_file=vocab, merges_file=merges)
-        return tok
-    raise FileNotFoundError(f"no tokenizer files (tokenizer.json, tokenizer_config.json or "
-                            f"vocab.json+merges.txt) in {path!r}")
+    # bare GPT-2 BPE files: Hugging Face names, or OpenAI's original encoder.json + vocab.bpe
+    for vocab_name, merges_name in (("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe")):
+        vocab, merges = os.path.join(path, vocab_name), os.path.join(path, merges_name)
+        if os.path.isfile(vocab) and os.path.isfile(merges):
+            with open(vocab, encoding="utf-8") as f:
+                vocab_map = json.load(f)
+            with open(merges, encoding="utf-8") as f:
+                merge_list = [tuple(ln.split()) for ln in f.read().splitlines()
+                              if ln and not ln.startswith("#version")]
+            return GPT2TokenizerFast(vocab=vocab_map, merges=merge_list)
+    raise FileNotFoundError(f"no tokenizer files (tokenizer.json, tokenizer_config.json, "
+                            f"vocab.json+merges.txt or encoder.json+vocab.bpe) in {path!r}")
 
 
 def tokenizer_path(name: str) -> str:
