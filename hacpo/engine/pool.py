@@ -22,9 +22,10 @@ def scored_lengths(response_ids: list[list[int]], eos_id: int) -> list[int]:
     return [len(r) - (1 if r and r[-1] == eos_id else 0) for r in response_ids]
 
 
+@torch.no_grad()
 def score_responses(policy: Policy, prompts: list[list[int]], responses: list[list[int]],
-                    micro_batch: int, *, grad: bool, temperature: float = 1.0):
-    """Per-sample token log-probs of scoreable responses, in micro-batches.
+                    micro_batch: int, *, temperature: float = 1.0):
+    """Per-sample token log-probs of scoreable responses (no grad), in micro-batches.
 
     Returns (seq_mean [N] float32, token_logp list of [len_i] tensors); rows with no scored
     token get NaN / empty and must be dropped by the caller."""
@@ -33,17 +34,14 @@ def score_responses(policy: Policy, prompts: list[list[int]], responses: list[li
     seq = torch.full((len(responses),), float("nan"))
     toks: list[torch.Tensor] = [torch.empty(0)] * len(responses)
     keep = [i for i, n in enumerate(lens) if n > 0]
-    ctx = torch.enable_grad() if grad else torch.no_grad()
-    with ctx:
-        for s in range(0, len(keep), micro_batch):
-            idx = keep[s:s + micro_batch]
-            tl, mask = policy.response_logprobs([prompts[i] for i in idx],
-                                                [responses[i][:lens[i]] for i in idx],
-                                                temperature=temperature)
-            n = mask.sum(-1)
-            seq[idx] = ((tl * mask).sum(-1) / n).detach().float() if not grad else seq[idx]
-            for j, i in enumerate(idx):
-                toks[i] = tl[j, :lens[i]].detach()
+    for s in range(0, len(keep), micro_batch):
+        idx = keep[s:s + micro_batch]
+        tl, mask = policy.response_logprobs([prompts[i] for i in idx],
+                                            [responses[i][:lens[i]] for i in idx],
+                                            temperature=temperature)
+        seq[idx] = ((tl * mask).sum(-1) / mask.sum(-1)).float().cpu()
+        for j, i in enumerate(idx):
+            toks[i] = tl[j, :lens[i]].cpu()
     return seq, toks
 
 
@@ -87,7 +85,7 @@ def compute_old_logprobs(pool: StepPool, policies: list[Policy],
     for k, policy in enumerate(policies):
         idx = (pool.agent == k).nonzero().flatten().tolist()
         seq, tl = score_responses(policy, [prompt_ids[k][int(pool.prompt[i])] for i in idx],
-                                  [pool.response_ids[i] for i in idx], micro_batch, grad=False,
+                                  [pool.response_ids[i] for i in idx], micro_batch,
                                   temperature=temperature)
         lp[idx] = seq
         for j, i in enumerate(idx):

@@ -81,6 +81,13 @@ def evaluate_all(cfg, data, policies, rc, pass_k: int = 0) -> dict[str, dict]:
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, echo=print) -> dict:
+    """Run (or resume) training; returns the summary (held-out accuracy before/after)."""
+    with RewardComputer(cfg.reward.name, num_workers=cfg.reward.num_workers,
+                        timeout_s=cfg.reward.timeout_s) as rc:   # no worker outlives the run
+        return _train(cfg, rc, resume, echo)
+
+
+def _train(cfg: TrainConfig, rc: RewardComputer, resume: bool, echo) -> dict:
     os.makedirs(cfg.out_dir, exist_ok=True)
     ck_path = os.path.join(cfg.out_dir, CHECKPOINT)
     state = None
@@ -100,8 +107,6 @@ def train(cfg: TrainConfig, *, resume: bool = False, echo=print) -> dict:
     policies = build.build_policies(cfg, data)
     names = [p.name for p in policies]
     n = len(policies)
-    rc = RewardComputer(cfg.reward.name, num_workers=cfg.reward.num_workers,
-                        timeout_s=cfg.reward.timeout_s)
     tracker = CapabilityTracker(n, **vars(cfg.algorithm.capability))
     sampler = PromptSampler(data.train, seed=cfg.seed)
     engine = LocalRolloutEngine(policies, cfg.seed)
@@ -205,7 +210,6 @@ def train(cfg: TrainConfig, *, resume: bool = False, echo=print) -> dict:
         logger.close()
     echo("[eval] held-out accuracy after RL ...")
     after = evaluate_all(cfg, data, policies, rc, pass_k=cfg.eval_pass_k)
-    rc.close()
     summary = {"before": before, "after": after, "warmup": warm, "steps": cfg.steps,
                "algorithm": algo.name, "agents": names}
     with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:

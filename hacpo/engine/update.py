@@ -6,6 +6,7 @@ update decides whether the update is finite; a non-finite update is skipped and 
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import torch
@@ -87,7 +88,11 @@ def update_learner(algo: AlgorithmConfig, policy, optimizer, view: LearnerView, 
                 ratio_log.setdefault("self", []).append(lr_[view.is_self[js]])
                 ratio_log.setdefault("cross", []).append(lr_[~view.is_self[js]])
         gnorm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
-        if bool(torch.isfinite(total) & torch.isfinite(gnorm)):       # one host sync per update
+        # the update's one host sync: its loss, grad norm and metrics come over together
+        keys = list(mb_metrics)
+        vals = torch.stack([total.float(), gnorm.float()]
+                           + [mb_metrics[k].float().reshape(()) for k in keys]).tolist()
+        if all(map(math.isfinite, vals[:2])):
             optimizer.step()
             nonfinite["streak"] = 0
         else:
@@ -98,13 +103,13 @@ def update_learner(algo: AlgorithmConfig, policy, optimizer, view: LearnerView, 
             if nonfinite["streak"] >= max_nonfinite:
                 raise NonFiniteUpdateError(
                     f"{nonfinite['streak']} non-finite updates in a row for policy "
-                    f"{getattr(policy, 'name', '?')!r} (loss={float(total)}, grad norm="
-                    f"{float(gnorm)}); stopping (max_nonfinite={max_nonfinite})")
+                    f"{getattr(policy, 'name', '?')!r} (loss={vals[0]}, grad norm="
+                    f"{vals[1]}); stopping (max_nonfinite={max_nonfinite})")
             continue
-        sums["loss"] += float(total) / len(mbs)
-        sums["grad_norm"] += float(gnorm) / len(mbs)
-        for k, v in mb_metrics.items():
-            sums[k] += float(v) / len(mbs)
+        sums["loss"] += vals[0] / len(mbs)
+        sums["grad_norm"] += vals[1] / len(mbs)
+        for k, v in zip(keys, vals[2:]):
+            sums[k] += v / len(mbs)
     sums["trained_samples"] = float(n)
     sums["trained_self"] = float(view.is_self.sum())
     sums["trained_cross"] = float((~view.is_self).sum())
