@@ -60,6 +60,24 @@ def _compare(args) -> int:
     return 0
 
 
+def _eval(args) -> int:
+    from hacpo.engine.eval_harness import evaluate_checkpoints
+    try:
+        out = evaluate_checkpoints(
+            args.checkpoints, args.bench, agents=args.agents, samples=args.samples,
+            temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+            limit=args.limit, template=args.template, out_dir=args.out_dir, batch=args.batch,
+            seed=args.seed)
+    except (FileNotFoundError, ValueError, KeyError, RuntimeError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"hacpo eval: error: {msg}", file=sys.stderr)
+        return 2
+    print()
+    print(out["table"])
+    print("[eval] written to " + ", ".join(out["out_dirs"]))
+    return 0
+
+
 def _add_run_args(p):
     p.add_argument("--preset", default="default", help="run preset (default, tiny3)")
     p.add_argument("--config", default=None, help="YAML file of overrides (nested mapping)")
@@ -94,6 +112,25 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     c.add_argument("--pass-k", type=int, default=4)
     c.set_defaults(func=_compare)
+    e = sub.add_parser("eval", help="evaluate run checkpoints on JSONL/parquet benchmarks; "
+                                    "markdown table with 95%% CIs + JSON per agent/benchmark")
+    e.add_argument("checkpoints", nargs="+", help="run dirs or checkpoint.pt files")
+    e.add_argument("--bench", nargs="+", required=True, metavar="NAME=PATH[:FIELDMAP]",
+                   help="benchmark file (.jsonl/.parquet); FIELDMAP: auto (default), gsm8k, "
+                        "math, math_answer")
+    e.add_argument("--agents", nargs="+", default=None, help="agent names (default: all)")
+    e.add_argument("--samples", type=int, default=1, help="k: avg@k and pass@k (default 1)")
+    e.add_argument("--temperature", type=float, default=None,
+                   help="default 0 (greedy) for --samples 1, else the run's rollout temperature")
+    e.add_argument("--top-p", type=float, default=1.0)
+    e.add_argument("--max-new-tokens", type=int, default=None,
+                   help="default: the run's eval_max_new_tokens or rollout.max_new_tokens")
+    e.add_argument("--limit", type=int, default=None, help="first N problems per benchmark")
+    e.add_argument("--template", default=None, help="prompt template (default: the run's)")
+    e.add_argument("--out-dir", default=None, help="default: <run dir>/eval")
+    e.add_argument("--batch", type=int, default=64, help="prompts per generation batch")
+    e.add_argument("--seed", type=int, default=0)
+    e.set_defaults(func=_eval)
     args = ap.parse_args(argv)
     return args.func(args)
 

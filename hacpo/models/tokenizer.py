@@ -72,8 +72,9 @@ class Tokenizer:
         """The question rendered with this tokenizer's prompt/chat template."""
         raise NotImplementedError
 
-    def prompt_ids(self, question: str) -> list[int]:
-        """Ids of the templated prompt (BOS included if the template has one)."""
+    def prompt_ids(self, question: str, *, errors: Errors = "strict") -> list[int]:
+        """Ids of the templated prompt (BOS included if the template has one); ``errors`` as
+        in :meth:`encode`."""
         raise NotImplementedError
 
     def response_ids(self, text: str, *, add_eos: bool = False,
@@ -143,8 +144,8 @@ class CharTokenizer(Tokenizer):
     def prompt_text(self, question: str) -> str:
         return self.template.format(question=question)
 
-    def prompt_ids(self, question: str) -> list[int]:
-        return [self.bos_id] + self.encode(self.prompt_text(question))
+    def prompt_ids(self, question: str, *, errors: Errors = "strict") -> list[int]:
+        return [self.bos_id] + self.encode(self.prompt_text(question), errors=errors)
 
     def special_ids(self) -> frozenset[int]:
         return frozenset(range(len(CHAR_SPECIALS)))
@@ -286,12 +287,12 @@ class HFTokenizer(Tokenizer):
                 add_generation_prompt=True, **self.template_kwargs)
         return self.template.format(question=question)
 
-    def prompt_ids(self, question: str) -> list[int]:
+    def prompt_ids(self, question: str, *, errors: Errors = "strict") -> list[int]:
         text = self.prompt_text(question)
         ids = self._backend.encode(text, add_special_tokens=False).ids
         if self._add_bos:
             ids = [self.hf.bos_token_id] + ids
-        return self._map_in(ids, "strict", text)
+        return self._map_in(ids, errors, text)
 
     def special_ids(self) -> frozenset[int]:
         return self._special

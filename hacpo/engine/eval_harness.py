@@ -1,0 +1,368 @@
+"""`hacpo eval`: evaluate trained checkpoints on JSONL/parquet benchmarks.
+
+Each checkpoint's policies are rebuilt exactly as its run built them (``build.load_data`` +
+``build.build_policies`` on the run's own config, since reduced vocabularies depend on the run's
+corpus), then the saved weights are loaded. Every selected agent answers every problem of every
+benchmark (``samples`` responses each), and the responses are scored by the run's verifier
+(:class:`RewardComputer` with the run's reward name).
+
+Reported per agent and benchmark: avg@k (mean reward over the k samples, averaged over problems)
+with a 95% normal CI over problems (``1.96 * SE``; SE = population sd of the per-problem avg@k
+over sqrt(n), which is the binomial ``sqrt(p(1-p)/n)`` when k = 1 and rewards are 0/1), and the
+unbiased pass@k. The table's mean column is the unweighted mean over benchmarks (as the paper
+reports); its CI combines the benchmark SEs (``sqrt(sum SE_b^2) / B``). With several runs the
+table also has one row per agent name averaged over runs, with a Student-t CI over runs.
+
+Problems a policy cannot take are scored 0 and counted, never fatal:
+
+- a prompt with text the (reduced) vocabulary cannot encode strictly is re-encoded with the
+  tokenizer's fallback (``<unk>`` for characters, byte pieces for byte-level BPE) and counted
+  as ``fallback``; if no fallback exists it is ``unencodable`` and scores 0;
+- a prompt too long for the policy (prompt + max_new_tokens > max_len) is ``too_long``, score 0.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import statistics
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from hacpo.models.generation import generate
+from hacpo.models.tokenizer import UnencodableTextError
+
+from . import build, checkpoint as ckpt
+from .compare import mean_ci
+from .data import DataError, apply_prompt_template, load_examples
+from .evaluate import pass_at_k, score_named
+from .rewards import RewardComputer
+from .run_config import TrainConfig
+
+__all__ = ["Benchmark", "parse_benchmark_spec", "resolve_checkpoint", "prompt_ids_lenient",
+           "evaluate_checkpoints", "FIELD_MAP_NAMES"]
+
+CHECKPOINT = "checkpoint.pt"
+FIELD_MAP_NAMES = ("auto", "gsm8k", "math", "math_answer")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Benchmark:
+    name: str
+    path: str
+    field_map: str = "auto"   # one of FIELD_MAP_NAMES
+
+
+def parse_benchmark_spec(spec: str) -> Benchmark:
+    """``NAME=PATH[:FIELDMAP]`` -> :class:`Benchmark` (FIELDMAP: auto, gsm8k, math,
+    math_answer; default auto). ValueError on a malformed spec."""
+    usage = f"malformed benchmark spec {spec!r}: expected NAME=PATH[:FIELDMAP] with FIELDMAP " \
+            f"one of {', '.join(FIELD_MAP_NAMES)}"
+    if "=" not in spec:
+        raise ValueError(usage)
+    name, rest = spec.split("=", 1)
+    name = name.strip()
+    if not name or not _NAME_RE.match(name):
+        raise ValueError(f"{usage} (NAME must be letters, digits, '_', '.', '+', '-')")
+    path, fm = rest, "auto"
+    if ":" in rest:
+        head, tail = rest.rsplit(":", 1)
+        if tail in FIELD_MAP_NAMES:
+            path, fm = head, tail
+        elif "/" not in tail and "." not in tail and not os.path.exists(rest):
+            raise ValueError(f"{usage} (unknown field map {tail!r})")
+    if not path:
+        raise ValueError(f"{usage} (empty PATH)")
+    return Benchmark(name, path, fm)
+
+
+def resolve_checkpoint(path: str) -> tuple[str, str]:
+    """A run dir or a checkpoint file -> (checkpoint path, run dir). FileNotFoundError if none."""
+    if os.path.isdir(path):
+        ck = os.path.join(path, CHECKPOINT)
+        if not os.path.isfile(ck):
+            raise FileNotFoundError(f"run dir {path} holds no {CHECKPOINT} (did the run save one?)")
+        return ck, os.path.abspath(path)
+    if os.path.isfile(path):
+        return path, os.path.dirname(os.path.abspath(path))
+    raise FileNotFoundError(f"no checkpoint at {path} (pass a run dir or a {CHECKPOINT} path)")
+
+
+def prompt_ids_lenient(tok, question: str) -> tuple[Optional[list[int]], str]:
+    """``tok.prompt_ids`` strictly; else with the tokenizer's fallback encoding.
+    Returns (ids, "ok" | "fallback") or (None, "unencodable") when no fallback exists."""
+    try:
+        return tok.prompt_ids(question), "ok"
+    except UnencodableTextError:
+        pass
+    try:
+        return tok.prompt_ids(question, errors="fallback"), "fallback"
+    except UnencodableTextError:
+        pass
+    return None, "unencodable"
+
+
+# --------------------------------------------------------------------------------------------
+# Scoring one policy on one benchmark
+# --------------------------------------------------------------------------------------------
+
+def _score_policy(policy, questions: list[str], golds: list[str], rc: RewardComputer, *,
+                  samples: int, temperature: float, top_p: float, max_new_tokens: int,
+                  batch: int, seed: int, bench: str) -> tuple[list[dict], dict]:
+    tok = policy.tokenizer
+    per: list[dict] = []
+    todo: list[int] = []
+    ids: list[list[int]] = []
+    counts = {"ok": 0, "fallback": 0, "unencodable": 0, "too_long": 0}
+    for i, q in enumerate(questions):
+        p, status = prompt_ids_lenient(tok, q)
+        if p is not None and len(p) + max_new_tokens > policy.max_len:
+            status = "too_long"
+        counts[status] += 1
+        per.append({"status": status, "rewards": [0.0] * samples, "responses": []})
+        if status in ("ok", "fallback"):
+            todo.append(i)
+            ids.append(p)
+    was = policy.training
+    policy.eval()
+    gen = torch.Generator().manual_seed(seed)
+    n_tokens, n_eos, n_resp = 0, 0, 0
+    try:
+        for s in range(0, len(todo), batch):
+            ro = generate(policy, ids[s:s + batch], num_samples=samples,
+                          max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                          generator=gen)
+            texts = [tok.decode(r) for r in ro.response_ids]
+            idx = [todo[s + j] for j in ro.prompt_index]
+            r, _ = score_named(rc, texts, [golds[i] for i in idx],
+                               lambda j: f"benchmark {bench}, problem {idx[j]}, "
+                                         f"agent {policy.name}")
+            slot: dict[int, int] = {}
+            for i, text, rew in zip(idx, texts, r):
+                k = slot.get(i, 0)
+                per[i]["rewards"][k] = float(rew)
+                per[i]["responses"].append(text)
+                slot[i] = k + 1
+            n_tokens += sum(ro.response_lengths)
+            n_eos += sum(ro.finished_eos)
+            n_resp += len(texts)
+    finally:
+        policy.train(was)
+    extra = {"mean_response_tokens": n_tokens / max(n_resp, 1),
+             "eos_rate": n_eos / max(n_resp, 1)}
+    return per, {**counts, **extra}
+
+
+def _summary(per: list[dict], samples: int) -> dict:
+    n = len(per)
+    x = [sum(p["rewards"]) / samples for p in per]
+    m = sum(x) / n
+    se = math.sqrt(sum((v - m) ** 2 for v in x) / n / n)
+    correct = [sum(r > 0.5 for r in p["rewards"]) for p in per]
+    return {"n": n, f"avg@{samples}": m, "stderr": se, "ci95": 1.96 * se,
+            f"pass@{samples}": sum(pass_at_k(samples, c, samples) for c in correct) / n}
+
+
+# --------------------------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------------------------
+
+def _load_run(path: str):
+    ck_path, run_dir = resolve_checkpoint(path)
+    state = ckpt.load(ck_path)
+    if not isinstance(state, dict) or "config" not in state or "agents" not in state:
+        raise ValueError(f"{ck_path} is not a hacpo training checkpoint (no 'config'/'agents')")
+    return ck_path, run_dir, state, TrainConfig.from_dict(state["config"])
+
+
+def _labels(run_dirs: list[str]) -> list[str]:
+    base = [os.path.basename(d.rstrip(os.sep)) or "run" for d in run_dirs]
+    return [b if base.count(b) == 1 else f"{b}#{i}" for i, b in enumerate(base)]
+
+
+def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
+                         agents: Optional[Sequence[str]] = None, samples: int = 1,
+                         temperature: Optional[float] = None, top_p: float = 1.0,
+                         max_new_tokens: Optional[int] = None, limit: Optional[int] = None,
+                         template: Optional[str] = None, out_dir: Optional[str] = None,
+                         batch: int = 64, seed: int = 0,
+                         echo: Callable[[str], None] = print) -> dict:
+    """Evaluate ``agents`` (default: all) of each checkpoint (run dir or ``checkpoint.pt``) on
+    each benchmark (:class:`Benchmark` or ``NAME=PATH[:FIELDMAP]`` string).
+
+    temperature: default 0 (greedy) when samples == 1, else the run's rollout temperature.
+    max_new_tokens: default the run's eval_max_new_tokens, else rollout.max_new_tokens.
+    template: prompt template name; default the run's data.template.
+    Writes ``<agent>__<benchmark>.json`` per agent and benchmark and ``eval.md``/``eval.json``
+    (the table) to ``out_dir`` (default ``<run dir>/eval``; with several runs and an explicit
+    out_dir, per-run files go to ``out_dir/<run>``). Returns the ``eval.json`` content plus
+    ``"table"`` (markdown) and ``"out_dirs"``.
+    """
+    if not checkpoints:
+        raise ValueError("no checkpoint given")
+    if not benchmarks:
+        raise ValueError("no benchmark given")
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1, got {samples}")
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    benches = [b if isinstance(b, Benchmark) else parse_benchmark_spec(b) for b in benchmarks]
+    names = [b.name for b in benches]
+    if len(set(names)) != len(names):
+        raise ValueError(f"benchmark names must be unique, got {names}")
+    for b in benches:
+        if b.field_map not in FIELD_MAP_NAMES:
+            raise ValueError(f"benchmark {b.name}: unknown field map {b.field_map!r}; one of "
+                             f"{', '.join(FIELD_MAP_NAMES)}")
+        if not os.path.isfile(b.path):
+            raise FileNotFoundError(f"benchmark {b.name}: no file at {b.path}")
+    if template is not None:
+        apply_prompt_template(template, "")   # KeyError listing the known templates
+    runs = [_load_run(c) for c in checkpoints]   # fail fast on a bad path before any work
+    for ck_path, _, state, _ in runs:
+        have = [a["name"] for a in state["agents"]]
+        missing = [a for a in (agents or []) if a not in have]
+        if missing:
+            raise ValueError(f"unknown agent(s) {missing} in {ck_path}; it holds {have}")
+    loaded = {}
+    for b in benches:
+        fm = "auto" if b.field_map == "auto" else build._FIELD_MAPS[b.field_map]
+        try:
+            exs, _ = load_examples(b.path, fm, source=b.name, limit=limit)
+        except DataError as e:
+            raise DataError(f"benchmark {b.name}: {e}") from None
+        if not exs:
+            raise DataError(f"benchmark {b.name}: {b.path} holds no problems")
+        loaded[b.name] = exs
+    labels = _labels([r[1] for r in runs])
+    results: list[dict] = []
+    out_dirs: list[str] = []
+    for (ck_path, run_dir, state, cfg), label in zip(runs, labels):
+        if out_dir is None:
+            rdir = os.path.join(run_dir, "eval")
+        else:
+            rdir = os.path.join(out_dir, label) if len(runs) > 1 else out_dir
+        os.makedirs(rdir, exist_ok=True)
+        out_dirs.append(rdir)
+        tmpl = template or cfg.data.template
+        max_new = max_new_tokens or cfg.eval_max_new_tokens or cfg.rollout.max_new_tokens
+        temp = temperature if temperature is not None else \
+            (0.0 if samples == 1 else cfg.rollout.temperature)
+        echo(f"[eval] {label}: rebuilding {len(cfg.agents)} policies from {ck_path}")
+        data = build.load_data(cfg)
+        policies = {p.name: p for p in build.build_policies(cfg, data)}
+        saved = {a["name"]: a for a in state["agents"]}
+        chosen = list(dict.fromkeys(agents)) if agents else [a["name"] for a in state["agents"]]
+        with RewardComputer(cfg.reward.name, num_workers=cfg.reward.num_workers,
+                            timeout_s=cfg.reward.timeout_s) as rc:
+            for name in chosen:
+                pol = policies[name]
+                pol.load_state_dict(saved[name]["model"])
+                for bi, b in enumerate(benches):
+                    exs = loaded[b.name]
+                    qs = [apply_prompt_template(tmpl, e.prompt) for e in exs]
+                    per, counts = _score_policy(
+                        pol, qs, [e.answer for e in exs], rc, samples=samples,
+                        temperature=temp, top_p=top_p, max_new_tokens=max_new, batch=batch,
+                        seed=seed + 1000 * bi, bench=b.name)
+                    for e, p in zip(exs, per):
+                        p["id"], p["gold"] = e.id, e.answer
+                    rec = {"run": label, "run_dir": run_dir, "checkpoint": ck_path,
+                           "step": state.get("step"), "agent": name,
+                           "tokenizer": pol.tokenizer.name, "benchmark": b.name,
+                           "path": b.path, "field_map": b.field_map, "samples": samples,
+                           "temperature": temp, "top_p": top_p, "max_new_tokens": max_new,
+                           "template": tmpl, "reward": cfg.reward.name, "limit": limit,
+                           "seed": seed + 1000 * bi, **_summary(per, samples), **counts,
+                           "problems": [{k: p[k] for k in ("id", "gold", "status", "rewards",
+                                                          "responses")} for p in per]}
+                    with open(os.path.join(rdir, f"{name}__{b.name}.json"), "w") as f:
+                        json.dump(rec, f, indent=1)
+                    echo(f"[eval] {label}/{name} {b.name}: avg@{samples} "
+                         f"{rec[f'avg@{samples}']:.3f} ± {rec['ci95']:.3f} (n={rec['n']})")
+                    results.append(rec)
+    report = _report(results, names, samples, multi=len(runs) > 1)
+    table = _markdown(report, names, samples)
+    targets = [out_dir] if out_dir is not None else out_dirs
+    for d in dict.fromkeys(targets):
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, "eval.md"), "w") as f:
+            f.write(table)
+        with open(os.path.join(d, "eval.json"), "w") as f:
+            json.dump(report, f, indent=1)
+    return {**report, "table": table, "out_dirs": list(dict.fromkeys(targets))}
+
+
+def _report(results: list[dict], benches: list[str], samples: int, multi: bool) -> dict:
+    avg, pk = f"avg@{samples}", f"pass@{samples}"
+    rows: list[dict] = []
+    keyed: dict[tuple[str, str], dict[str, dict]] = {}
+    for r in results:
+        keyed.setdefault((r["run"], r["agent"]), {})[r["benchmark"]] = r
+    for (run, agent), by in keyed.items():
+        cells = {b: {avg: by[b][avg], "ci95": by[b]["ci95"], pk: by[b][pk]} for b in benches}
+        ses = [by[b]["stderr"] for b in benches]
+        mean = {avg: statistics.fmean(c[avg] for c in cells.values()),
+                "ci95": 1.96 * math.sqrt(sum(s * s for s in ses)) / len(ses),
+                pk: statistics.fmean(c[pk] for c in cells.values())}
+        rows.append({"row": f"{run}/{agent}" if multi else agent, "run": run, "agent": agent,
+                     "ci": "normal", "benchmarks": cells, "mean": mean,
+                     "fallback": sum(by[b]["fallback"] for b in benches),
+                     "unencodable": sum(by[b]["unencodable"] for b in benches),
+                     "too_long": sum(by[b]["too_long"] for b in benches),
+                     "problems": sum(by[b]["n"] for b in benches)})
+    if multi:   # per agent name over runs: Student t CI over the runs' values
+        agents = list(dict.fromkeys(r["agent"] for r in rows))
+        for a in agents:
+            mine = [r for r in rows if r["agent"] == a and r["ci"] == "normal"]
+            if len(mine) < 2:
+                continue
+            cells = {}
+            for b in benches:
+                m, h = mean_ci([r["benchmarks"][b][avg] for r in mine])
+                cells[b] = {avg: m, "ci95": h,
+                            pk: statistics.fmean(r["benchmarks"][b][pk] for r in mine)}
+            m, h = mean_ci([r["mean"][avg] for r in mine])
+            rows.append({"row": f"{a} (mean of {len(mine)} runs)", "run": None, "agent": a,
+                         "ci": "t", "benchmarks": cells,
+                         "mean": {avg: m, "ci95": h,
+                                  pk: statistics.fmean(r["mean"][pk] for r in mine)},
+                         **{k: sum(r[k] for r in mine)
+                            for k in ("fallback", "unencodable", "too_long", "problems")}})
+    return {"samples": samples, "metric": avg, "benchmarks": benches, "rows": rows,
+            "results": [{k: v for k, v in r.items() if k != "problems"} for r in results]}
+
+
+def _markdown(report: dict, benches: list[str], samples: int) -> str:
+    avg, pk = f"avg@{samples}", f"pass@{samples}"
+    head = "| agent | " + " | ".join(benches) + " | mean |\n"
+    sep = "|---|" + "---:|" * (len(benches) + 1) + "\n"
+
+    def cell(c, key, ci=True):
+        return f"{100 * c[key]:.1f}" + (f" ± {100 * c['ci95']:.1f}" if ci else "")
+
+    out = f"{avg} (%), 95% CI\n\n" + head + sep
+    for r in report["rows"]:
+        out += f"| {r['row']} | " + " | ".join(cell(r["benchmarks"][b], avg) for b in benches) \
+            + f" | {cell(r['mean'], avg)} |\n"
+    if samples > 1:
+        out += f"\n{pk} (%, unbiased estimator)\n\n" + head + sep
+        for r in report["rows"]:
+            out += f"| {r['row']} | " + " | ".join(cell(r["benchmarks"][b], pk, False)
+                                                  for b in benches) \
+                + f" | {cell(r['mean'], pk, False)} |\n"
+    unenc = sum(r["unencodable"] for r in report["rows"] if r["ci"] == "normal")
+    fb = sum(r["fallback"] for r in report["rows"] if r["ci"] == "normal")
+    tl = sum(r["too_long"] for r in report["rows"] if r["ci"] == "normal")
+    out += (f"\nCI: ± 1.96·SE, normal approximation over problems (binomial for k=1 with 0/1 "
+            f"rewards), SE = sd of the per-problem {avg} / √n; the mean column is the unweighted "
+            "mean over benchmarks, its SE = √(Σ SE_b²) / B.")
+    if any(r["ci"] == "t" for r in report["rows"]):
+        out += " Rows '(mean of N runs)': mean over runs with a Student-t 95% CI over runs."
+    out += (f"\nPrompts encoded with the tokenizer fallback: {fb}; unencodable prompts (scored "
+            f"0): {unenc}; prompts too long for the policy (scored 0): {tl}.\n")
+    return out

@@ -1,0 +1,195 @@
+"""`hacpo eval`: checkpoints of a 1-step tiny3 run evaluated on two tiny benchmarks (API + CLI),
+the numbers' consistency, greedy determinism, the tokenizer fallback, and the bad-input errors."""
+import json
+
+import pytest
+import torch
+
+from hacpo.engine.data import DataError
+from hacpo.engine.eval_harness import (Benchmark, evaluate_checkpoints, parse_benchmark_spec,
+                                       prompt_ids_lenient)
+from hacpo.engine.rewards import register_reward
+from hacpo.engine.run_config import load_config
+from hacpo.engine.trainer import train
+from hacpo.launch import cli
+from hacpo.models.tokenizer import UnencodableTextError
+
+AGENTS = ["char", "qwen3", "llama"]
+LONG = "Sam has 4 cups. " + "He looks at them for a long while and counts them again. " * 3 \
+       + "How many cups does Sam have?"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("evalrun")
+    cfg = load_config("tiny3", overrides={
+        "out_dir": str(tmp / "run"), "cache_dir": str(tmp / "cache"), "threads": "1",
+        "steps": 1, "plots": False, "tensorboard": False})
+    train(cfg, echo=lambda *_: None)
+    gsm = [{"question": "Eva has 9 coins. She gives away 3. Then she gets 1 more. How many "
+                        "coins does Eva have?", "answer": "9-3=6, 6+1=7. #### 7"},
+           {"question": "Tom has 2 pens. He gives away 2. Then he gets 5 more. How many pens "
+                        "does Tom have?", "answer": "#### 5"},
+           {"question": "Ann has 4 eggs. She gets 3 more. How many eggs does Ann have?",
+            "answer": "4+3=7 #### 7"},
+           {"question": "What is 2 + 3?", "answer": "#### 5"},
+           {"question": "A café sells 3 cakes and then 2 more. How many?",   # 'é': char fallback
+            "answer": "#### 1,005"},
+           {"question": LONG, "answer": "#### 4"}]                         # too long for char
+    math_rows = [{"problem": "Compute $1+1$.", "solution": "It is $\\boxed{2}$."},
+                 {"problem": "Bob has 5 hats. He gives away 1. How many hats does Bob have?",
+                  "solution": "5-1=4, so \\boxed{4}"},
+                 {"problem": "What is $\\frac{6}{3}$?", "solution": "$\\boxed{2}$"},
+                 {"problem": "Mia has 3 cats. She gets 2 more. How many cats does Mia have?",
+                  "solution": "\\boxed{5}"},
+                 {"problem": "Find $x$ if $x+1=3$.", "solution": "\\boxed{2}"},
+                 {"problem": "What is 10 - 7?", "solution": "\\boxed{3}"}]
+    gsm_path, math_path = tmp / "gsm.jsonl", tmp / "math.jsonl"
+    gsm_path.write_text("".join(json.dumps(r) + "\n" for r in gsm))
+    math_path.write_text("".join(json.dumps(r) + "\n" for r in math_rows))
+    return {"dir": tmp / "run", "tmp": tmp, "benches": [f"gsm={gsm_path}:gsm8k",
+                                                          f"math={math_path}"]}
+
+
+def test_api_table_json_and_determinism(run):
+    out_dir = run["tmp"] / "ev1"
+    rep = evaluate_checkpoints([str(run["dir"])], run["benches"], out_dir=str(out_dir),
+                               echo=lambda *_: None)
+    assert [r["row"] for r in rep["rows"]] == AGENTS
+    lines = rep["table"].splitlines()
+    header = next(l for l in lines if l.startswith("| agent"))
+    assert [c.strip() for c in header.strip("|").split("|")] == ["agent", "gsm", "math", "mean"]
+    body = [l for l in lines if l.startswith("| ") and not l.startswith("| agent")]
+    assert [l.split("|")[1].strip() for l in body] == AGENTS
+    assert "1.96" in rep["table"] and "unencodable" in rep["table"]
+    for agent in AGENTS:
+        row = next(r for r in rep["rows"] if r["agent"] == agent)
+        vals = []
+        for bench in ("gsm", "math"):
+            rec = json.loads((out_dir / f"{agent}__{bench}.json").read_text())
+            assert rec["n"] == 6 and rec["samples"] == 1 and rec["temperature"] == 0.0
+            assert rec["reward"] == "math" and rec["step"] == 1
+            assert 0.0 <= rec["avg@1"] <= 1.0 and rec["pass@1"] >= rec["avg@1"] - 1e-12
+            assert rec["ci95"] == pytest.approx(1.96 * (rec["avg@1"] * (1 - rec["avg@1"]) / 6)
+                                                ** 0.5)
+            assert rec["avg@1"] == pytest.approx(
+                sum(p["rewards"][0] for p in rec["problems"]) / 6)
+            assert row["benchmarks"][bench]["avg@1"] == rec["avg@1"]
+            vals.append(rec["avg@1"])
+            if rec["field_map"] == "gsm8k":
+                assert [p["gold"] for p in rec["problems"]][4] == "1005"
+        assert row["mean"]["avg@1"] == pytest.approx(sum(vals) / 2)
+    char_gsm = json.loads((out_dir / "char__gsm.json").read_text())
+    assert char_gsm["fallback"] == 1 and char_gsm["too_long"] == 1
+    assert char_gsm["problems"][5]["rewards"] == [0.0] and char_gsm["problems"][5]["status"] \
+        == "too_long"
+    assert json.loads((out_dir / "char__math.json").read_text())["fallback"] == 1  # "\\frac"
+    # greedy is deterministic: a second call gives the same responses and numbers
+    rep2 = evaluate_checkpoints([str(run["dir"] / "checkpoint.pt")], run["benches"],
+                                out_dir=str(run["tmp"] / "ev2"), echo=lambda *_: None)
+    assert rep2["rows"] == rep["rows"]
+    for agent in AGENTS:
+        a = json.loads((out_dir / f"{agent}__math.json").read_text())["problems"]
+        b = json.loads((run["tmp"] / "ev2" / f"{agent}__math.json").read_text())["problems"]
+        assert a == b
+
+
+def test_cli_samples_agents_default_out_dir(run, capsys):
+    rc = cli.main(["eval", str(run["dir"]), "--bench", *run["benches"], "--agents", "qwen3",
+                   "--samples", "3", "--limit", "4", "--max-new-tokens", "8"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "avg@3" in text and "pass@3" in text and "| qwen3 |" in text and "| char |" not in text
+    ev = run["dir"] / "eval"
+    assert sorted(p.name for p in ev.iterdir()) == ["eval.json", "eval.md", "qwen3__gsm.json",
+                                                    "qwen3__math.json"]
+    for bench in ("gsm", "math"):
+        rec = json.loads((ev / f"qwen3__{bench}.json").read_text())
+        assert rec["n"] == 4 and rec["temperature"] == 1.0 and rec["max_new_tokens"] == 8
+        assert all(len(p["rewards"]) == 3 and len(p["responses"]) == 3 for p in rec["problems"])
+        assert 0.0 <= rec["avg@3"] <= rec["pass@3"] <= 1.0
+
+
+def test_two_runs_add_t_rows(run):
+    rep = evaluate_checkpoints([str(run["dir"]), str(run["dir"] / "checkpoint.pt")],
+                               run["benches"][:1], agents=["char"], limit=2,
+                               out_dir=str(run["tmp"] / "ev3"), echo=lambda *_: None)
+    assert [r["row"] for r in rep["rows"]] == ["run#0/char", "run#1/char",
+                                               "char (mean of 2 runs)"]
+    assert rep["rows"][2]["ci"] == "t" and "Student-t" in rep["table"]
+
+
+@register_reward("_test_even_length", in_process=True, overwrite=True)
+def _even_length(response, gold):
+    return float(len(response) % 2 == 0)
+
+
+def test_run_reward_is_used_and_numbers_consistent(run):
+    """The checkpoint's reward name picks the verifier; a 0/1 reward that is not all zeros
+    makes avg@k, pass@k, the CI and the mean column non-trivial."""
+    state = torch.load(run["dir"] / "checkpoint.pt", weights_only=False)
+    state["config"]["reward"]["name"] = "_test_even_length"
+    (run["tmp"] / "run2").mkdir()
+    torch.save(state, run["tmp"] / "run2" / "checkpoint.pt")
+    rep = evaluate_checkpoints([str(run["tmp"] / "run2")], run["benches"], samples=4,
+                               temperature=1.0, echo=lambda *_: None)
+    recs = {(r["agent"], r["benchmark"]): r for r in rep["results"]}
+    assert all(r["reward"] == "_test_even_length" for r in recs.values())
+    assert 0.0 < sum(r["avg@4"] for r in recs.values()) < len(recs)
+    for row in rep["rows"]:
+        vals = []
+        for bench in ("gsm", "math"):
+            rec = json.loads((run["tmp"] / "run2" / "eval" / f"{row['agent']}__{bench}.json")
+                             .read_text())
+            per = [sum(p["rewards"]) / 4 for p in rec["problems"]]
+            m = sum(per) / 6
+            assert rec["avg@4"] == pytest.approx(m)
+            assert rec["ci95"] == pytest.approx(1.96 * (sum((x - m) ** 2 for x in per) / 36)
+                                                ** 0.5)
+            assert rec["avg@4"] - 1e-12 <= rec["pass@4"] <= 1.0
+            # unbiased pass@k with n = k: a problem counts iff one of its samples is correct
+            assert rec["pass@4"] == pytest.approx(
+                sum(any(r > 0.5 for r in p["rewards"]) for p in rec["problems"]) / 6)
+            vals.append(rec["avg@4"])
+        assert row["mean"]["avg@4"] == pytest.approx(sum(vals) / 2)
+        assert row["mean"]["pass@4"] == pytest.approx(
+            sum(row["benchmarks"][b]["pass@4"] for b in ("gsm", "math")) / 2)
+
+
+def test_lenient_prompt_ids():
+    class NoFallback:
+        def prompt_ids(self, q, errors="strict"):
+            raise UnencodableTextError("nope")
+
+    assert prompt_ids_lenient(NoFallback(), "x") == (None, "unencodable")
+    from hacpo.models.tokenizer import CharTokenizer
+    tok = CharTokenizer()
+    ids, status = prompt_ids_lenient(tok, "What is 2+2? \u2603")   # snowman: not in the charset
+    assert status == "fallback" and ids[0] == tok.bos_id
+    assert prompt_ids_lenient(tok, "What is 2+2?") == (tok.prompt_ids("What is 2+2?"), "ok")
+
+
+def test_bad_inputs(run, tmp_path, capsys):
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        evaluate_checkpoints([str(tmp_path / "nope")], run["benches"])
+    with pytest.raises(FileNotFoundError, match="holds no checkpoint.pt"):
+        evaluate_checkpoints([str(tmp_path)], run["benches"])
+    with pytest.raises(ValueError, match=r"unknown agent\(s\) \['bob'\].*'char'"):
+        evaluate_checkpoints([str(run["dir"])], run["benches"], agents=["bob"])
+    for spec in ("gsm", "=x.jsonl", "gsm=", "gsm=x.jsonl:nope"):
+        with pytest.raises(ValueError, match="malformed benchmark spec"):
+            parse_benchmark_spec(spec)
+    assert parse_benchmark_spec("aime=/d/a.jsonl:math_answer") == \
+        Benchmark("aime", "/d/a.jsonl", "math_answer")
+    assert parse_benchmark_spec("m=/d/a.jsonl") == Benchmark("m", "/d/a.jsonl", "auto")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "1+1?", "answer": "#### 2"}\n\n{"question": "2+2?"}\n')
+    with pytest.raises(DataError, match=r"benchmark bad: .*bad.jsonl:line 3: missing field "
+                                        r"'answer'"):
+        evaluate_checkpoints([str(run["dir"])], [f"bad={bad}"])
+    with pytest.raises(FileNotFoundError, match="benchmark gone: no file at"):
+        evaluate_checkpoints([str(run["dir"])], [f"gone={tmp_path / 'gone.jsonl'}"])
+    assert cli.main(["eval", str(tmp_path / "nope"), "--bench", *run["benches"]]) == 2
+    assert "hacpo eval: error: no checkpoint at" in capsys.readouterr().err
+    assert cli.main(["eval", str(run["dir"]), "--bench", "oops"]) == 2
+    assert "malformed benchmark spec" in capsys.readouterr().err
