@@ -30,15 +30,12 @@ import re
 import statistics
 from typing import Callable, Optional, Sequence
 
-import torch
-
-from hacpo.models.generation import generate
 from hacpo.models.tokenizer import UnencodableTextError
 
 from . import build, checkpoint as ckpt
 from .compare import mean_ci
 from .data import DataError, apply_prompt_template, load_examples
-from .evaluate import pass_at_k, score_named
+from .evaluate import pass_at_k, sample_and_score
 from .rewards import RewardComputer
 from .run_config import TrainConfig
 
@@ -127,33 +124,12 @@ def _score_policy(policy, questions: list[str], golds: list[str], rc: RewardComp
         if status in ("ok", "fallback"):
             todo.append(i)
             ids.append(p)
-    was = policy.training
-    policy.eval()
-    gen = torch.Generator().manual_seed(seed)
-    n_tokens, n_eos, n_resp = 0, 0, 0
-    try:
-        for s in range(0, len(todo), batch):
-            ro = generate(policy, ids[s:s + batch], num_samples=samples,
-                          max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                          generator=gen)
-            texts = [tok.decode(r) for r in ro.response_ids]
-            idx = [todo[s + j] for j in ro.prompt_index]
-            r, _ = score_named(rc, texts, [golds[i] for i in idx],
-                               lambda j: f"benchmark {bench}, problem {idx[j]}, "
-                                         f"agent {policy.name}")
-            slot: dict[int, int] = {}
-            for i, text, rew in zip(idx, texts, r):
-                k = slot.get(i, 0)
-                per[i]["rewards"][k] = float(rew)
-                per[i]["responses"].append(text)
-                slot[i] = k + 1
-            n_tokens += sum(ro.response_lengths)
-            n_eos += sum(ro.finished_eos)
-            n_resp += len(texts)
-    finally:
-        policy.train(was)
-    extra = {"mean_response_tokens": n_tokens / max(n_resp, 1),
-             "eos_rate": n_eos / max(n_resp, 1)}
+    rewards, texts, extra = sample_and_score(
+        policy, ids, [golds[i] for i in todo], rc, max_new_tokens=max_new_tokens,
+        samples=samples, temperature=temperature, top_p=top_p, batch=batch, seed=seed,
+        where=lambda j: f"benchmark {bench}, problem {todo[j]}")
+    for i, r, t in zip(todo, rewards, texts):
+        per[i]["rewards"], per[i]["responses"] = r, t
     return per, {**counts, **extra}
 
 

@@ -28,15 +28,19 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
 
 
-def evaluate_policy(policy, prompt_ids: list[list[int]], golds: list[str], reward_computer, *,
-                    max_new_tokens: int, samples: int = 1, temperature: float = 0.0,
-                    top_p: float = 1.0, batch: int = 128, seed: int = 0) -> dict[str, float]:
-    """Accuracy of ``policy`` on the prompts. samples=1 & temperature=0: greedy avg@1.
-    With samples>1: avg@k (mean reward) and pass@k (unbiased, k = samples)."""
+def sample_and_score(policy, prompt_ids: list[list[int]], golds: list[str], reward_computer, *,
+                     max_new_tokens: int, samples: int = 1, temperature: float = 0.0,
+                     top_p: float = 1.0, batch: int = 128, seed: int = 0,
+                     where=lambda i: f"prompt {i}"):
+    """Generate ``samples`` responses per prompt (batched) and score them with the verifier.
+
+    Returns (rewards [n][samples], texts [n][samples], stats) with stats holding
+    mean_response_tokens and eos_rate. ``where(prompt_index)`` names a prompt in errors."""
     was = policy.training
     policy.eval()
     gen = torch.Generator().manual_seed(seed)
-    rewards: list[float] = []
+    rewards: list[list[float]] = [[] for _ in prompt_ids]
+    texts: list[list[str]] = [[] for _ in prompt_ids]
     lengths: list[int] = []
     eos = 0
     try:
@@ -44,22 +48,36 @@ def evaluate_policy(policy, prompt_ids: list[list[int]], golds: list[str], rewar
             ro = generate(policy, prompt_ids[s:s + batch], num_samples=samples,
                           max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                           generator=gen)
-            texts = [policy.tokenizer.decode(r) for r in ro.response_ids]
-            gs = [golds[s + i] for i in ro.prompt_index]
-            r, _ = score_named(reward_computer, texts, gs,
-                               lambda i: f"held-out prompt {s + ro.prompt_index[i]}, "
-                                         f"agent {policy.name}")
-            rewards += r
+            out = [policy.tokenizer.decode(r) for r in ro.response_ids]
+            idx = [s + i for i in ro.prompt_index]
+            r, _ = score_named(reward_computer, out, [golds[i] for i in idx],
+                               lambda j: f"{where(idx[j])}, agent {policy.name}")
+            for i, text, rew in zip(idx, out, r):
+                rewards[i].append(float(rew))
+                texts[i].append(text)
             lengths += ro.response_lengths
             eos += sum(ro.finished_eos)
     finally:
         policy.train(was)
+    stats = {"mean_response_tokens": sum(lengths) / max(len(lengths), 1),
+             "eos_rate": eos / max(len(lengths), 1)}
+    return rewards, texts, stats
+
+
+def evaluate_policy(policy, prompt_ids: list[list[int]], golds: list[str], reward_computer, *,
+                    max_new_tokens: int, samples: int = 1, temperature: float = 0.0,
+                    top_p: float = 1.0, batch: int = 128, seed: int = 0) -> dict[str, float]:
+    """Accuracy of ``policy`` on the prompts. samples=1 & temperature=0: greedy avg@1.
+    With samples>1: avg@k (mean reward) and pass@k (unbiased, k = samples)."""
+    rewards, _, stats = sample_and_score(
+        policy, prompt_ids, golds, reward_computer, max_new_tokens=max_new_tokens,
+        samples=samples, temperature=temperature, top_p=top_p, batch=batch, seed=seed,
+        where=lambda i: f"held-out prompt {i}")
     n = len(prompt_ids)
     per_prompt = torch.tensor(rewards).view(n, samples)
     acc = float(per_prompt.mean())
     out = {"accuracy": acc, "stderr": math.sqrt(max(acc * (1 - acc), 0.0) / n), "n": n,
-           "mean_response_tokens": sum(lengths) / max(len(lengths), 1),
-           "eos_rate": eos / max(len(lengths), 1)}
+           **stats}
     if samples > 1:
         correct = (per_prompt > 0.5).sum(1).tolist()
         out[f"pass@{samples}"] = sum(pass_at_k(samples, c, samples) for c in correct) / n
