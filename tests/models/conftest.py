@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from hacpo.models.policy import PolicyConfig, build_policy
 from hacpo.models.tokenizer import load_tokenizer
 
 MATH_TEXTS = [
@@ -35,3 +36,11 @@ def llama32():
 @pytest.fixture(scope="session")
 def qwen3_reduced():
     return load_tokenizer("qwen3", corpus=MATH_TEXTS)
+
+
+@pytest.fixture(scope="module", params=["decoder", "llama", "qwen2"])
+def policy(request):
+    """One small policy of each model kind (built once per test module)."""
+    if request.param == "decoder":
+        return build_policy(PolicyConfig(name="d", kind="decoder", seed=1))
+    return build_policy(PolicyConfig(name="h", kind="hf", arch=request.param, seed=1))

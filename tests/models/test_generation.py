@@ -9,13 +9,6 @@ from hacpo.models.tokenizer import CharTokenizer
 QUESTIONS = ["What is 2+3?", "Tom has 12 apples and eats 5. How many are left?", "7*8=?"]
 
 
-@pytest.fixture(scope="module", params=["decoder", "llama", "qwen2"])
-def policy(request):
-    if request.param == "decoder":
-        return build_policy(PolicyConfig(name="d", kind="decoder", seed=1))
-    return build_policy(PolicyConfig(name="h", kind="hf", arch=request.param, seed=1))
-
-
 def _prompts(policy):
     return [policy.tokenizer.prompt_ids(q) for q in QUESTIONS]  # 3 different lengths
 

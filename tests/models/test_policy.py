@@ -17,13 +17,6 @@ def _manual_logprobs(policy, prompt, response):
     return torch.stack([lp[len(prompt) - 1 + j, t] for j, t in enumerate(response)]).float()
 
 
-@pytest.fixture(scope="module", params=["decoder", "llama", "qwen2"])
-def policy(request):
-    if request.param == "decoder":
-        return build_policy(PolicyConfig(name="d", kind="decoder", seed=1))
-    return build_policy(PolicyConfig(name="h", kind="hf", arch=request.param, seed=1))
-
-
 def _batch(policy):
     tok = policy.tokenizer
     g = torch.Generator().manual_seed(0)
