@@ -3,7 +3,7 @@ import torch
 
 from hacpo.models.decoder import Decoder, DecoderConfig
 from hacpo.models.generation import generate, sample_next
-from hacpo.models.policy import Policy, PolicyConfig, build_policy
+from hacpo.models.policy import Policy
 from hacpo.models.tokenizer import CharTokenizer
 
 QUESTIONS = ["What is 2+3?", "Tom has 12 apples and eats 5. How many are left?", "7*8=?"]
