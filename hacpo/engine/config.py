@@ -7,12 +7,11 @@ named presets, validated overrides.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import defaults as D
-from .configtools import from_dict, override
+from .configtools import ConfigMixin
 
 ALGORITHMS = ("grpo", "gspo", "gspo2x", "naive", "hacpo")
 MINIBATCH_ORDERS = ("mixed", "self_first")
@@ -91,7 +90,7 @@ class LossConfig:
 
 
 @dataclass(frozen=True)
-class AlgorithmConfig:
+class AlgorithmConfig(ConfigMixin):
     """Which algorithm (SPEC's table of baselines) and its switches."""
     name: str = "hacpo"
     capability: CapabilityConfig = field(default_factory=CapabilityConfig)
@@ -129,17 +128,6 @@ class AlgorithmConfig:
     def token_level(self) -> bool:
         return self.name == "grpo"
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "AlgorithmConfig":
-        return from_dict(cls, d)
-
-    def override(self, overrides: dict[str, Any]) -> "AlgorithmConfig":
-        """Dotted-key overrides, e.g. {"loss.alpha": 0, "name": "gspo"}; strings are parsed as
-        the field's type (CLI). Unknown keys are an error."""
-        return override(self, overrides)
 
 
 _PRESETS: dict[str, dict[str, Any]] = {

@@ -119,6 +119,22 @@ def _set(cls, d: dict, key: str, value: Any) -> None:
             node, tp = node[part], ftype
 
 
+class ConfigMixin:
+    """to_dict / from_dict / override for a config dataclass (each validated on build)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]):
+        return from_dict(cls, d)
+
+    def override(self, overrides: dict[str, Any]):
+        """Dotted-key overrides, e.g. {"loss.alpha": 0}; strings are parsed as the field's type
+        (CLI). Unknown keys are an error."""
+        return override(self, overrides)
+
+
 def parse_overrides(items: list[str]) -> dict[str, str]:
     """["a.b=1", "c=x"] -> {"a.b": "1", "c": "x"} (values parsed later by field type)."""
     out = {}

@@ -2,7 +2,6 @@
 presets, YAML files and dotted CLI overrides only override (``configtools``)."""
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -11,7 +10,7 @@ from typing import Any
 from hacpo.models.policy import PolicyConfig
 
 from .config import AlgorithmConfig, preset as algorithm_preset
-from .configtools import from_dict, override
+from .configtools import ConfigMixin
 
 
 @dataclass
@@ -85,7 +84,7 @@ class RewardConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(ConfigMixin):
     agents: list[AgentConfig] = field(default_factory=lambda: [AgentConfig(), AgentConfig()])
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -116,16 +115,6 @@ class TrainConfig:
             raise ValueError(f"agent names must be unique, got {names}")
         if self.steps < 0 or self.prompts_per_step < 1 or self.max_nonfinite < 1:
             raise ValueError("steps >= 0, prompts_per_step >= 1 and max_nonfinite >= 1 needed")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
-        return from_dict(cls, d)
-
-    def override(self, overrides: dict[str, Any]) -> "TrainConfig":
-        return override(self, overrides)
 
 
 # Keys that may change between a run and its resumption (they do not change the math).
