@@ -104,6 +104,22 @@ def warm_start(cfg: TrainConfig, data: Data, policies: list[Policy], echo=print)
     return out
 
 
+def rollout_engine(cfg: TrainConfig, policies: list[Policy]):
+    """The configured ``RolloutEngine`` (rollout.engine). Remote engines are imported lazily:
+    the local path never imports ray or vllm."""
+    kind = cfg.rollout.engine
+    if kind == "local":
+        from .rollout import LocalRolloutEngine
+        return LocalRolloutEngine(policies, cfg.seed)
+    if kind == "ray":
+        from hacpo.launch.ray_rollout import RayRolloutEngine
+        return RayRolloutEngine(policies, cfg)
+    if kind == "vllm":
+        from hacpo.launch.vllm_rollout import VLLMRolloutEngine
+        return VLLMRolloutEngine(policies, cfg)
+    raise ValueError(f"unknown rollout.engine {kind!r}")
+
+
 def build_optimizers(cfg: TrainConfig, policies: list[Policy]):
     return [torch.optim.AdamW(p.parameters(), lr=a.optim.lr, betas=(a.optim.beta1, a.optim.beta2),
                               weight_decay=a.optim.weight_decay)

@@ -20,6 +20,8 @@ class RolloutEngine(Protocol):
 
     def load_state_dict(self, sd: dict) -> None: ...
 
+    def close(self) -> None: ...
+
 
 class LocalRolloutEngine:
     """Samples with the trainer's own policies (KV-cache sampler), one generator per agent.
@@ -52,3 +54,6 @@ class LocalRolloutEngine:
     def load_state_dict(self, sd: dict) -> None:
         for g, s in zip(self.generators, sd["generators"]):
             g.set_state(s)
+
+    def close(self) -> None:
+        """Nothing to release in-process."""

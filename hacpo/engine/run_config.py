@@ -42,17 +42,30 @@ class AgentConfig:
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
 
 
+ROLLOUT_ENGINES = ("local", "ray", "vllm")
+
+
 @dataclass
 class RolloutConfig:
     group_size: int = 8            # G responses per agent per prompt
     max_new_tokens: int = 32
     temperature: float = 1.0
     top_p: float = 1.0
+    engine: str = "local"          # local (in-process sampler) | ray | vllm (ROLLOUT_ENGINES)
+    engines_per_agent: int = 1     # ray/vllm: rollout actors per agent
+    ray_address: str = ""          # ray/vllm: "" starts a private local cluster; else join it
+    max_engine_restarts: int = 3   # ray/vllm: a dead rollout actor is restarted this often
 
     def __post_init__(self):
         if self.group_size < 1 or self.max_new_tokens < 1:
             raise ValueError(f"rollout.group_size and max_new_tokens must be >= 1, got "
                              f"{self.group_size}, {self.max_new_tokens}")
+        if self.engine not in ROLLOUT_ENGINES:
+            raise ValueError(f"unknown rollout.engine {self.engine!r}; choose one of "
+                             f"{', '.join(ROLLOUT_ENGINES)}")
+        if self.engines_per_agent < 1 or self.max_engine_restarts < 0:
+            raise ValueError(f"rollout.engines_per_agent must be >= 1 and max_engine_restarts "
+                             f">= 0, got {self.engines_per_agent}, {self.max_engine_restarts}")
 
 
 @dataclass

@@ -33,7 +33,6 @@ from .evaluate import evaluate_policy, score_named
 from .metrics import MetricsLogger
 from .pool import build_pool, compute_old_logprobs, learner_view
 from .rewards import RewardComputer
-from .rollout import LocalRolloutEngine
 from .run_config import TrainConfig, config_diff, fingerprint_dict
 from .update import update_learner
 
@@ -105,11 +104,18 @@ def _train(cfg: TrainConfig, rc: RewardComputer, resume: bool, echo) -> dict:
 
     data = build.load_data(cfg)
     policies = build.build_policies(cfg, data)
+    engine = build.rollout_engine(cfg, policies)
+    try:
+        return _run(cfg, rc, data, policies, engine, state, ck_path, echo)
+    finally:
+        engine.close()
+
+
+def _run(cfg, rc, data, policies, engine, state, ck_path, echo) -> dict:
     names = [p.name for p in policies]
     n = len(policies)
     tracker = CapabilityTracker(n, **vars(cfg.algorithm.capability))
     sampler = PromptSampler(data.train, seed=cfg.seed)
-    engine = LocalRolloutEngine(policies, cfg.seed)
     shuffle_gen = torch.Generator().manual_seed(cfg.seed + 7)
     nonfinite = {"streak": 0, "total": 0}
     if state is None:
@@ -133,6 +139,8 @@ def _train(cfg: TrainConfig, rc: RewardComputer, resume: bool, echo) -> dict:
         nonfinite = state["nonfinite"]
         warm, before, start = state["warmup"], state["eval_before"], state["step"]
         echo(f"[resume] {ck_path} at step {start}")
+    for k in range(n):                 # engines holding weight copies start from these weights
+        engine.sync_weights(k)
     for name in names:
         echo(f"[eval] {name}: before RL {before[name]['accuracy']:.3f} "
              f"± {before[name]['stderr']:.3f}")
