@@ -15,6 +15,8 @@ import torch
 from hacpo.models.policy import Policy
 from hacpo.models.retokenize import RetokStats, RetokStatus, retokenize
 
+from .timing import null_timer
+
 
 def scored_lengths(response_ids: list[list[int]], eos_id: int) -> list[int]:
     """How many leading tokens of each response count in the mean log-prob: all but a final
@@ -77,16 +79,18 @@ def build_pool(rollouts) -> StepPool:
 
 def compute_old_logprobs(pool: StepPool, policies: list[Policy],
                          prompt_ids: list[list[list[int]]], micro_batch: int,
-                         temperature: float = 1.0) -> None:
+                         temperature: float = 1.0, timer=null_timer) -> None:
     """lp_old from each generator's forward pass (no grad), in its own tokenization, under the
-    sampling temperature (logits / T), as the ratio's numerator will be."""
+    sampling temperature (logits / T), as the ratio's numerator will be. ``timer(name)`` is
+    entered around each generator's scoring."""
     lp = torch.full((pool.num_samples,), float("nan"))
     toks: list[torch.Tensor] = [torch.empty(0)] * pool.num_samples
     for k, policy in enumerate(policies):
         idx = (pool.agent == k).nonzero().flatten().tolist()
-        seq, tl = score_responses(policy, [prompt_ids[k][int(pool.prompt[i])] for i in idx],
-                                  [pool.response_ids[i] for i in idx], micro_batch,
-                                  temperature=temperature)
+        with timer(policy.name):
+            seq, tl = score_responses(policy, [prompt_ids[k][int(pool.prompt[i])] for i in idx],
+                                      [pool.response_ids[i] for i in idx], micro_batch,
+                                      temperature=temperature)
         lp[idx] = seq
         for j, i in enumerate(idx):
             toks[i] = tl[j]

@@ -114,6 +114,8 @@ class TrainConfig(ConfigMixin):
     max_nonfinite: int = 3          # stop after this many non-finite updates in a row
     drop_unencodable: bool = True   # cross samples the learner's vocabulary cannot spell
     threads: int = 0                # torch intra-op threads (0: torch's default)
+    profile_sync: bool = False      # synchronize the device around each timed stage (exact
+                                    # per-stage GPU times, lower throughput; `hacpo profile`)
     out_dir: str = "runs/hacpo"
     cache_dir: str = "runs/cache"   # warm-up checkpoints shared across runs
     progress: bool = True
@@ -132,7 +134,7 @@ class TrainConfig(ConfigMixin):
 
 # Keys that may change between a run and its resumption (they do not change the math).
 RESUMABLE_KEYS = {"steps", "out_dir", "cache_dir", "progress", "plots", "tensorboard",
-                  "checkpoint_every", "eval_every", "threads", "micro_batch"}
+                  "checkpoint_every", "eval_every", "threads", "micro_batch", "profile_sync"}
 
 
 def fingerprint_dict(cfg: TrainConfig) -> dict[str, Any]:

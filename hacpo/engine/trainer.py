@@ -34,22 +34,11 @@ from .metrics import MetricsLogger
 from .pool import build_pool, compute_old_logprobs, learner_view
 from .rewards import RewardComputer
 from .run_config import TrainConfig, config_diff, fingerprint_dict
+from .timing import Stopwatch, device_sync
 from .update import update_learner
 
 CHECKPOINT = "checkpoint.pt"
-
-
-class Stopwatch(dict):
-    def __call__(self, key):
-        sw = self
-
-        class _T:
-            def __enter__(self):
-                self.t = time.perf_counter()
-
-            def __exit__(self, *a):
-                sw[key] = sw.get(key, 0.0) + time.perf_counter() - self.t
-        return _T()
+UPDATE_STAGES = ("score_self", "score_cross", "backward_self", "backward_cross", "optimizer")
 
 
 def score_batch(rc: RewardComputer, pool, golds: list[str], names: list[str]):
@@ -152,7 +141,7 @@ def _run(cfg, rc, data, policies, engine, state, ck_path, echo) -> dict:
     bar = _progress(cfg, start)
     try:
         for step in range(start, cfg.steps):
-            sw = Stopwatch()
+            sw = Stopwatch(device_sync(cfg.profile_sync))
             t_step = time.perf_counter()
             batch = sampler.next_batch(cfg.prompts_per_step)
             prompt_ids = [[p.tokenizer.prompt_ids(build.prompt_text(cfg, e)) for e in batch]
@@ -170,9 +159,8 @@ def _run(cfg, rc, data, policies, engine, state, ck_path, echo) -> dict:
                 pool.rewards, rstats = score_batch(rc, pool, [e.answer for e in batch], names)
             tracker.update(pool.rewards, pool.agent)
             ratios = tracker.ratios()
-            with sw("time/old_logprobs"):
-                compute_old_logprobs(pool, policies, prompt_ids, cfg.micro_batch,
-                                     _score_temperature(cfg))
+            compute_old_logprobs(pool, policies, prompt_ids, cfg.micro_batch,
+                                 _score_temperature(cfg), timer=sw.scoped("time/old_logprobs/"))
             metrics: dict[str, float] = {}
             retok = RetokStats()
             for k in range(n):
@@ -191,8 +179,13 @@ def _run(cfg, rc, data, policies, engine, state, ck_path, echo) -> dict:
                                        grad_clip=cfg.agents[k].optim.grad_clip,
                                        nonfinite=nonfinite, max_nonfinite=cfg.max_nonfinite,
                                        ref_policy=refs[k], kl_coef=algo.loss.kl_coef,
-                                       ratio_log=rl, temperature=_score_temperature(cfg))
-                engine.sync_weights(k)
+                                       ratio_log=rl, temperature=_score_temperature(cfg),
+                                       timer=sw.scoped("time/", f"/{names[k]}"))
+                for stage in UPDATE_STAGES:        # same keys every step, 0 when idle
+                    sw.setdefault(f"time/{stage}/{names[k]}", 0.0)
+                with sw(f"time/sync/{names[k]}"):
+                    engine.sync_weights(k)
+                metrics.update(_view_tokens(view, names[k]))
                 if rl:
                     for kind, vals in rl.items():
                         ratio_log[f"{names[k]}/{kind}"].append(torch.cat(vals).numpy())
@@ -248,6 +241,7 @@ def _step_metrics(pool, tracker, ratios, names, rstats, retok) -> dict[str, floa
     for k, name in enumerate(names):
         sel = pool.agent == k
         lens = [len(r) for r, s in zip(pool.response_ids, sel.tolist()) if s]
+        out[f"tokens/generated/{name}"] = float(sum(lens))
         out[f"reward/{name}"] = float(pool.rewards[sel].mean())
         out[f"phat/{name}"] = float(phat[k])
         out[f"response_tokens/{name}"] = sum(lens) / max(len(lens), 1)
@@ -262,6 +256,19 @@ def _step_metrics(pool, tracker, ratios, names, rstats, retok) -> dict[str, floa
     out.update({f"reward_fn/{k}": float(v) for k, v in rstats.as_dict().items()
                 if isinstance(v, (int, float))})
     out.update(retok.as_dict())
+    return out
+
+
+def _view_tokens(view, name: str) -> dict[str, float]:
+    """Tokens a learner scored in its updates: response tokens (``scored``) and everything
+    run through the model, prompt included (``forward``), for self and cross samples."""
+    out = {}
+    for part, sel in (("self", view.is_self), ("cross", ~view.is_self)):
+        js = sel.nonzero().flatten().tolist()
+        resp = sum(len(view.response_ids[j]) for j in js)
+        out[f"tokens/scored_{part}/{name}"] = float(resp)
+        out[f"tokens/forward_{part}/{name}"] = float(
+            resp + sum(len(view.prompt_ids[j]) for j in js))
     return out
 
 

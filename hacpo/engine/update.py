@@ -15,6 +15,7 @@ from .algorithm import learner_loss, split_minibatches
 from .config import AlgorithmConfig
 from .losses import low_var_kl
 from .pool import LearnerView
+from .timing import null_timer
 
 
 class NonFiniteUpdateError(RuntimeError):
@@ -33,9 +34,16 @@ def update_learner(algo: AlgorithmConfig, policy, optimizer, view: LearnerView, 
                    prompt_of_sample: torch.Tensor, generator: torch.Generator, micro_batch: int,
                    grad_clip: float, nonfinite: dict, max_nonfinite: int, ref_policy=None,
                    kl_coef: float = 0.0, ratio_log: dict | None = None,
-                   temperature: float = 1.0) -> dict[str, float]:
+                   temperature: float = 1.0, timer=null_timer) -> dict[str, float]:
     """Run the M updates; returns averaged metrics (floats). ``nonfinite`` carries the count of
-    consecutive non-finite updates across calls ({"streak": int, "total": int})."""
+    consecutive non-finite updates across calls ({"streak": int, "total": int}).
+
+    Within a minibatch, self and cross samples are forwarded in separate micro-batches (each
+    sorted by length to cut padding) so their costs are accounted apart: ``timer(key)`` is
+    entered for "score_self", "score_cross" (forward + loss), "backward_self",
+    "backward_cross" and "optimizer" (clip, host sync, step). The loss is a sum over samples
+    divided by the minibatch's global count, so the split leaves the gradient unchanged.
+    Metrics are computed once per minibatch over all its samples (from detached values)."""
     M = algo.num_minibatches * algo.minibatch_factor
     n = view.idx.numel()
     sums: dict[str, float] = defaultdict(float)
@@ -44,6 +52,7 @@ def update_learner(algo: AlgorithmConfig, policy, optimizer, view: LearnerView, 
     mbs = split_minibatches(prompt_of_sample[view.idx], view.is_self, M, algo.minibatch_order,
                             generator)
     params = [p for p in policy.parameters() if p.requires_grad]
+    is_self = view.is_self.tolist()
     for m, mb in enumerate(mbs):
         optimizer.zero_grad(set_to_none=True)
         mb_list = mb.tolist()
@@ -52,48 +61,61 @@ def update_learner(algo: AlgorithmConfig, policy, optimizer, view: LearnerView, 
         else:
             divisor = len(mb_list)
         total = torch.zeros(())
-        mb_metrics: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros(()))
-        for s in range(0, len(mb_list), micro_batch):
-            js = mb_list[s:s + micro_batch]
-            prompts = [view.prompt_ids[j] for j in js]
-            resps = [view.response_ids[j] for j in js]
-            tl, mask = policy.response_logprobs(prompts, resps, temperature=temperature)
-            new_lp = (tl * mask).sum(-1) / mask.sum(-1)
-            pool_idx = view.idx[js]
-            kwargs = {}
-            if algo.token_level:
-                kwargs = dict(token_logp=tl, mask=mask,
-                              old_token_logp=_pad([old_token_logp[i] for i in pool_idx.tolist()],
-                                                  tl.shape[1]))
-            loss, met = learner_loss(algo, new_lp=new_lp, old_lp=lp_old[pool_idx],
-                                     advantages=view.advantages[js], is_self=view.is_self[js],
-                                     omega=view.omega[js], minibatch_index=m, divisor=divisor,
-                                     **kwargs)
-            if kl_coef > 0 and ref_policy is not None:
-                self_rows = view.is_self[js]
-                if bool(self_rows.any()):
-                    with torch.no_grad():
-                        ref_tl, _ = ref_policy.response_logprobs(prompts, resps,
-                                                             temperature=temperature)
-                    kl = low_var_kl(tl, ref_tl, mask)[self_rows]
-                    loss = loss + kl_coef * kl.sum() / divisor
-                    mb_metrics["kl"] += kl.detach().sum() / max(len(mb_list), 1)
-            loss.backward()
-            total = total + loss.detach()
-            w = len(js) / len(mb_list)
-            for k, v in met.items():
-                mb_metrics[k] += v.detach().float() * w
-            if ratio_log is not None:
-                lr_ = (new_lp.detach() - lp_old[pool_idx]).clamp(-10, 10)
-                ratio_log.setdefault("self", []).append(lr_[view.is_self[js]])
-                ratio_log.setdefault("cross", []).append(lr_[~view.is_self[js]])
-        gnorm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
-        # the update's one host sync: its loss, grad norm and metrics come over together
-        keys = list(mb_metrics)
-        vals = torch.stack([total.float(), gnorm.float()]
-                           + [mb_metrics[k].float().reshape(()) for k in keys]).tolist()
-        if all(map(math.isfinite, vals[:2])):
-            optimizer.step()
+        kl_sum = torch.zeros(())
+        new_lp_of: dict[int, torch.Tensor] = {}      # sample -> detached mean log-prob
+        tl_of: dict[int, torch.Tensor] = {}          # sample -> detached token log-probs (grpo)
+        for part in ("self", "cross"):
+            rows = [j for j in mb_list if is_self[j] == (part == "self")]
+            rows.sort(key=lambda j: len(view.prompt_ids[j]) + len(view.response_ids[j]))
+            for s in range(0, len(rows), micro_batch):
+                js = rows[s:s + micro_batch]
+                prompts = [view.prompt_ids[j] for j in js]
+                resps = [view.response_ids[j] for j in js]
+                pool_idx = view.idx[js]
+                with timer(f"score_{part}"):
+                    tl, mask = policy.response_logprobs(prompts, resps, temperature=temperature)
+                    new_lp = (tl * mask).sum(-1) / mask.sum(-1)
+                    kwargs = {}
+                    if algo.token_level:
+                        kwargs = dict(token_logp=tl, mask=mask, old_token_logp=_pad(
+                            [old_token_logp[i] for i in pool_idx.tolist()], tl.shape[1]))
+                    loss, _ = learner_loss(algo, new_lp=new_lp, old_lp=lp_old[pool_idx],
+                                           advantages=view.advantages[js],
+                                           is_self=view.is_self[js], omega=view.omega[js],
+                                           minibatch_index=m, divisor=divisor, **kwargs)
+                    if kl_coef > 0 and ref_policy is not None and part == "self":
+                        with torch.no_grad():
+                            ref_tl, _ = ref_policy.response_logprobs(prompts, resps,
+                                                                     temperature=temperature)
+                        kl = low_var_kl(tl, ref_tl, mask)
+                        loss = loss + kl_coef * kl.sum() / divisor
+                        kl_sum = kl_sum + kl.detach().sum()
+                with timer(f"backward_{part}"):
+                    loss.backward()
+                total = total + loss.detach()
+                for r, j in enumerate(js):
+                    new_lp_of[j] = new_lp[r].detach()
+                    if algo.token_level:
+                        tl_of[j] = tl[r, :len(view.response_ids[j])].detach()
+                if ratio_log is not None:
+                    lr_ = (new_lp.detach() - lp_old[pool_idx]).clamp(-10, 10)
+                    ratio_log.setdefault(part, []).append(lr_)
+        mb_metrics = _minibatch_metrics(algo, view, mb_list, new_lp_of, tl_of, lp_old,
+                                        old_token_logp, m, divisor)
+        n_self = sum(is_self[j] for j in mb_list)
+        if kl_coef > 0 and ref_policy is not None and n_self:
+            mb_metrics["kl"] = kl_sum / n_self
+        with timer("optimizer"):
+            gnorm = torch.nn.utils.clip_grad_norm_(
+                params, grad_clip if grad_clip > 0 else float("inf"))
+            # the update's one host sync: its loss, grad norm and metrics come over together
+            keys = list(mb_metrics)
+            vals = torch.stack([total.float(), gnorm.float()]
+                               + [mb_metrics[k].float().reshape(()) for k in keys]).tolist()
+            finite = all(map(math.isfinite, vals[:2]))
+            if finite:
+                optimizer.step()
+        if finite:
             nonfinite["streak"] = 0
         else:
             optimizer.zero_grad(set_to_none=True)
@@ -114,3 +136,27 @@ def update_learner(algo: AlgorithmConfig, policy, optimizer, view: LearnerView, 
     sums["trained_self"] = float(view.is_self.sum())
     sums["trained_cross"] = float((~view.is_self).sum())
     return dict(sums)
+
+
+@torch.no_grad()
+def _minibatch_metrics(algo: AlgorithmConfig, view: LearnerView, mb_list: list[int],
+                       new_lp_of: dict, tl_of: dict, lp_old: torch.Tensor,
+                       old_token_logp: list[torch.Tensor], m: int, divisor) -> dict:
+    """The loss's metrics over the whole minibatch at once (means over the right subsets,
+    whatever the micro-batching), from the detached log-probs of the update."""
+    js = [j for j in mb_list if j in new_lp_of]
+    pool_idx = view.idx[js]
+    kwargs = {}
+    if algo.token_level:
+        T = max(len(tl_of[j]) for j in js)
+        tl = _pad([tl_of[j] for j in js], T)
+        mask = torch.zeros(len(js), T, dtype=torch.bool)
+        for r, j in enumerate(js):
+            mask[r, :len(tl_of[j])] = True
+        kwargs = dict(token_logp=tl, mask=mask,
+                      old_token_logp=_pad([old_token_logp[i] for i in pool_idx.tolist()], T))
+    _, met = learner_loss(algo, new_lp=torch.stack([new_lp_of[j] for j in js]),
+                          old_lp=lp_old[pool_idx], advantages=view.advantages[js],
+                          is_self=view.is_self[js], omega=view.omega[js], minibatch_index=m,
+                          divisor=divisor, **kwargs)
+    return dict(met)

@@ -37,7 +37,23 @@ def test_two_step_run_three_tokenizers(tmp_path):
     for name in ("char", "qwen3", "llama"):
         assert 0.0 <= rows[-1][f"reward/{name}"] <= 1.0
         assert rows[-1][f"train/{name}/trained_self"] > 0
-        assert f"time/generate/{name}" in rows[-1]
+        r = rows[-1]
+        # per-stage accounting: wall time and tokens per agent and step
+        for stage in ("generate", "old_logprobs", "retokenize", "score_self", "score_cross",
+                      "backward_self", "backward_cross", "optimizer", "sync", "update"):
+            assert r[f"time/{stage}/{name}"] >= 0, stage
+        parts = sum(r[f"time/{s}/{name}"] for s in ("score_self", "score_cross",
+                                                    "backward_self", "backward_cross",
+                                                    "optimizer"))
+        assert parts <= r[f"time/update/{name}"] <= r["time/step"]
+        assert r[f"tokens/generated/{name}"] > 0
+        assert r[f"tokens/scored_self/{name}"] > 0
+        for row in rows:   # cross samples can all be dropped (unencodable) for a learner
+            has_cross = row[f"train/{name}/trained_cross"] > 0
+            assert (row[f"tokens/scored_cross/{name}"] > 0) == has_cross
+            assert (row[f"time/score_cross/{name}"] > 0) == has_cross
+    assert sum(r[f"tokens/scored_cross/{nm}"] for r in rows for nm in ("char", "qwen3", "llama"))\
+        < sum(r[f"tokens/forward_cross/{nm}"] for r in rows for nm in ("char", "qwen3", "llama"))
     # every response was scored by the verifier and re-tokenized for two other learners
     n = 3 * cfg.prompts_per_step * cfg.rollout.group_size
     assert rows[0]["reward_fn/total"] == n

@@ -1,0 +1,377 @@
+"""hacpo profile — what HACPO's cross-agent scoring costs, and what sharing rollouts saves,
+measured side by side on one config, plus a per-token cost model that extrapolates both.
+
+Procedure. One run per algorithm (default gspo, gspo2x, hacpo) from the same warm start; the
+runs advance in interleaved rounds (gspo steps 0-1, gspo2x 0-1, hacpo 0-1, gspo 2-3, ...) via
+checkpoint/resume, so drifts in machine load hit every algorithm alike. The first step of each
+run is discarded (allocator and cache warm-up). Per-stage wall times and token counts come from
+the trainer's own accounting (metrics ``time/*`` and ``tokens/*``), with the device synchronized
+around each stage (``profile_sync``).
+
+Reported (per agent a, means over measured steps):
+    agent step time  T(a) = generate + old log-probs + re-tokenize + update + weight sync
+                            + reward / n                      (the shared verifier, split evenly)
+    extra over GSPO       = T_hacpo(a) / T_gspo(a) - 1       (target <= 25%)
+    cross scoring share   = (retokenize + score_cross + backward_cross)_hacpo / T_gspo(a)
+    per trained sample    = (step time / trained samples)_hacpo / (same)_gspo2x  (target <= 0.75)
+
+Cost model (``fit_cost_model``): per agent, seconds per token for generation (per generated
+token), old log-probs (per forward token: prompt + response), training fwd+bwd on self and on
+cross samples (per forward token), re-tokenization (per cross response token), plus a fixed
+optimizer cost per update and the reward per sample. Everything is linear in token counts, so
+a setting is (prompt length Lp, response length Lr, agents n, decode factor kappa); kappa
+multiplies the measured generation cost per token. Model size enters only through kappa under
+the stated assumption that per-token costs of decoding and training scale alike with the
+parameter count (FLOPs ~ P per token for both); at LLM scale decoding is memory-bound and
+kappa > 1 (pass a kappa measured on your setup). The model is checked on the measured runs:
+fitted on GSPO alone, it predicts the GSPO x2 and HACPO step times (errors reported).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from dataclasses import dataclass
+
+from .run_config import TrainConfig
+
+DEFAULT_ALGORITHMS = ("gspo", "gspo2x", "hacpo")
+TARGET_EXTRA = 0.25
+TARGET_PER_SAMPLE = 0.75
+AGENT_STAGES = ("generate", "old_logprobs", "retokenize", "update", "sync")
+UPDATE_PARTS = ("score_self", "backward_self", "score_cross", "backward_cross", "optimizer")
+
+
+# -- measuring ------------------------------------------------------------------------------
+def run_profile(base: TrainConfig, out_dir: str, *, algorithms=DEFAULT_ALGORITHMS,
+                rounds: int = 3, steps_per_round: int = 2, skip_steps: int = 1,
+                kappas=(0.25, 0.5, 1, 2, 4, 8, 16, 32, 64), echo=print) -> dict:
+    """Measure ``algorithms`` side by side on ``base`` (its steps are ignored) and write
+    profile.json, profile.md and profile.png into ``out_dir``. Returns the report dict."""
+    from .trainer import train
+    from .compare import _with_algorithm
+    if rounds < 1 or steps_per_round < 1 or skip_steps < 0:
+        raise ValueError("rounds and steps_per_round must be >= 1, skip_steps >= 0")
+    if rounds * steps_per_round <= skip_steps:
+        raise ValueError(f"rounds x steps_per_round = {rounds * steps_per_round} steps leave "
+                         f"nothing after skipping {skip_steps}")
+    os.makedirs(out_dir, exist_ok=True)
+    runs = {}
+    for algo in algorithms:
+        cfg = base.override({"out_dir": os.path.join(out_dir, algo), "progress": False,
+                             "plots": False, "tensorboard": False, "checkpoint_every": 1,
+                             "profile_sync": True, "eval_every": 0, "eval_pass_k": 0})
+        runs[algo] = _with_algorithm(cfg, algo)
+    for r in range(1, rounds + 1):
+        for algo, cfg in runs.items():
+            echo(f"[profile] round {r}/{rounds}: {algo} to step {r * steps_per_round}")
+            train(cfg.override({"steps": r * steps_per_round}), resume=True,
+                  echo=lambda *_: None)
+    names = [a.policy.name for a in base.agents]
+    measured = {algo: summarize_run(_read_metrics(cfg.out_dir), names, skip_steps)
+                for algo, cfg in runs.items()}
+    report = build_report(measured, names, kappas=kappas)
+    report["setup"] = {"algorithms": list(algorithms), "rounds": rounds,
+                       "steps_per_round": steps_per_round, "skip_steps": skip_steps,
+                       "prompts_per_step": base.prompts_per_step,
+                       "group_size": base.rollout.group_size, "agents": names,
+                       "threads": base.threads, "machine": _machine()}
+    with open(os.path.join(out_dir, "profile.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    md = render_report(report)
+    with open(os.path.join(out_dir, "profile.md"), "w") as f:
+        f.write(md)
+    plot_profile(report, os.path.join(out_dir, "profile.png"))
+    echo(md)
+    return report
+
+
+def _read_metrics(run_dir: str) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def summarize_run(rows: list[dict], names: list[str], skip_steps: int) -> dict:
+    """Per-step means of the accounting metrics after dropping the first ``skip_steps``."""
+    rows = [r for r in rows if r["step"] >= skip_steps]
+    if not rows:
+        raise ValueError(f"no measured steps left after skipping {skip_steps}")
+
+    def mean(key):
+        return statistics.fmean(r.get(key, 0.0) for r in rows)
+
+    out = {"steps": len(rows), "step_time": mean("time/step"), "reward_time": mean("time/reward"),
+           "agents": {}}
+    for a in names:
+        d = {s: mean(f"time/{s}/{a}") for s in AGENT_STAGES + UPDATE_PARTS}
+        for t in ("generated", "scored_self", "scored_cross", "forward_self", "forward_cross"):
+            d[f"tokens_{t}"] = mean(f"tokens/{t}/{a}")
+        d["trained_samples"] = mean(f"train/{a}/trained_samples")
+        d["trained_cross"] = mean(f"train/{a}/trained_cross")
+        d["generated_samples"] = d["trained_samples"] - d["trained_cross"]
+        d["agent_time"] = sum(d[s] for s in AGENT_STAGES) + out["reward_time"] / len(names)
+        out["agents"][a] = d
+    out["trained_samples"] = sum(d["trained_samples"] for d in out["agents"].values())
+    return out
+
+
+# -- the report -----------------------------------------------------------------------------
+def build_report(measured: dict, names: list[str], *, kappas=(1,)) -> dict:
+    rep: dict = {"measured": measured, "agents": {}}
+    g, h, g2 = measured.get("gspo"), measured.get("hacpo"), measured.get("gspo2x")
+    if g and h:
+        for a in names:
+            ga, ha = g["agents"][a], h["agents"][a]
+            cross = ha["retokenize"] + ha["score_cross"] + ha["backward_cross"]
+            rep["agents"][a] = {"gspo_agent_time": ga["agent_time"],
+                                "hacpo_agent_time": ha["agent_time"],
+                                "extra_over_gspo": ha["agent_time"] / ga["agent_time"] - 1,
+                                "cross_scoring_share": cross / ga["agent_time"]}
+    if h and g2:
+        ph = h["step_time"] / h["trained_samples"]
+        p2 = g2["step_time"] / g2["trained_samples"]
+        rep["per_trained_sample"] = {"hacpo_s": ph, "gspo2x_s": p2, "ratio": ph / p2}
+    if g:
+        model = fit_cost_model(g, names, cross_from=h)
+        rep["cost_model"] = model.to_dict()
+        checks = {}
+        for algo, m in measured.items():
+            pred = model.predict_step(m, algo)
+            checks[algo] = {"measured_s": m["step_time"], "predicted_s": pred,
+                            "error": pred / m["step_time"] - 1}
+        rep["model_check"] = checks
+        rep["extrapolation"] = extrapolate(model, kappas=kappas)
+    return rep
+
+
+@dataclass
+class CostModel:
+    """Seconds per token (summed over agents, i.e. per agent-average setting) measured on one
+    config; see the module docstring."""
+    gen_per_token: float         # per generated response token
+    old_per_token: float         # per forward token (prompt + response), no grad
+    train_self_per_token: float  # fwd + bwd per forward token of a self sample
+    train_cross_per_token: float  # fwd + bwd per forward token of a cross sample
+    retok_per_token: float       # per cross response token (learner's tokenization)
+    optimizer_per_step: float    # per agent and step (all M updates)
+    reward_per_sample: float
+    overhead_per_step: float     # step time not in any stage (data, metrics, bookkeeping)
+    prompt_len: float            # measured mean prompt tokens per sample
+    response_len: float          # measured mean response tokens per sample
+    samples_per_agent: float     # measured generated samples per agent and step (B x G)
+    n_agents: int
+    cross_measured: bool = False  # cross costs measured on HACPO (else: self costs assumed)
+
+    def to_dict(self) -> dict:
+        return dict(vars(self))
+
+    def predict_step(self, m: dict, algo: str) -> float:
+        """Predicted step time for a measured run's token counts (every agent)."""
+        t = 0.0
+        for d in m["agents"].values():
+            gen_samples = d["generated_samples"]
+            own_fwd = d["tokens_forward_self"]
+            t += self.gen_per_token * d["tokens_generated"]
+            t += self.old_per_token * own_fwd
+            t += self.train_self_per_token * d["tokens_forward_self"]
+            t += self.train_cross_per_token * d["tokens_forward_cross"]
+            t += self.retok_per_token * d["tokens_scored_cross"]
+            t += self.optimizer_per_step + self.reward_per_sample * gen_samples
+        return t + self.overhead_per_step
+
+    def per_sample_ratio(self, *, n: int, kappa: float = 1.0, prompt_len: float | None = None,
+                         response_len: float | None = None) -> float:
+        """HACPO wall time per trained sample / GSPO x n's (same trained samples per agent,
+        n times fewer generated), for n agents, decode factor kappa, lengths in tokens."""
+        lp = self.prompt_len if prompt_len is None else prompt_len
+        lr = self.response_len if response_len is None else response_len
+        S = self.samples_per_agent
+        gen = kappa * self.gen_per_token * S * lr
+        old = self.old_per_token * S * (lp + lr)
+        tself = self.train_self_per_token * S * (lp + lr)
+        tcross = self.train_cross_per_token * S * (lp + lr)
+        retok = self.retok_per_token * S * lr
+        rew = self.reward_per_sample * S
+        opt = self.optimizer_per_step
+        hacpo = gen + old + tself + (n - 1) * (tcross + retok) + opt + rew
+        gspo_n = n * (gen + old + tself + rew) + opt
+        return hacpo / gspo_n
+
+    def break_even_kappa(self, *, n: int, target: float, response_len: float | None = None,
+                         prompt_len: float | None = None) -> float:
+        """Smallest decode factor at which the per-sample ratio reaches ``target`` (it falls
+        monotonically in kappa towards 1/n); inf if it never does, 0 if it already does."""
+        if target <= 1 / n:
+            return math.inf
+        lo, hi = 0.0, 1.0
+        f = lambda k: self.per_sample_ratio(n=n, kappa=k, response_len=response_len,
+                                            prompt_len=prompt_len)
+        if f(lo) <= target:
+            return 0.0
+        while f(hi) > target:
+            hi *= 2
+            if hi > 1e9:
+                return math.inf
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if f(mid) > target else (lo, mid)
+        return hi
+
+
+def fit_cost_model(gspo: dict, names: list[str], cross_from: dict | None = None) -> CostModel:
+    """Per-token costs from a GSPO run (and, for cross scoring and re-tokenization, from a
+    HACPO run when given; else cross samples are assumed to cost what self samples do)."""
+    A = list(gspo["agents"].values())
+
+    def ratio(num, den):
+        d = sum(den)
+        return sum(num) / d if d > 0 else 0.0
+
+    gen = ratio([a["generate"] for a in A], [a["tokens_generated"] for a in A])
+    old = ratio([a["old_logprobs"] for a in A], [a["tokens_forward_self"] for a in A])
+    tself = ratio([a["score_self"] + a["backward_self"] for a in A],
+                  [a["tokens_forward_self"] for a in A])
+    tcross, retok, measured = tself, 0.0, False
+    if cross_from is not None:
+        H = list(cross_from["agents"].values())
+        if sum(a["tokens_forward_cross"] for a in H) > 0:   # else: no cross sample trained
+            tcross = ratio([a["score_cross"] + a["backward_cross"] for a in H],
+                           [a["tokens_forward_cross"] for a in H])
+            retok = ratio([a["retokenize"] for a in H], [a["tokens_scored_cross"] for a in H])
+            measured = True
+    samples = sum(a["generated_samples"] for a in A)
+    stage_sum = sum(a["agent_time"] for a in A)
+    return CostModel(
+        gen_per_token=gen, old_per_token=old, train_self_per_token=tself,
+        train_cross_per_token=tcross, retok_per_token=retok,
+        optimizer_per_step=statistics.fmean(a["optimizer"] for a in A),
+        reward_per_sample=gspo["reward_time"] / max(samples, 1),
+        overhead_per_step=max(gspo["step_time"] - stage_sum, 0.0),
+        prompt_len=ratio([a["tokens_forward_self"] - a["tokens_scored_self"] for a in A],
+                         [a["generated_samples"] for a in A]),
+        response_len=ratio([a["tokens_generated"] for a in A],
+                           [a["generated_samples"] for a in A]),
+        samples_per_agent=samples / len(A), n_agents=len(A), cross_measured=measured)
+
+
+def extrapolate(model: CostModel, *, kappas=(1,), agents=(2, 3, 4),
+                response_lens=(16, 64, 256, 1024, 4096, 16384)) -> dict:
+    """Per-sample ratio over decode factor and response length, and break-even factors."""
+    out = {"by_kappa": {}, "by_response_len": {}, "break_even_kappa": {}}
+    for n in agents:
+        out["by_kappa"][str(n)] = [[k, model.per_sample_ratio(n=n, kappa=k)] for k in kappas]
+        out["by_response_len"][str(n)] = [[L, model.per_sample_ratio(n=n, response_len=L)]
+                                          for L in response_lens]
+        out["break_even_kappa"][str(n)] = {
+            str(t): model.break_even_kappa(n=n, target=t) for t in (1.0, TARGET_PER_SAMPLE)}
+    return out
+
+
+def render_report(rep: dict) -> str:
+    lines = ["## hacpo profile", ""]
+    meas = rep["measured"]
+    lines += ["| algorithm | measured steps | step time (s) | trained samples/step | "
+              "s per trained sample |", "| --- | --- | --- | --- | --- |"]
+    for algo, m in meas.items():
+        lines.append(f"| {algo} | {m['steps']} | {m['step_time']:.2f} | "
+                     f"{m['trained_samples']:.0f} | {m['step_time'] / m['trained_samples']:.5f} |")
+    if rep["agents"]:
+        lines += ["", "| agent | GSPO agent time (s) | HACPO agent time (s) | extra over GSPO "
+                  f"(target <= {TARGET_EXTRA:.0%}) | of which cross scoring + re-tokenization |",
+                  "| --- | --- | --- | --- | --- |"]
+        for a, r in rep["agents"].items():
+            lines.append(f"| {a} | {r['gspo_agent_time']:.2f} | {r['hacpo_agent_time']:.2f} | "
+                         f"{r['extra_over_gspo']:+.0%} {_mark(r['extra_over_gspo'] <= TARGET_EXTRA)}"
+                         f" | {r['cross_scoring_share']:.0%} |")
+    if "per_trained_sample" in rep:
+        p = rep["per_trained_sample"]
+        lines += ["", f"HACPO wall time per trained sample / GSPO x2's: **{p['ratio']:.2f}** "
+                      f"(target <= {TARGET_PER_SAMPLE}) {_mark(p['ratio'] <= TARGET_PER_SAMPLE)}"]
+    lines += ["", "Per-agent stage times (s per step):", "",
+              "| algorithm | agent | " + " | ".join(AGENT_STAGES + UPDATE_PARTS) + " |",
+              "| --- | --- |" + " --- |" * (len(AGENT_STAGES) + len(UPDATE_PARTS))]
+    for algo, m in meas.items():
+        for a, d in m["agents"].items():
+            lines.append(f"| {algo} | {a} | " + " | ".join(
+                f"{d[s]:.3f}" for s in AGENT_STAGES + UPDATE_PARTS) + " |")
+    if "cost_model" in rep:
+        cm, chk = rep["cost_model"], rep["model_check"]
+        src = ("cross costs measured on HACPO" if cm["cross_measured"] else
+               "NO cross sample was trained: cross costs assumed equal to self costs")
+        lines += ["", f"Cost model fitted on GSPO ({src}): "
+                  + ", ".join(f"{k}={v:.3g}" for k, v in cm.items()
+                              if not isinstance(v, bool)), "",
+                  "Model check (predicted / measured step time - 1): "
+                  + ", ".join(f"{a} {c['error']:+.0%}" for a, c in chk.items())]
+        ex = rep["extrapolation"]
+        lines += ["", "| agents n | ratio at kappa=1 | break-even kappa (ratio 1) | "
+                      f"kappa for ratio {TARGET_PER_SAMPLE} |", "| --- | --- | --- | --- |"]
+        for n, be in ex["break_even_kappa"].items():
+            r1 = dict((k, v) for k, v in ex["by_kappa"][n]).get(1)
+            r1s = f"{r1:.2f}" if r1 is not None else "-"
+            lines.append(f"| {n} | {r1s} | {_num(be['1.0'])} | {_num(be[str(TARGET_PER_SAMPLE)])} |")
+        lines += ["", "kappa multiplies the measured generation cost per token (decode "
+                      "efficiency relative to training; model size enters through it)."]
+    return "\n".join(lines) + "\n"
+
+
+def _mark(ok: bool) -> str:
+    return "(met)" if ok else "(not met)"
+
+
+def _num(x: float) -> str:
+    return "never" if math.isinf(x) else f"{x:.2f}"
+
+
+def plot_profile(rep: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    meas = rep["measured"]
+    ax = axes[0]
+    stages = AGENT_STAGES[:-2] + UPDATE_PARTS + ("sync",)
+    labels = []
+    bottom_x = 0
+    for algo, m in meas.items():
+        for a, d in m["agents"].items():
+            bottom = 0.0
+            for i, s in enumerate(stages):
+                ax.bar(bottom_x, d[s], bottom=bottom, color=f"C{i}",
+                       label=s if bottom_x == 0 else None)
+                bottom += d[s]
+            labels.append(f"{algo}\n{a}")
+            bottom_x += 1
+    ax.set_xticks(range(len(labels)), labels, fontsize=7)
+    ax.set_ylabel("seconds per step")
+    ax.set_title("measured stage times per agent")
+    ax.legend(fontsize=7)
+    ex = rep.get("extrapolation")
+    if ex:
+        for n, pts in ex["by_kappa"].items():
+            axes[1].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"n={n}")
+        for n, pts in ex["by_response_len"].items():
+            axes[2].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"n={n}")
+        for ax, xl in ((axes[1], "decode cost factor kappa"),
+                       (axes[2], "response length (tokens), kappa = 1")):
+            ax.axhline(1.0, color="gray", ls="--", lw=1)
+            ax.axhline(TARGET_PER_SAMPLE, color="red", ls=":", lw=1, label="target 0.75")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel(xl)
+            ax.set_ylabel("HACPO / GSPO x n  (time per trained sample)")
+            ax.legend(fontsize=7)
+        axes[1].axvline(1.0, color="black", lw=0.8)
+        axes[1].set_title("cost model: vs decode cost")
+        axes[2].set_title("cost model: vs response length")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _machine() -> dict:
+    import platform
+    import torch
+    return {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "torch": torch.__version__, "python": platform.python_version()}

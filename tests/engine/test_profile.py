@@ -1,0 +1,115 @@
+"""hacpo profile: the cost model recovers known per-token costs and predicts exactly when the
+costs are linear; break-even solving; a real side-by-side run on the tiny preset."""
+import json
+import math
+
+import pytest
+
+from hacpo.engine.profile import (build_report, fit_cost_model, run_profile, summarize_run)
+from hacpo.engine.run_config import load_config
+
+C = dict(gen=2e-3, old=3e-4, tself=9e-4, tcross=1.2e-3, retok=5e-5, opt=0.05, rew=1e-3)
+
+
+def _agent(samples, cross, prompt_len=40, resp_len=10, cross_len=12):
+    """Stage times of one agent under exactly linear costs C."""
+    gen_tok = samples * resp_len
+    fwd_self = samples * (prompt_len + resp_len)
+    fwd_cross = cross * (prompt_len + cross_len)
+    d = {"generate": C["gen"] * gen_tok, "old_logprobs": C["old"] * fwd_self,
+         "retokenize": C["retok"] * cross * cross_len, "sync": 0.0,
+         "score_self": 0.5 * C["tself"] * fwd_self, "backward_self": 0.5 * C["tself"] * fwd_self,
+         "score_cross": 0.5 * C["tcross"] * fwd_cross,
+         "backward_cross": 0.5 * C["tcross"] * fwd_cross, "optimizer": C["opt"],
+         "tokens_generated": gen_tok, "tokens_scored_self": samples * resp_len,
+         "tokens_scored_cross": cross * cross_len, "tokens_forward_self": fwd_self,
+         "tokens_forward_cross": fwd_cross, "trained_samples": samples + cross,
+         "trained_cross": cross, "generated_samples": samples}
+    d["update"] = sum(d[k] for k in ("score_self", "backward_self", "score_cross",
+                                     "backward_cross", "optimizer"))
+    return d
+
+
+def _run(samples, cross, n=2):
+    agents = {f"a{i}": _agent(samples, cross) for i in range(n)}
+    reward = C["rew"] * samples * n
+    for d in agents.values():
+        d["agent_time"] = (d["generate"] + d["old_logprobs"] + d["retokenize"] + d["update"]
+                           + d["sync"] + reward / n)
+    step = sum(d["agent_time"] for d in agents.values())
+    return {"steps": 5, "step_time": step, "reward_time": reward, "agents": agents,
+            "trained_samples": sum(d["trained_samples"] for d in agents.values())}
+
+
+def test_cost_model_recovers_linear_costs_and_predicts_exactly():
+    meas = {"gspo": _run(64, 0), "gspo2x": _run(128, 0), "hacpo": _run(64, 64)}
+    rep = build_report(meas, ["a0", "a1"], kappas=(1, 4))
+    cm = rep["cost_model"]
+    assert cm["gen_per_token"] == pytest.approx(C["gen"])
+    assert cm["old_per_token"] == pytest.approx(C["old"])
+    assert cm["train_self_per_token"] == pytest.approx(C["tself"])
+    assert cm["train_cross_per_token"] == pytest.approx(C["tcross"])
+    assert cm["retok_per_token"] == pytest.approx(C["retok"])
+    assert cm["cross_measured"] is True
+    for algo, chk in rep["model_check"].items():     # fitted on gspo, predicts the others
+        assert abs(chk["error"]) < 1e-9, algo
+    # extra over GSPO: the cross fwd+bwd and re-tokenization, relative to GSPO's agent time
+    g, h = meas["gspo"]["agents"]["a0"], meas["hacpo"]["agents"]["a0"]
+    extra = (h["score_cross"] + h["backward_cross"] + h["retokenize"]) / g["agent_time"]
+    assert rep["agents"]["a0"]["extra_over_gspo"] == pytest.approx(extra)
+    assert rep["per_trained_sample"]["ratio"] == pytest.approx(
+        (meas["hacpo"]["step_time"] / 256) / (meas["gspo2x"]["step_time"] / 256))
+
+
+def test_per_sample_ratio_and_break_even():
+    meas = {"gspo": _run(64, 0), "hacpo": _run(64, 64)}
+    model = fit_cost_model(meas["gspo"], ["a0", "a1"], cross_from=meas["hacpo"])
+    S, lp, lr = 64, 40, 10
+    gen, old = C["gen"] * S * lr, C["old"] * S * (lp + lr)
+    ts, tc = C["tself"] * S * (lp + lr), C["tcross"] * S * (lp + lr)
+    rt, rew = C["retok"] * S * lr, C["rew"] * S
+    hand = (gen + old + ts + tc + rt + C["opt"] + rew) / (2 * (gen + old + ts + rew) + C["opt"])
+    assert model.per_sample_ratio(n=2) == pytest.approx(hand)
+    # the ratio falls with the decode cost towards 1/n
+    rs = [model.per_sample_ratio(n=3, kappa=k) for k in (0.1, 1, 10, 1e4)]
+    assert rs == sorted(rs, reverse=True) and rs[-1] == pytest.approx(1 / 3, abs=0.01)
+    k = model.break_even_kappa(n=2, target=0.75)
+    assert model.per_sample_ratio(n=2, kappa=k) == pytest.approx(0.75, abs=1e-6)
+    assert model.break_even_kappa(n=2, target=0.5) == math.inf     # never below 1/n
+    assert model.break_even_kappa(n=2, target=10.0) == 0.0
+
+
+def test_no_cross_samples_assumes_self_costs():
+    meas = {"gspo": _run(64, 0), "hacpo": _run(64, 0)}
+    model = fit_cost_model(meas["gspo"], ["a0", "a1"], cross_from=meas["hacpo"])
+    assert not model.cross_measured
+    assert model.train_cross_per_token == pytest.approx(C["tself"])
+
+
+def test_summarize_skips_first_steps():
+    rows = [{"step": s, "time/step": 10.0 if s == 0 else 2.0, "time/reward": 0.0,
+             "time/generate/a": 1.0, "tokens/generated/a": 5.0,
+             "train/a/trained_samples": 4.0, "train/a/trained_cross": 0.0} for s in range(3)]
+    m = summarize_run(rows, ["a"], skip_steps=1)
+    assert m["steps"] == 2 and m["step_time"] == 2.0
+    assert m["agents"]["a"]["generate"] == 1.0 and m["agents"]["a"]["score_cross"] == 0.0
+    with pytest.raises(ValueError, match="no measured steps"):
+        summarize_run(rows, ["a"], skip_steps=3)
+
+
+def test_profile_end_to_end_tiny(tmp_path):
+    cfg = load_config("tiny3", overrides={"cache_dir": str(tmp_path / "cache"), "threads": 1})
+    rep = run_profile(cfg, str(tmp_path / "prof"), rounds=2, steps_per_round=1, skip_steps=1,
+                      echo=lambda *_: None)
+    for f in ("profile.json", "profile.md", "profile.png"):
+        assert (tmp_path / "prof" / f).exists()
+    assert set(rep["measured"]) == {"gspo", "gspo2x", "hacpo"}
+    for algo, m in rep["measured"].items():
+        assert m["steps"] == 1 and m["step_time"] > 0
+        rows = [json.loads(l) for l in open(tmp_path / "prof" / algo / "metrics.jsonl")]
+        assert [r["step"] for r in rows] == [0, 1]        # interleaved rounds resumed
+    # gspo2x generates twice the samples per agent
+    assert rep["measured"]["gspo2x"]["trained_samples"] == \
+        2 * rep["measured"]["gspo"]["trained_samples"]
+    assert "ratio" in rep["per_trained_sample"]
+    assert "HACPO wall time per trained sample" in (tmp_path / "prof" / "profile.md").read_text()

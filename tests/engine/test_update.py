@@ -1,0 +1,91 @@
+"""update_learner: metrics are means over the right subsets whatever the micro-batching, the
+gradient does not depend on the micro-batch size or the self/cross split, and every stage is
+charged to the timer."""
+import math
+
+import pytest
+import torch
+
+from hacpo.engine import preset
+from hacpo.engine.pool import LearnerView, score_responses
+from hacpo.engine.timing import Stopwatch
+from hacpo.engine.update import update_learner
+from hacpo.models.policy import PolicyConfig, build_policy
+
+
+@pytest.fixture
+def setup():
+    torch.manual_seed(0)
+    pol = build_policy(PolicyConfig(name="p", kind="decoder", tokenizer="char", d_model=32,
+                                    n_layers=1, n_heads=2, max_len=64, seed=3))
+    tok = pol.tokenizer
+    g = torch.Generator().manual_seed(1)
+    prompts = [tok.prompt_ids(f"{a}+{b}=") for a, b in [(1, 2), (3, 4), (5, 6)]]
+    # 3 prompts x (3 self + 2 cross) samples, responses of different lengths
+    p_of, p_ids, r_ids, is_self = [], [], [], []
+    for p in range(3):
+        for s in range(5):
+            L = 1 + int(torch.randint(0, 6, (1,), generator=g))
+            p_of.append(p)
+            p_ids.append(prompts[p])
+            r_ids.append(torch.randint(4, tok.vocab_size, (L,), generator=g).tolist())
+            is_self.append(s < 3)
+    n = len(r_ids)
+    lp_now, _ = score_responses(pol, p_ids, r_ids, micro_batch=64)
+    is_self = torch.tensor(is_self)
+    # old log-probs: self samples at the current policy (ratio 1), cross 0.1 nats lower
+    lp_old = lp_now - 0.1 * (~is_self).float()
+    adv = torch.linspace(-1, 1, n)
+    view = LearnerView(torch.arange(n), adv, torch.full((n,), 0.7), is_self, p_ids, r_ids, {})
+    return pol, view, lp_old, torch.tensor(p_of)
+
+
+def _run(pol, view, lp_old, p_of, micro_batch, timer=None, algo="hacpo"):
+    opt = torch.optim.SGD(pol.parameters(), lr=0.5)
+    kw = {} if timer is None else {"timer": timer}
+    m = update_learner(preset(algo, {"num_minibatches": 1}), pol, opt, view, lp_old=lp_old,
+                       old_token_logp=[], prompt_of_sample=p_of,
+                       generator=torch.Generator().manual_seed(0), micro_batch=micro_batch,
+                       grad_clip=0.0, nonfinite={"streak": 0, "total": 0}, max_nonfinite=3, **kw)
+    return m, torch.cat([p.detach().flatten() for p in pol.parameters()])
+
+
+@pytest.mark.parametrize("micro_batch", [1, 4, 64])
+def test_metrics_are_subset_means(setup, micro_batch):
+    pol, view, lp_old, p_of = setup
+    m, _ = _run(pol, view, lp_old, p_of, micro_batch)
+    # before the step the learner is the generator of its self samples: ratio exactly 1;
+    # cross ratios are exp(0.1) > 1, all above the stepwise upper bound 1
+    assert m["self_ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert m["cross_ratio_mean"] == pytest.approx(math.exp(0.1), abs=1e-4)
+    assert m["self_count"] == 9 and m["cross_count"] == 6
+    assert m["self_clip_frac"] == 0.0
+    assert m["cross_clip_high_frac"] == 1.0 and m["cross_clip_low_frac"] == 0.0
+
+
+def test_gradient_independent_of_micro_batch(setup):
+    pol, view, lp_old, p_of = setup
+    state = {k: v.clone() for k, v in pol.state_dict().items()}
+    _, w1 = _run(pol, view, lp_old, p_of, micro_batch=1)
+    pol.load_state_dict(state)
+    _, w64 = _run(pol, view, lp_old, p_of, micro_batch=64)
+    before = torch.cat([v.flatten() for k, v in state.items()
+                        if k in dict(pol.named_parameters())])
+    assert (w64 - before).abs().max() > 1e-3          # the step moved the weights
+    torch.testing.assert_close(w1, w64, rtol=0, atol=2e-6)
+
+
+def test_stages_are_timed(setup):
+    pol, view, lp_old, p_of = setup
+    sw = Stopwatch()
+    _run(pol, view, lp_old, p_of, micro_batch=4, timer=sw.scoped("time/", "/p"))
+    assert set(sw) == {f"time/{k}/p" for k in ("score_self", "score_cross", "backward_self",
+                                                "backward_cross", "optimizer")}
+    assert all(v > 0 for v in sw.values())
+    # gspo trains on self samples only: nothing is charged to cross scoring
+    sw = Stopwatch()
+    view_self = LearnerView(view.idx[:3], view.advantages[:3], view.omega[:3],
+                            view.is_self[:3], view.prompt_ids[:3], view.response_ids[:3], {})
+    _run(pol, view_self, lp_old, p_of, micro_batch=4, timer=sw.scoped("time/", "/p"),
+         algo="gspo")
+    assert "time/score_cross/p" not in sw and sw["time/score_self/p"] > 0
