@@ -7,3 +7,8 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Ray reads this when it is imported: private test clusters bind to loopback only
+# (hacpo.launch.ray_cluster refuses to start one if ray was imported without it).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

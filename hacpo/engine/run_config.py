@@ -141,22 +141,42 @@ def fingerprint_dict(cfg: TrainConfig) -> dict[str, Any]:
     return {k: v for k, v in cfg.to_dict().items() if k not in RESUMABLE_KEYS}
 
 
-def config_diff(a: dict, b: dict, prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two nested config dicts."""
+_MISSING = "<missing>"
+
+
+def config_diff(a: dict, b: dict, prefix: str = "", defaults: dict | None = None) -> list[str]:
+    """Dotted keys whose values differ between two nested config dicts.
+
+    ``defaults`` (same nesting as ``b``): a key absent from ``a`` — e.g. a field added to the
+    config after ``a``'s checkpoint was written — is no difference when ``b`` holds that
+    field's default value."""
     out = []
+    defaults = defaults or {}
     for k in sorted(set(a) | set(b)):
-        va, vb = a.get(k, "<missing>"), b.get(k, "<missing>")
+        va, vb = a.get(k, _MISSING), b.get(k, _MISSING)
+        dk = defaults.get(k) if isinstance(defaults, dict) else None
         if isinstance(va, dict) and isinstance(vb, dict):
-            out += config_diff(va, vb, f"{prefix}{k}.")
+            out += config_diff(va, vb, f"{prefix}{k}.", dk if isinstance(dk, dict) else None)
         elif isinstance(va, list) and isinstance(vb, list) and len(va) == len(vb):
             for i, (x, y) in enumerate(zip(va, vb)):
                 if isinstance(x, dict) and isinstance(y, dict):
-                    out += config_diff(x, y, f"{prefix}{k}.{i}.")
+                    di = dk[i] if isinstance(dk, list) and i < len(dk) else None
+                    out += config_diff(x, y, f"{prefix}{k}.{i}.",
+                                       di if isinstance(di, dict) else None)
                 elif x != y:
                     out.append(f"{prefix}{k}.{i}")
+        elif va is _MISSING and k in defaults and vb == dk:
+            continue
         elif va != vb:
             out.append(f"{prefix}{k}")
     return out
+
+
+def default_fingerprint(cfg: TrainConfig) -> dict[str, Any]:
+    """Every field's default value, shaped like ``fingerprint_dict(cfg)`` (for config_diff)."""
+    d = fingerprint_dict(TrainConfig(agents=[AgentConfig()]))
+    d["agents"] = d["agents"] * len(cfg.agents)
+    return d
 
 
 def config_hash(d: dict) -> str:

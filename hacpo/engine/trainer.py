@@ -33,7 +33,7 @@ from .evaluate import evaluate_policy, score_named
 from .metrics import MetricsLogger
 from .pool import build_pool, compute_old_logprobs, learner_view
 from .rewards import RewardComputer
-from .run_config import TrainConfig, config_diff, fingerprint_dict
+from .run_config import TrainConfig, config_diff, default_fingerprint, fingerprint_dict
 from .timing import Stopwatch, device_sync
 from .update import update_learner
 
@@ -81,7 +81,8 @@ def _train(cfg: TrainConfig, rc: RewardComputer, resume: bool, echo) -> dict:
     state = None
     if resume and os.path.exists(ck_path):
         state = ckpt.load(ck_path)
-        diff = config_diff(state["fingerprint"], fingerprint_dict(cfg))
+        diff = config_diff(state["fingerprint"], fingerprint_dict(cfg),
+                           defaults=default_fingerprint(cfg))
         if diff:
             raise ValueError(f"cannot resume {ck_path}: the config differs from the "
                              f"checkpoint's in {', '.join(diff)}")
@@ -193,6 +194,9 @@ def _run(cfg, rc, data, policies, engine, state, ck_path, echo) -> dict:
                 for key, v in view.dropped.items():
                     metrics[f"dropped/{names[k]}/{key}"] = float(v)
             metrics.update(_step_metrics(pool, tracker, ratios, names, rstats, retok))
+            stats = engine.stats() if hasattr(engine, "stats") else {}   # remote engines
+            metrics.update({f"rollout/{k}": float(v) for k, v in stats.items()
+                            if isinstance(v, (int, float))})
             metrics.update(sw)
             metrics["time/step"] = time.perf_counter() - t_step
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:

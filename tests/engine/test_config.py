@@ -1,4 +1,6 @@
 """Algorithm config: presets, overrides, validation errors."""
+import json
+
 import pytest
 
 from hacpo.engine import AlgorithmConfig, available_presets, preset
@@ -61,3 +63,19 @@ def test_bad_values_raise_clear_errors(overrides, match):
 def test_unknown_preset():
     with pytest.raises(ValueError, match="unknown algorithm preset 'hacpo2'"):
         preset("hacpo2")
+
+
+def test_config_diff_ignores_fields_added_after_a_checkpoint_at_their_default():
+    from hacpo.engine.run_config import (config_diff, default_fingerprint, fingerprint_dict,
+                                         load_config)
+    cfg = load_config("tiny3")
+    new = fingerprint_dict(cfg)
+    old = json.loads(json.dumps(new))          # a checkpoint written before two fields existed
+    del old["rollout"]["engine"]
+    del old["agents"][1]["optim"]["beta2"]
+    assert config_diff(old, new) == ["agents.1.optim.beta2", "rollout.engine"]
+    defaults = default_fingerprint(cfg)
+    assert config_diff(old, new, defaults=defaults) == []
+    # a new field set to a non-default value is a difference; so is any changed value
+    new2 = fingerprint_dict(cfg.override({"rollout.engine": "ray", "seed": 5}))
+    assert config_diff(old, new2, defaults=defaults) == ["rollout.engine", "seed"]

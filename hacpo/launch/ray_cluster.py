@@ -1,0 +1,133 @@
+"""Ray bring-up for the rollout pool: a private local cluster, or a connection to a running one.
+
+``connect("")`` starts a private single-node cluster for this process: bound to loopback, its
+own temp dir, no dashboard, no usage stats, ``num_cpus`` logical CPUs. ``connect("host:port")``
+joins a cluster someone else started (e.g. the Slurm batch job's ``ray start --head``); the
+driver then owns nothing and :meth:`RayCluster.shutdown` only disconnects. If this process is
+already connected (a test fixture, an outer driver), that connection is reused and left alone.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+
+log = logging.getLogger("hacpo")
+
+# A private cluster binds to loopback only and reports no usage (ENVIRONMENT.md). Ray reads
+# these when it is imported (the driver's own node-IP choice) and when its processes start, so
+# they are set here, before this module's lazy ``import ray``; import this module before ray.
+_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+for _k, _v in _RAY_ENV.items():
+    os.environ.setdefault(_k, _v)
+_OBJECT_STORE_BYTES = 256 * 1024 ** 2   # private cluster: weights and rollouts only
+
+
+@dataclass
+class RayCluster:
+    """A connection to a Ray cluster. ``owned``: this process started it (and stops it)."""
+
+    address: str
+    owned: bool
+    connected_here: bool       # this handle made the ray.init() call (else it reused one)
+    temp_dir: str | None = None
+
+    def num_cpus(self) -> float:
+        import ray
+        return float(ray.cluster_resources().get("CPU", 0))
+
+    def shutdown(self) -> None:
+        """Stop the cluster if this process started it, disconnect if it joined one; a reused
+        connection is left as it was. Idempotent."""
+        if not self.connected_here:
+            return
+        import ray
+        if ray.is_initialized():
+            ray.shutdown()       # a local cluster started by ray.init() stops with its driver
+        self.connected_here = False
+        if self.owned and self.temp_dir:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or "/" in host:
+        return None
+    return host.strip("[]"), int(port)
+
+
+def wait_reachable(address: str, timeout_s: float) -> None:
+    """Poll a TCP connect to ``host:port`` until it succeeds or ``timeout_s`` passes."""
+    hp = _host_port(address)
+    if hp is None:
+        raise ValueError(f"rollout.ray_address {address!r} is not host:port (e.g. "
+                         f"10.0.0.1:6379), 'auto', or '' for a private local cluster")
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while True:
+        try:
+            with socket.create_connection(hp, timeout=min(2.0, max(0.1, timeout_s))):
+                return
+        except OSError as e:
+            last = e
+        if time.monotonic() >= deadline:
+            raise ConnectionError(f"cannot reach the Ray cluster at {address!r} within "
+                                  f"{timeout_s:g} s (last error: {last}); is `ray start --head` "
+                                  f"running there, and is rollout.ray_address its GCS "
+                                  f"address?")
+        time.sleep(0.25)
+
+
+def connect(address: str = "", *, num_cpus: int | None = None,
+            timeout_s: float = 60.0) -> RayCluster:
+    """Connect this process to Ray.
+
+    Args:
+        address: "" starts a private local cluster; "host:port" (GCS address) or "auto" joins
+            a running one.
+        num_cpus: logical CPUs of a private cluster (default ``os.cpu_count()``); ignored when
+            joining.
+        timeout_s: how long to wait for a cluster to be reachable before a clear error.
+    """
+    import ray
+
+    if ray.is_initialized():
+        current = ray.get_runtime_context().gcs_address
+        if address and address != "auto" and address != current:
+            raise RuntimeError(f"this process is already connected to the Ray cluster at "
+                               f"{current!r}; cannot also join rollout.ray_address={address!r}")
+        return RayCluster(current, owned=False, connected_here=False)
+    if not address:
+        from ray._private import ray_constants
+        if ray_constants.ENABLE_RAY_CLUSTER and os.environ.get(
+                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0":
+            raise RuntimeError(
+                "ray was imported before hacpo.launch.ray_cluster with "
+                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER unset, so a private cluster would bind to "
+                "this machine's network address instead of loopback; import "
+                "hacpo.launch.ray_cluster first or set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0")
+        temp_dir = tempfile.mkdtemp(prefix="hacpo-ray-")   # short: Ray's socket paths live here
+        try:
+            ctx = ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1,
+                           include_dashboard=False, _node_ip_address="127.0.0.1",
+                           _temp_dir=temp_dir, object_store_memory=_OBJECT_STORE_BYTES,
+                           log_to_driver=True, configure_logging=False)
+        except Exception:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+            raise
+        log.info("started a private Ray cluster at %s (temp dir %s)", ctx.address_info["address"],
+                 temp_dir)
+        return RayCluster(ctx.address_info["address"], owned=True, connected_here=True,
+                          temp_dir=temp_dir)
+    if address != "auto":
+        wait_reachable(address, timeout_s)
+    try:
+        ctx = ray.init(address=address, log_to_driver=True, configure_logging=False)
+    except (ConnectionError, TimeoutError) as e:
+        raise ConnectionError(f"cannot connect to the Ray cluster at {address!r}: {e}") from e
+    log.info("joined the Ray cluster at %s", ctx.address_info["address"])
+    return RayCluster(ctx.address_info["address"], owned=False, connected_here=True)

@@ -1,0 +1,356 @@
+"""A Ray-managed rollout pool: ``rollout.engine = "ray"``.
+
+Per agent, ``rollout.engines_per_agent`` :class:`RolloutActor` s (one placement group per agent,
+one bundle per actor) each hold a copy of that agent's :class:`~hacpo.models.policy.Policy` and
+sample with the same :func:`hacpo.models.generation.generate` as the in-process engine.
+
+- **Policy copies.** The driver's Policy object is pickled once into the object store and every
+  actor unpickles it. Rebuilding it from its PolicyConfig on the actor would need the whole
+  training corpus (reduced vocabularies are built from it) and the tokenizer files on every
+  node; the pickle carries exactly the driver's tokenizer and architecture. Weights then come
+  from :meth:`RayRolloutEngine.sync_weights`.
+- **Weights.** ``sync_weights(k)`` puts agent k's state dict into the object store once
+  (``ray.put``) and every actor of k loads it. Each request also names the weights version
+  it must be served with, so an actor that was restarted while idle catches up before it
+  samples: no sample ever comes from stale weights.
+- **Determinism.** The driver owns each agent's sampling RNG (a ``torch.Generator``; the same
+  seeds as :class:`~hacpo.engine.rollout.LocalRolloutEngine`). A call whose prompts go to one
+  actor sends the generator state with the request and takes back the advanced state, so
+  the result is bit-for-bit the in-process engine's (given the same intra-op thread count:
+  the actors use ``cfg.threads``, or 1 if unset). With S > 1 shards (contiguous slices of
+  the prompts), the driver draws S seeds from the agent's generator, one per shard; the
+  result depends on the seed and on S = min(engines_per_agent, prompts), never on timing.
+- **Faults.** Actors run with Ray ``max_restarts = rollout.max_engine_restarts``. When an
+  actor dies mid-call, Ray restarts it in its bundle, the driver re-sends the same request
+  (same prompts, same RNG state, latest weights version) and keeps the other shards'
+  results: no sample is lost or counted twice. Restarts are counted per actor
+  (:meth:`RayRolloutEngine.stats`); one past the budget is an error naming agent and actor.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+import torch
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from hacpo.models.generation import Rollout, generate
+from hacpo.models.policy import Policy
+
+from .ray_cluster import RayCluster, connect
+
+log = logging.getLogger("hacpo")
+
+
+class RolloutActor:
+    """One rollout engine: a policy copy that samples. Runs as a Ray actor (one CPU bundle)."""
+
+    def __init__(self, policy: Policy, threads: int):
+        torch.set_num_threads(threads)
+        self.policy = policy.eval()
+        self.version = -1              # weights version loaded (-1: as pickled)
+        self._pause: tuple[float, str] | None = None
+
+    def ready(self) -> int:
+        return os.getpid()
+
+    def load_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> int:
+        self.policy.load_state_dict(state_dict)
+        self.version = version
+        return os.getpid()
+
+    def generate(self, weights: list, prompt_ids: list[list[int]], rng_state: torch.Tensor,
+                 kwargs: dict[str, Any]) -> tuple[Rollout, torch.Tensor, int, int]:
+        """weights = [(version, ObjectRef of the state dict)] (a list, so Ray passes the ref
+        unresolved: it is fetched only when this actor's weights are behind).
+        Returns (rollout, advanced RNG state, pid, weights version used)."""
+        (version, ref), = weights
+        if version != self.version:
+            self.load_weights(version, ray.get(ref))
+        gen = torch.Generator()
+        gen.set_state(rng_state)
+        ro = generate(self.policy, prompt_ids, generator=gen, **kwargs)
+        if self._pause is not None:    # test hook: die here, with the result computed
+            seconds, marker = self._pause
+            self._pause = None
+            with open(marker, "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(seconds)
+        return ro, gen.get_state(), os.getpid(), self.version
+
+    def debug_pause_next_generate(self, seconds: float, marker_path: str) -> int:
+        """Test hook: the next ``generate`` writes its pid to ``marker_path`` and sleeps
+        ``seconds`` before returning (a window to kill it mid-call). Not kept across restarts."""
+        self._pause = (float(seconds), marker_path)
+        return os.getpid()
+
+
+def shard_bounds(num_prompts: int, num_shards: int) -> list[tuple[int, int]]:
+    """Contiguous, near-equal slices [(start, stop)] of ``num_prompts`` into at most
+    ``num_shards`` non-empty shards (the first ones one longer)."""
+    s = max(1, min(num_shards, num_prompts))
+    q, r = divmod(num_prompts, s)
+    out, start = [], 0
+    for i in range(s):
+        stop = start + q + (1 if i < r else 0)
+        out.append((start, stop))
+        start = stop
+    return out
+
+
+def merge_rollouts(parts: Sequence[Rollout], name: str) -> Rollout:
+    """Concatenate shard rollouts (in prompt order) into one prompt-major Rollout."""
+    prompt_ids, prompt_index, offset = [], [], 0
+    for p in parts:
+        prompt_ids += p.prompt_ids
+        prompt_index += [i + offset for i in p.prompt_index]
+        offset += len(p.prompt_ids)
+    return Rollout(policy_name=name, prompt_ids=prompt_ids, prompt_index=prompt_index,
+                   response_ids=[r for p in parts for r in p.response_ids],
+                   sampler_logprobs=[r for p in parts for r in p.sampler_logprobs],
+                   finished_eos=[r for p in parts for r in p.finished_eos],
+                   truncated=[r for p in parts for r in p.truncated])
+
+
+class RayRolloutEngine:
+    """``RolloutEngine`` over Ray actors (see the module docstring).
+
+    Args:
+        policies: the trainer's policies (pickled once per agent for the actors).
+        cfg: the TrainConfig (``rollout.*``, ``seed``, ``threads``).
+        timeout_s: how long to wait for the cluster to be reachable and for the placement
+            groups' resources; past it, a clear error instead of a hang.
+    """
+
+    def __init__(self, policies: Sequence[Policy], cfg, *, timeout_s: float = 60.0):
+        r = cfg.rollout
+        for p in policies:
+            if p.output_weight.device.type != "cpu":
+                raise ValueError(f"rollout.engine=ray samples on CPU actors, but policy "
+                                 f"{p.name!r} is on {p.output_weight.device}; use "
+                                 f"rollout.engine=local or vllm for accelerator policies")
+        self.policies = list(policies)       # the trainer's: sync_weights reads them
+        self.names = [p.name for p in policies]
+        self.engines_per_agent = r.engines_per_agent
+        self.max_restarts = r.max_engine_restarts
+        self.generators = [torch.Generator().manual_seed(cfg.seed * 1000 + 17 + k)
+                           for k in range(len(policies))]
+        self.threads = cfg.threads if cfg.threads > 0 else 1
+        self.cpus_per_actor = self.threads
+        self._actors: list[list[Any]] = []
+        self._pgs: list[Any] = []
+        self._policy_refs: list[Any] = []
+        self._weights: list[tuple[int, Any] | None] = [None] * len(policies)
+        self._pids: list[list[int | None]] = []
+        self._restarts = [[0] * r.engines_per_agent for _ in policies]
+        self._retried_calls = 0
+        self._closed = False
+        need = len(policies) * r.engines_per_agent * self.cpus_per_actor
+        # A private cluster is sized to hold the pool (logical CPUs: agents sample one after
+        # another, so at most engines_per_agent actors are busy at once); a joined cluster
+        # has the size it has.
+        self.cluster: RayCluster | None = None
+        self.cluster = connect(r.ray_address, timeout_s=timeout_s,
+                               num_cpus=max(need, os.cpu_count() or 1))
+        try:
+            have = self.cluster.num_cpus()
+            if need > have:
+                raise RuntimeError(
+                    f"rollout.engine=ray needs {need} CPUs ({len(policies)} agents x "
+                    f"rollout.engines_per_agent={r.engines_per_agent} x {self.cpus_per_actor} "
+                    f"CPU each) but the Ray cluster at {self.cluster.address} has {have:g}; "
+                    f"lower rollout.engines_per_agent or add nodes")
+            self._start_actors(policies, timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- bring-up ---------------------------------------------------------------------------------
+    def _start_actors(self, policies: Sequence[Policy], timeout_s: float) -> None:
+        remote_cls = ray.remote(RolloutActor)
+        bundle = {"CPU": self.cpus_per_actor}
+        for k, pol in enumerate(policies):
+            pg = placement_group([bundle] * self.engines_per_agent, strategy="PACK")
+            self._pgs.append(pg)
+            try:
+                ray.get(pg.ready(), timeout=timeout_s)
+            except GetTimeoutError:
+                free = ray.available_resources().get("CPU", 0)
+                raise RuntimeError(
+                    f"agent {pol.name!r}: the placement group for {self.engines_per_agent} "
+                    f"rollout actors x {bundle} was not granted within {timeout_s:g} s (the "
+                    f"Ray cluster at {self.cluster.address} has {free:g} free CPUs of "
+                    f"{self.cluster.num_cpus():g}); lower rollout.engines_per_agent or free "
+                    f"resources") from None
+            policy_ref = ray.put(pol)
+            self._policy_refs.append(policy_ref)   # a restarted actor is rebuilt from it
+            actors = [remote_cls.options(
+                num_cpus=self.cpus_per_actor, max_restarts=self.max_restarts,
+                max_task_retries=0,             # the engine retries, with the same RNG state
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=j),
+            ).remote(policy_ref, self.threads) for j in range(self.engines_per_agent)]
+            self._actors.append(actors)
+        self._pids = [[None] * self.engines_per_agent for _ in policies]
+        for k, actors in enumerate(self._actors):
+            for j, a in enumerate(actors):
+                try:
+                    self._pids[k][j] = ray.get(a.ready.remote(), timeout=timeout_s)
+                except (GetTimeoutError, RayActorError) as e:
+                    raise RuntimeError(f"rollout actor {j} of agent {self.names[k]!r} did not "
+                                       f"start within {timeout_s:g} s: {e}") from e
+        log.info("ray rollout pool: %d agents x %d actors on %s", len(self._actors),
+                 self.engines_per_agent, self.cluster.address)
+
+    def actors(self, agent: int) -> list:
+        """Agent ``agent``'s actor handles (for inspection and fault-injection tests)."""
+        return list(self._actors[agent])
+
+    # -- faults -----------------------------------------------------------------------------------
+    def _died(self, agent: int, j: int, err: Exception) -> None:
+        """Actor (agent, j) died during a call: count the restart Ray makes, or fail."""
+        self._restarts[agent][j] += 1
+        self._pids[agent][j] = None         # a new process is expected
+        n = self._restarts[agent][j]
+        if n > self.max_restarts:
+            raise RuntimeError(
+                f"rollout actor {j} of agent {self.names[agent]!r} died {n} times; "
+                f"rollout.max_engine_restarts={self.max_restarts} exhausted (last error: "
+                f"{type(err).__name__}: {err})") from err
+        log.warning("rollout actor %d of agent %r died (%s); restart %d/%d, retrying its "
+                    "request", j, self.names[agent], type(err).__name__, n, self.max_restarts)
+
+    def _seen_pid(self, agent: int, j: int, pid: int) -> None:
+        """A pid change not caused by a failed call is a restart while idle: count it too."""
+        known = self._pids[agent][j]
+        if known is not None and known != pid:
+            self._restarts[agent][j] += 1
+            if self._restarts[agent][j] > self.max_restarts:
+                raise RuntimeError(
+                    f"rollout actor {j} of agent {self.names[agent]!r} was restarted "
+                    f"{self._restarts[agent][j]} times; rollout.max_engine_restarts="
+                    f"{self.max_restarts} exhausted")
+        self._pids[agent][j] = pid
+
+    def _call(self, agent: int, indices, submit, on_result) -> None:
+        """``submit(j) -> ObjectRef`` for every actor index j in ``indices``; a call whose actor
+        died is re-sent, identical, once Ray has restarted it; ``on_result(j, value)``."""
+        pending = {submit(j): j for j in indices}
+        unavailable_since: dict[int, float] = {}
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            ref = done[0]
+            j = pending.pop(ref)
+            try:
+                value = ray.get(ref)
+            except ActorUnavailableError as e:  # transient (e.g. restarting): not a new death
+                t0 = unavailable_since.setdefault(j, time.monotonic())
+                if time.monotonic() - t0 > 120:
+                    raise RuntimeError(f"rollout actor {j} of agent {self.names[agent]!r} "
+                                       f"unavailable for 120 s: {e}") from e
+                time.sleep(0.2)
+                self._retried_calls += 1
+                pending[submit(j)] = j
+                continue
+            except RayActorError as e:
+                self._died(agent, j, e)
+                self._retried_calls += 1
+                pending[submit(j)] = j
+                continue
+            unavailable_since.pop(j, None)
+            on_result(j, value)
+
+    # -- RolloutEngine ----------------------------------------------------------------------------
+    def sync_weights(self, agent: int) -> None:
+        """Put agent ``agent``'s current weights into the object store once; all its actors
+        load them (an actor that dies meanwhile loads them on restart)."""
+        version = 0 if self._weights[agent] is None else self._weights[agent][0] + 1
+        sd = {k: v.detach().cpu() for k, v in self.policies[agent].state_dict().items()}
+        self._weights[agent] = (version, ray.put(sd))
+        actors = self._actors[agent]
+        ref = self._weights[agent][1]
+
+        def submit(j):
+            return actors[j].load_weights.remote(version, ref)
+        self._call(agent, range(len(actors)), submit,
+                   lambda j, pid: self._seen_pid(agent, j, pid))
+
+    def generate(self, agent: int, prompt_ids, *, num_samples: int, max_new_tokens: int,
+                 temperature: float, top_p: float) -> Rollout:
+        if self._weights[agent] is None:
+            raise RuntimeError(f"agent {self.names[agent]!r}: sync_weights({agent}) must be "
+                               f"called before the first generate")
+        prompts = [list(map(int, p)) for p in prompt_ids]
+        if not prompts:
+            raise ValueError("generate needs at least one prompt")
+        bounds = shard_bounds(len(prompts), self.engines_per_agent)
+        gen = torch.Generator()                 # the agent's state advances only on success
+        gen.set_state(self.generators[agent].get_state())
+        if len(bounds) == 1:
+            states = [gen.get_state()]
+        else:
+            seeds = torch.randint(0, 2 ** 62, (len(bounds),), generator=gen).tolist()
+            states = [torch.Generator().manual_seed(s).get_state() for s in seeds]
+        kwargs = dict(num_samples=num_samples, max_new_tokens=max_new_tokens,
+                      temperature=temperature, top_p=top_p)
+        actors, weights = self._actors[agent], [self._weights[agent]]
+        parts: list[Rollout | None] = [None] * len(bounds)
+        new_states: list[torch.Tensor | None] = [None] * len(bounds)
+
+        def submit(j):
+            a, b = bounds[j]
+            return actors[j].generate.remote(weights, prompts[a:b], states[j], kwargs)
+
+        def on_result(j, value):
+            ro, state, pid, version = value
+            self._seen_pid(agent, j, pid)
+            if version != weights[0][0]:
+                raise RuntimeError(f"rollout actor {j} of agent {self.names[agent]!r} sampled "
+                                   f"with weights version {version}, expected "
+                                   f"{weights[0][0]}")
+            parts[j], new_states[j] = ro, state
+
+        self._call(agent, range(len(bounds)), submit, on_result)
+        self.generators[agent].set_state(new_states[0] if len(bounds) == 1 else gen.get_state())
+        return parts[0] if len(parts) == 1 else merge_rollouts(parts, self.names[agent])
+
+    def stats(self) -> dict:
+        """Fault counters: total restarts, per agent and actor, and calls re-sent."""
+        return {"restarts": sum(map(sum, self._restarts)),
+                "restarts_per_actor": {n: list(r) for n, r in zip(self.names, self._restarts)},
+                "retried_calls": self._retried_calls}
+
+    def state_dict(self) -> dict:
+        return {"generators": [g.get_state() for g in self.generators]}
+
+    def load_state_dict(self, sd: dict) -> None:
+        for g, s in zip(self.generators, sd["generators"]):
+            g.set_state(s)
+
+    def close(self) -> None:
+        """Kill the actors, remove the placement groups, stop/leave the cluster. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if ray.is_initialized():
+            for actors in self._actors:
+                for a in actors:
+                    try:
+                        ray.kill(a, no_restart=True)
+                    except Exception as e:  # already gone
+                        log.debug("ray.kill: %s", e)
+            for pg in self._pgs:
+                try:
+                    remove_placement_group(pg)
+                except Exception as e:
+                    log.debug("remove_placement_group: %s", e)
+        self._actors, self._pgs, self._policy_refs = [], [], []
+        self._weights = [None] * len(self._weights)
+        if self.cluster is not None:
+            self.cluster.shutdown()
