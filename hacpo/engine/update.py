@@ -39,7 +39,7 @@ def update_learner(algo: AlgorithmConfig, policy, optimizer, view: LearnerView, 
     consecutive non-finite updates across calls ({"streak": int, "total": int}).
 
     Within a minibatch, self and cross samples are forwarded in separate micro-batches (each
-    sorted by length to cut padding) so their costs are accounted apart: ``timer(key)`` is
+    grouped by prompt and sorted by length) so their costs are accounted apart: ``timer(key)`` is
     entered for "score_self", "score_cross" (forward + loss), "backward_self",
     "backward_cross" and "optimizer" (clip, host sync, step). The loss is a sum over samples
     divided by the minibatch's global count, so the split leaves the gradient unchanged.
@@ -66,7 +66,10 @@ def update_learner(algo: AlgorithmConfig, policy, optimizer, view: LearnerView, 
         tl_of: dict[int, torch.Tensor] = {}          # sample -> detached token log-probs (grpo)
         for part in ("self", "cross"):
             rows = [j for j in mb_list if is_self[j] == (part == "self")]
-            rows.sort(key=lambda j: len(view.prompt_ids[j]) + len(view.response_ids[j]))
+            # samples of one prompt together (the policy forwards a shared prompt once),
+            # prompts by length, so micro-batches carry little padding
+            rows.sort(key=lambda j: (len(view.prompt_ids[j]), tuple(view.prompt_ids[j]),
+                                     len(view.response_ids[j])))
             for s in range(0, len(rows), micro_batch):
                 js = rows[s:s + micro_batch]
                 prompts = [view.prompt_ids[j] for j in js]

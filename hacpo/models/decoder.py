@@ -95,18 +95,28 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
-    def forward(self, x, cos, sin, attn_mask, cache: KVCache | None, layer: int):
-        B, L, D = x.shape
+    def project(self, x, cos, sin):
+        """x [B, L, D] -> q, k, v [B, H, L, Dh] (rotary applied to q and k)."""
+        B, L, _ = x.shape
         q, k, v = self.qkv(x).view(B, L, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attend(self, q, k, v, attn_mask):
+        """q [B, H, L, Dh], k/v [B, H, S, Dh], attn_mask [B, 1, L, S] -> [B, L, D]."""
+        B, _, L, _ = q.shape
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        return self.out(y.transpose(1, 2).reshape(B, L, self.n_heads * self.head_dim))
+
+    def forward(self, x, cos, sin, attn_mask, cache: KVCache | None, layer: int):
+        L = x.shape[1]
+        q, k, v = self.project(x, cos, sin)
         if cache is not None:
             start = cache.length
             cache.k[layer][:, :, start:start + L] = k
             cache.v[layer][:, :, start:start + L] = v
             k = cache.k[layer][:, :, :start + L]
             v = cache.v[layer][:, :, :start + L]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
-        return self.out(y.transpose(1, 2).reshape(B, L, D))
+        return self.attend(q, k, v, attn_mask)
 
 
 class MLP(nn.Module):
@@ -131,6 +141,18 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, attn_mask, cache, layer):
         x = x + self.attn(self.attn_norm(x), cos, sin, attn_mask, cache, layer)
         return x + self.mlp(self.mlp_norm(x))
+
+    def forward_prefixed(self, xp, xr, rope_p, rope_r, mask_p, mask_r, prefix_of_row):
+        """Prefixes xp [P, Lp, D] attend causally among themselves; rows xr [N, Lr, D] attend
+        to their prefix's keys/values (``prefix_of_row [N]``) and causally to their own."""
+        qp, kp, vp = self.attn.project(self.attn_norm(xp), *rope_p)
+        qr, kr, vr = self.attn.project(self.attn_norm(xr), *rope_r)
+        yp = self.attn.attend(qp, kp, vp, mask_p)
+        k = torch.cat([kp.index_select(0, prefix_of_row), kr], dim=2)
+        v = torch.cat([vp.index_select(0, prefix_of_row), vr], dim=2)
+        yr = self.attn.attend(qr, k, v, mask_r)
+        xp, xr = xp + yp, xr + yr
+        return xp + self.mlp(self.mlp_norm(xp)), xr + self.mlp(self.mlp_norm(xr))
 
 
 class Decoder(nn.Module):
@@ -210,6 +232,42 @@ class Decoder(nn.Module):
         if cache is not None:
             cache.length = start + L
         return self.norm(x)
+
+    def hidden_prefixed(self, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor,
+                        input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        prefix_of_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher forcing with shared prefixes: each prefix is computed once for all its rows.
+
+        prefix_ids, prefix_mask [P, Lp] (right-padded; 1 = real token); input_ids,
+        attention_mask [N, Lr] (right-padded continuations); prefix_of_row [N] long.
+        Returns final-norm hidden states (prefixes [P, Lp, D], rows [N, Lr, D]) equal (up to
+        float rounding) to ``hidden`` on each concatenation prefix + row; gradients flow into
+        the shared prefix from every row.
+        """
+        P, Lp = prefix_ids.shape
+        N, Lr = input_ids.shape
+        dev = input_ids.device
+        prefix_mask, attention_mask = prefix_mask.bool(), attention_mask.bool()
+        plen = prefix_mask.long().sum(-1)                                     # [P]
+        pos_p = torch.arange(Lp, device=dev).expand(P, Lp)
+        pos_r = plen.index_select(0, prefix_of_row)[:, None] + torch.arange(Lr, device=dev)
+        if int(pos_r.max() if N and Lr else 0) >= self.cfg.max_len or Lp > self.cfg.max_len:
+            raise ValueError(f"prefix + continuation exceeds max_len={self.cfg.max_len}")
+        hd = self.cfg.d_model // self.cfg.n_heads
+        xp, xr = self.embed(prefix_ids), self.embed(input_ids)
+        rope_p = rope_cos_sin(pos_p, hd, self.cfg.rope_theta, xp.dtype)
+        rope_r = rope_cos_sin(pos_r, hd, self.cfg.rope_theta, xr.dtype)
+        # masks (a query always sees itself, so padded rows stay finite; they are ignored)
+        qp, kp_ = torch.arange(Lp, device=dev)[:, None], torch.arange(Lp, device=dev)[None]
+        mask_p = ((kp_ <= qp)[None] & prefix_mask[:, None, :]) | (kp_ == qp)[None]
+        qr, kr_ = torch.arange(Lr, device=dev)[:, None], torch.arange(Lr, device=dev)[None]
+        own = ((kr_ <= qr)[None] & attention_mask[:, None, :]) | (kr_ == qr)[None]  # [N,Lr,Lr]
+        pre = prefix_mask.index_select(0, prefix_of_row)[:, None, :].expand(N, Lr, Lp)
+        mask_r = torch.cat([pre, own], dim=-1)
+        for block in self.blocks:
+            xp, xr = block.forward_prefixed(xp, xr, rope_p, rope_r, mask_p[:, None],
+                                            mask_r[:, None], prefix_of_row)
+        return self.norm(xp), self.norm(xr)
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None):
         """-> logits [B, L, V] (in the parameter dtype)."""

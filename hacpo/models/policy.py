@@ -73,6 +73,11 @@ class Policy(nn.Module):
         name: agent name (logs, metrics).
     """
 
+    # Rows of one call that share a prompt have it forwarded once (plain decoder only): the
+    # G samples of a prompt, and a learner's self and cross samples of it, in training and
+    # old-log-prob scoring. Same values and gradients as one full sequence per row.
+    share_prompts: bool = True
+
     def __init__(self, model: nn.Module, tokenizer: Tokenizer, name: str):
         super().__init__()
         self.model = model
@@ -150,8 +155,12 @@ class Policy(nn.Module):
         if max(lengths) > self.max_len:
             raise ValueError(f"policy {self.name!r}: prompt+response of {max(lengths)} tokens "
                              f"exceeds max_len={self.max_len}")
-        L = max(lengths)
         Tmax = max((len(r) for r in response_ids), default=0)
+        if self.kind == "decoder" and self.share_prompts and Tmax > 0:
+            keys = [tuple(p) for p in prompt_ids]
+            if len(set(keys)) < B:       # some rows share a prompt: compute each prompt once
+                return self._response_logprobs_shared(keys, response_ids, temperature)
+        L = max(lengths)
         ids = torch.full((B, L), self.tokenizer.pad_id, dtype=torch.long)
         attn = torch.zeros(B, L, dtype=torch.bool)
         mask = torch.zeros(B, Tmax, dtype=torch.bool)
@@ -167,14 +176,53 @@ class Policy(nn.Module):
         hidden = self.forward_hidden(ids, attn)
         h = hidden[torch.tensor(rows, dtype=torch.long, device=dev),
                    torch.tensor(cols, dtype=torch.long, device=dev)]  # [T, H]
+        return self._scatter_logprobs(h, targets, mask, temperature)
+
+    def _scatter_logprobs(self, h: torch.Tensor, targets: list[int], mask: torch.Tensor,
+                          temperature: float):
+        """h [T, H] hidden states predicting the T response tokens (row-major) -> token_logp
+        [B, Tmax] float32 scattered into ``mask`` [B, Tmax]."""
+        dev = h.device
         logits = F.linear(h, self.output_weight)  # [T, V]
         if logits.shape[-1] > self.tokenizer.vocab_size:  # padded embedding table
             logits = logits[:, :self.tokenizer.vocab_size]
         lp = token_logprobs(logits, torch.tensor(targets, dtype=torch.long, device=dev),
                             temperature)
-        token_logp = torch.zeros(B, Tmax, dtype=torch.float32, device=dev)
-        token_logp = token_logp.masked_scatter(mask, lp)
-        return token_logp, mask
+        token_logp = torch.zeros(mask.shape, dtype=torch.float32, device=dev)
+        return token_logp.masked_scatter(mask, lp), mask
+
+    def _response_logprobs_shared(self, keys: list[tuple], response_ids, temperature: float):
+        """response_logprobs with each distinct prompt forwarded once (Decoder only)."""
+        dev = self.output_weight.device
+        uniq: dict[tuple, int] = {}
+        prefix_of_row = [uniq.setdefault(k, len(uniq)) for k in keys]
+        prompts = list(uniq)
+        P, B = len(prompts), len(keys)
+        Lp = max(len(p) for p in prompts)
+        Tmax = max(len(r) for r in response_ids)
+        pad = self.tokenizer.pad_id
+        p_ids = torch.full((P, Lp), pad, dtype=torch.long)
+        p_mask = torch.zeros(P, Lp, dtype=torch.bool)
+        for i, p in enumerate(prompts):
+            p_ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+            p_mask[i, :len(p)] = True
+        r_ids = torch.full((B, Tmax), pad, dtype=torch.long)
+        mask = torch.zeros(B, Tmax, dtype=torch.bool)
+        src, targets = [], []     # flat index into [prefix hidden (P*Lp); row hidden (B*Tmax)]
+        for b, r in enumerate(response_ids):
+            if r:
+                r_ids[b, :len(r)] = torch.tensor(list(r), dtype=torch.long)
+                mask[b, :len(r)] = True
+                src.append(prefix_of_row[b] * Lp + len(prompts[prefix_of_row[b]]) - 1)
+                src += [P * Lp + b * Tmax + j for j in range(len(r) - 1)]
+                targets += r
+        hp, hr = self.model.hidden_prefixed(
+            p_ids.to(dev), p_mask.to(dev), r_ids.to(dev), mask.to(dev),
+            torch.tensor(prefix_of_row, dtype=torch.long, device=dev))
+        H = hp.shape[-1]
+        h = torch.cat([hp.reshape(P * Lp, H), hr.reshape(B * Tmax, H)])
+        h = h.index_select(0, torch.tensor(src, dtype=torch.long, device=dev))
+        return self._scatter_logprobs(h, targets, mask.to(dev), temperature)
 
 
 def build_policy(config: PolicyConfig, *, corpus: Iterable[str] | None = None,
