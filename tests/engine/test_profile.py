@@ -57,6 +57,10 @@ def test_cost_model_recovers_linear_costs_and_predicts_exactly():
     g, h = meas["gspo"]["agents"]["a0"], meas["hacpo"]["agents"]["a0"]
     extra = (h["score_cross"] + h["backward_cross"] + h["retokenize"]) / g["agent_time"]
     assert rep["agents"]["a0"]["extra_over_gspo"] == pytest.approx(extra)
+    assert rep["agents"]["a0"]["cross_scoring_share"] == pytest.approx(
+        (h["score_cross"] + h["retokenize"]) / g["agent_time"])
+    assert rep["agents"]["a0"]["cross_backward_share"] == pytest.approx(
+        h["backward_cross"] / g["agent_time"])
     assert rep["per_trained_sample"]["ratio"] == pytest.approx(
         (meas["hacpo"]["step_time"] / 256) / (meas["gspo2x"]["step_time"] / 256))
 
