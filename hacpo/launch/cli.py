@@ -60,6 +60,15 @@ def _compare(args) -> int:
     return 0
 
 
+def _profile(args) -> int:
+    from hacpo.engine.profile import run_profile
+    cfg = _train_config(args)
+    run_profile(cfg, args.out_dir or "runs/profile", algorithms=args.algorithms,
+                rounds=args.rounds, steps_per_round=args.steps_per_round,
+                skip_steps=args.skip_steps)
+    return 0
+
+
 def _eval(args) -> int:
     from hacpo.engine.eval_harness import evaluate_checkpoints
     try:
@@ -112,6 +121,16 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     c.add_argument("--pass-k", type=int, default=4)
     c.set_defaults(func=_compare)
+    pr = sub.add_parser("profile", help="gspo vs gspo2x vs hacpo side by side: extra scoring "
+                                        "cost, time per trained sample, fitted cost model")
+    _add_run_args(pr)
+    pr.add_argument("--algorithms", nargs="+", default=["gspo", "gspo2x", "hacpo"])
+    pr.add_argument("--rounds", type=int, default=3,
+                    help="interleaved rounds (each algorithm advances per round)")
+    pr.add_argument("--steps-per-round", type=int, default=2)
+    pr.add_argument("--skip-steps", type=int, default=1,
+                    help="first steps of each run not measured (warm-up)")
+    pr.set_defaults(func=_profile)
     e = sub.add_parser("eval", help="evaluate run checkpoints on JSONL/parquet benchmarks; "
                                     "markdown table with 95%% CIs + JSON per agent/benchmark")
     e.add_argument("checkpoints", nargs="+", help="run dirs or checkpoint.pt files")
@@ -131,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--batch", type=int, default=64, help="prompts per generation batch")
     e.add_argument("--seed", type=int, default=0)
     e.set_defaults(func=_eval)
+    from .slurm import add_launch_parser
+    add_launch_parser(sub)
     args = ap.parse_args(argv)
     return args.func(args)
 

@@ -1,0 +1,111 @@
+"""``hacpo launch local``: what the Slurm job does, on this machine without Slurm.
+
+Starts a Ray head (``ray start --head --block``, its own temp dir, loopback, no dashboard) and
+``--workers`` K more Ray nodes as local processes, waits until all 1 + K nodes are registered
+(``--ray-timeout``), runs the driver ``hacpo train ... --set rollout.engine=ray
+rollout.ray_address=127.0.0.1:PORT`` as a child process, then tears the cluster down by
+signalling the processes it started (never ``ray stop``, which would stop every Ray on the
+machine) and removes the temp dir. Exits with the driver's exit code.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .ray_wait import ClusterTimeout, Node, wait_for_cluster
+from .slurm import LaunchError, check_resources, driver_argv, load_run
+
+_HOST = "127.0.0.1"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((_HOST, 0))
+        return s.getsockname()[1]
+
+
+def _stop(procs: list[subprocess.Popen], grace_s: float = 30.0) -> None:
+    """SIGTERM each started ``ray start --block`` (it stops its node's processes), then
+    SIGKILL the process group of any that is still there after ``grace_s``."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.time() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in procs:      # each was started in its own session: its group holds its Ray processes
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if p.poll() is None:
+            p.wait()
+
+
+def launch_local(args) -> int:
+    cfg = load_run(args)
+    if args.workers < 0:
+        raise LaunchError(f"--workers must be >= 0, got {args.workers}")
+    cpus = args.cpus_per_node or os.cpu_count() or 1
+    check_resources(cfg, 1 + args.workers, cpus, args.gpus_per_node)
+    if args.ray_timeout <= 0:
+        raise LaunchError(f"--ray-timeout must be > 0, got {args.ray_timeout}")
+    ray_bin = Path(sys.executable).parent / "ray"
+    if not ray_bin.exists():
+        raise LaunchError(f"{ray_bin} not found: ray is not installed in this Python "
+                          f"environment (pip install -c requirements/constraints.txt ray)")
+    run_dir = Path(cfg.out_dir).resolve()
+    log_dir = run_dir / "launch-local"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    port = args.ray_port or _free_port()
+    address = f"{_HOST}:{port}"
+    # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (e.g. inherited) would refuse the worker nodes
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled",
+           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
+    tmp = tempfile.mkdtemp(prefix="hacpo-launch-ray-")   # short: Ray's socket paths live here
+    node_args = [f"--node-ip-address={_HOST}", f"--temp-dir={tmp}", f"--num-cpus={cpus}",
+                 f"--num-gpus={args.gpus_per_node}", "--block"]
+    if args.object_store_mb:
+        node_args.append(f"--object-store-memory={args.object_store_mb * 1024 * 1024}")
+    procs: list[subprocess.Popen] = []
+    nodes: list[Node] = []
+    deadline = time.time() + args.ray_timeout
+
+    def start(name, extra):
+        log = log_dir / f"ray-{name}.log"
+        with open(log, "w") as f:
+            p = subprocess.Popen([str(ray_bin), "start", *extra, *node_args], stdout=f,
+                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        procs.append(p)
+        nodes.append(Node(name, None, p.pid, str(log)))   # Ray registers it under the host IP
+
+    try:
+        print(f"[hacpo launch] local Ray head at {address}, {args.workers} worker node(s); "
+              f"temp dir {tmp}, logs in {log_dir}", flush=True)
+        start("head", ["--head", f"--port={port}", "--include-dashboard=false"])
+        wait_for_cluster(address, nodes[:1], deadline)
+        for i in range(args.workers):
+            start(f"worker{i + 1}", [f"--address={address}"])
+        took = wait_for_cluster(address, nodes, deadline)
+        print(f"[hacpo launch] Ray cluster of {len(nodes)} node(s) up ({took:.1f}s)",
+              flush=True)
+        argv = driver_argv(args, cfg, sys.executable) + [f"rollout.ray_address={address}"]
+        print("[hacpo launch] driver: " + " ".join(argv), flush=True)
+        rc = subprocess.call(argv, env=env)
+        print(f"[hacpo launch] driver exited with {rc}", flush=True)
+        return rc
+    except ClusterTimeout as e:
+        raise LaunchError(str(e)) from None
+    finally:
+        _stop(procs)
+        shutil.rmtree(tmp, ignore_errors=True)

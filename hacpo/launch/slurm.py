@@ -1,0 +1,388 @@
+"""``hacpo launch slurm``: run ``hacpo train`` on a Ray cluster that a Slurm job brings up.
+
+The launcher loads and checks the run config (so a bad config fails here, before anything is
+submitted), writes an sbatch script into the run dir and submits it. The script:
+
+1. starts a Ray head on the job's first node (``srun -w NODE ray start --head --block``, one
+   task, in the background) and waits until its GCS answers;
+2. starts a Ray worker on every other node the same way and waits until all N nodes are
+   registered. Both waits share one deadline (``--ray-timeout``); if it passes, or a node's
+   ``ray start`` exits, the job prints which node / what timed out and exits 1 (Slurm state
+   FAILED);
+3. runs the driver: ``hacpo train ... --set rollout.engine=ray rollout.ray_address=HEAD:PORT``;
+4. ends the ``srun`` steps (SIGTERM to each step; ``ray start --block`` then stops its node's
+   processes) and removes the Ray temp dir. Never ``ray stop``: on a shared machine it would
+   stop every Ray there.
+
+``--wait`` polls the job until it ends and reports its state and exit code.
+``hacpo launch local`` (:mod:`hacpo.launch.launch_local`) does the same without Slurm.
+"""
+from __future__ import annotations
+
+import math
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# Overrides the launcher owns: the driver gets them from the launch options.
+_LAUNCHER_KEYS = ("rollout.engine", "rollout.ray_address")
+
+
+class LaunchError(RuntimeError):
+    """Bad launch input or a failed submission: printed as ``hacpo launch: error: ...``."""
+
+
+# --------------------------------------------------------------------------------------------
+# run config: loaded and checked before anything starts
+# --------------------------------------------------------------------------------------------
+def load_run(args):
+    """The resolved TrainConfig of the run (``--preset/--config/--set/--out-dir``), or the
+    config loader's error as a :class:`LaunchError`."""
+    from hacpo.engine.configtools import parse_overrides
+    from hacpo.engine.run_config import load_config
+    if args.config and not Path(args.config).is_file():
+        raise LaunchError(f"--config {args.config}: no such file")
+    try:
+        overrides = parse_overrides(args.set or [])
+    except (ValueError, KeyError) as e:
+        raise LaunchError(f"--set: {e}") from e
+    for k in _LAUNCHER_KEYS:
+        if k in overrides:
+            raise LaunchError(f"--set {k}=... is set by the launcher; use --rollout-engine "
+                              f"(the Ray address is the job's head node)")
+    if args.out_dir:
+        overrides["out_dir"] = args.out_dir
+    overrides["rollout.engine"] = args.rollout_engine
+    try:
+        return load_config(args.preset, args.config, overrides)
+    except Exception as e:  # the config loader's own error (yaml, unknown key, bad value)
+        raise LaunchError(f"config {args.config or '(preset ' + args.preset + ')'} does not "
+                          f"load: {type(e).__name__}: {e}") from e
+
+
+def cluster_needs(cfg) -> dict[str, float]:
+    """Ray resources the run needs that can be known from the config alone.
+
+    ``rollout.engine=ray`` places one actor bundle of ``threads`` (>= 1) CPUs per agent per
+    ``rollout.engines_per_agent`` (:class:`hacpo.launch.ray_rollout.RayRolloutEngine`);
+    ``vllm`` one 1-CPU engine actor per agent per engine (``hacpo.launch.vllm_rollout``)."""
+    r = cfg.rollout
+    if r.engine == "ray":
+        return {"CPU": len(cfg.agents) * r.engines_per_agent * max(cfg.threads, 1)}
+    if r.engine == "vllm":
+        return {"CPU": len(cfg.agents) * r.engines_per_agent}
+    return {}
+
+
+def check_resources(cfg, nodes: int, cpus_per_node: int | None, gpus_per_node: int) -> None:
+    if nodes < 1:
+        raise LaunchError(f"--nodes must be >= 1, got {nodes}")
+    if gpus_per_node < 0:
+        raise LaunchError(f"--gpus-per-node must be >= 0, got {gpus_per_node}")
+    if cpus_per_node is not None and cpus_per_node < 1:
+        raise LaunchError(f"--cpus-per-node must be >= 1, got {cpus_per_node}")
+    need = cluster_needs(cfg)
+    if cpus_per_node is not None and need.get("CPU", 0) > nodes * cpus_per_node:
+        raise LaunchError(
+            f"the run needs {need['CPU']:g} Ray CPUs for its rollout.engine="
+            f"{cfg.rollout.engine} actors ({len(cfg.agents)} agents x "
+            f"rollout.engines_per_agent={cfg.rollout.engines_per_agent}) but {nodes} node(s) "
+            f"x --cpus-per-node {cpus_per_node} give {nodes * cpus_per_node}; add nodes or "
+            f"CPUs, or lower rollout.engines_per_agent")
+
+
+def driver_argv(args, cfg, python: str) -> list[str]:
+    """``hacpo train`` for the driver, minus the Ray address (known only once the job runs).
+    Paths are absolute: the job may start elsewhere."""
+    argv = [python, "-m", "hacpo.launch.cli", "train", "--preset", args.preset,
+            "--out-dir", str(Path(cfg.out_dir).resolve())]
+    if args.config:
+        argv += ["--config", str(Path(args.config).resolve())]
+    argv += ["--set", *(args.set or []), f"rollout.engine={args.rollout_engine}"]
+    return argv
+
+
+# --------------------------------------------------------------------------------------------
+# the sbatch script
+# --------------------------------------------------------------------------------------------
+SBATCH_TEMPLATE = r"""#!/bin/bash
+#SBATCH --job-name={job_name}
+#SBATCH --nodes={nodes}
+#SBATCH --ntasks-per-node=1
+#SBATCH --output={log_dir}/slurm-%j.out
+#SBATCH --chdir={workdir}
+{extra_sbatch}# Generated by `hacpo launch slurm`. Ray head on the first node, a Ray worker on each
+# other node (one background srun step per node), wait for all {nodes} nodes (deadline
+# {ray_timeout}s), run the driver, end the srun steps (never `ray stop`).
+set -uo pipefail
+{setup}export PATH={bin_dir}:$PATH
+export RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1   # an inherited 0 would refuse every worker node
+PY={python}
+RAY_PORT={ray_port}
+RAY_TIMEOUT={ray_timeout}
+LOG_DIR={log_dir}/job-$SLURM_JOB_ID
+RAY_TMP=${{TMPDIR:-/tmp}}/hacpo-slurm-ray-$SLURM_JOB_ID   # short: Ray's socket paths live here
+NODE_ARGS=({node_args})
+mkdir -p "$LOG_DIR" "$RAY_TMP"
+T0=$(date +%s)
+DEADLINE=$((T0 + RAY_TIMEOUT))
+SRUN_PIDS=()
+
+say() {{ echo "[hacpo launch] $(date +%H:%M:%S) $*"; }}
+fail() {{ echo "[hacpo launch] ERROR: $*" >&2; exit 1; }}
+cleanup() {{  # end our srun steps: SIGTERM, then SIGKILL after 30 s; then Ray's temp dir
+  local rc=$? pid
+  if ((${{#SRUN_PIDS[@]}})); then
+    say "ending the Ray srun steps (pids ${{SRUN_PIDS[*]}})"
+    kill -TERM "${{SRUN_PIDS[@]}}" 2>/dev/null
+    for _ in $(seq 60); do
+      pid=""; for p in "${{SRUN_PIDS[@]}}"; do kill -0 "$p" 2>/dev/null && pid=$p; done
+      [ -z "$pid" ] && break; sleep 0.5
+    done
+    kill -KILL "${{SRUN_PIDS[@]}}" 2>/dev/null
+    wait 2>/dev/null
+  fi
+  rm -rf "$RAY_TMP"
+  say "job exits with $rc"
+  exit $rc
+}}
+trap cleanup EXIT
+trap 'fail "job cancelled or timed out (signal)"' TERM INT
+node_ip() {{  # a node's NodeAddr, resolved to an IPv4 address
+  local a
+  a=$(scontrol show node "$1" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
+  [ -n "$a" ] || return 1
+  [[ $a =~ ^[0-9]+(\.[0-9]+){{3}}$ ]] || a=$(getent ahostsv4 "$a" | awk 'NR==1{{print $1}}')
+  [ -n "$a" ] && echo "$a"
+}}
+
+mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+((${{#NODES[@]}} == {nodes})) ||
+  fail "allocation has ${{#NODES[@]}} nodes (${{NODES[*]}}), expected {nodes}"
+HEAD=${{NODES[0]}}
+HEAD_IP=$(node_ip "$HEAD") || fail "cannot resolve the IP of head node $HEAD"
+ADDR=$HEAD_IP:$RAY_PORT
+say "nodes: ${{NODES[*]}}; Ray head $HEAD at $ADDR; logs in $LOG_DIR"
+
+# 1. Ray head on the first node
+srun --nodes=1 --ntasks=1 --overlap -w "$HEAD" ray start --head --node-ip-address="$HEAD_IP" \
+  --port="$RAY_PORT" --temp-dir="$RAY_TMP" --include-dashboard=false "${{NODE_ARGS[@]}}" --block \
+  >"$LOG_DIR/ray-$HEAD.log" 2>&1 &
+SRUN_PIDS+=($!)
+WAIT_NODES=(--node "$HEAD=$HEAD_IP:$!:$LOG_DIR/ray-$HEAD.log")
+"$PY" -m hacpo.launch.ray_wait --phase "ray head" --address "$ADDR" --deadline "$DEADLINE" \
+  "${{WAIT_NODES[@]}}" ||
+  fail "Ray head on $HEAD ($ADDR) is not up (error above); deadline ${{RAY_TIMEOUT}}s"
+
+# 2. a Ray worker on each other node
+for NODE in "${{NODES[@]:1}}"; do
+  IP=$(node_ip "$NODE") || fail "cannot resolve the IP of node $NODE"
+  srun --nodes=1 --ntasks=1 --overlap -w "$NODE" ray start --address="$ADDR" \
+    --node-ip-address="$IP" --temp-dir="$RAY_TMP" "${{NODE_ARGS[@]}}" --block \
+    >"$LOG_DIR/ray-$NODE.log" 2>&1 &
+  SRUN_PIDS+=($!)
+  WAIT_NODES+=(--node "$NODE=$IP:$!:$LOG_DIR/ray-$NODE.log")
+done
+"$PY" -m hacpo.launch.ray_wait --phase "ray cluster" --address "$ADDR" --deadline "$DEADLINE" \
+  "${{WAIT_NODES[@]}}" ||
+  fail "Ray cluster of {nodes} nodes is not up (error above); deadline ${{RAY_TIMEOUT}}s"
+say "Ray cluster of {nodes} nodes up after $(( $(date +%s) - T0 ))s"
+
+# 3. the driver
+DRIVER=({driver} "rollout.ray_address=$ADDR")
+say "driver: ${{DRIVER[*]}}"
+"${{DRIVER[@]}}"
+RC=$?
+say "driver exited with $RC"
+exit $RC
+"""
+
+
+def render_sbatch(args, cfg, *, python: str | None = None) -> str:
+    """The sbatch script for ``args`` (the ``hacpo launch slurm`` options) and run ``cfg``."""
+    python = python or sys.executable
+    q = shlex.quote
+    run_dir = Path(cfg.out_dir).resolve()
+    extra = []
+    if args.partition:
+        extra.append(f"--partition={args.partition}")
+    if args.time:
+        extra.append(f"--time={args.time}")
+    if args.gpus_per_node:
+        extra.append(f"--gpus-per-node={args.gpus_per_node}")
+    if args.cpus_per_node:
+        extra.append(f"--cpus-per-task={args.cpus_per_node}")
+    for a in args.sbatch_arg or []:
+        extra.append(a)
+    node_args = [f"--num-cpus={args.cpus_per_node}" if args.cpus_per_node
+                 else "--num-cpus=${SLURM_CPUS_ON_NODE:-1}",
+                 f"--num-gpus={args.gpus_per_node}"]
+    if args.object_store_mb:
+        node_args.append(f"--object-store-memory={args.object_store_mb * 1024 * 1024}")
+    return SBATCH_TEMPLATE.format(
+        job_name=q(args.job_name), nodes=args.nodes, log_dir=q(str(run_dir / "slurm")),
+        workdir=q(os.getcwd()),
+        extra_sbatch="".join(f"#SBATCH {a}\n" for a in extra),
+        ray_timeout=math.ceil(args.ray_timeout), setup="".join(f"{s}\n" for s in args.setup or []),
+        bin_dir=q(str(Path(python).parent)), python=q(python), ray_port=args.ray_port or 6379,
+        node_args=" ".join(a if "${" in a else q(a) for a in node_args),
+        driver=" ".join(q(a) for a in driver_argv(args, cfg, python)))
+
+
+# --------------------------------------------------------------------------------------------
+# submit and wait
+# --------------------------------------------------------------------------------------------
+def _slurm_bin(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise LaunchError(f"`{name}` not found on PATH: Slurm's client commands are needed "
+                          f"(run on a Slurm login node, or use `hacpo launch local`, or "
+                          f"`--dry-run` to only print the script)")
+    return path
+
+
+def submit(script: Path) -> str:
+    """``sbatch --parsable SCRIPT`` -> job id."""
+    p = subprocess.run([_slurm_bin("sbatch"), "--parsable", str(script)], capture_output=True,
+                       text=True)
+    if p.returncode != 0:
+        raise LaunchError(f"sbatch {script} failed (exit {p.returncode}): "
+                          f"{(p.stderr or p.stdout).strip()}")
+    return p.stdout.strip().split(";")[0]
+
+
+def job_state(job_id: str) -> tuple[str, str] | None:
+    """(state, exit code "N:SIG") of a job Slurm still knows (scontrol, else sacct)."""
+    p = subprocess.run([_slurm_bin("scontrol"), "show", "job", "-o", job_id],
+                       capture_output=True, text=True)
+    if p.returncode == 0 and "JobState=" in p.stdout:
+        f = dict(kv.split("=", 1) for kv in p.stdout.split() if "=" in kv)
+        return f.get("JobState", "UNKNOWN"), f.get("ExitCode", "?")
+    if shutil.which("sacct"):
+        p = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State,ExitCode"],
+                           capture_output=True, text=True)
+        line = p.stdout.strip().splitlines()[:1]
+        if p.returncode == 0 and line:
+            state, code = line[0].split("|")
+            return state.split()[0], code
+    return None
+
+
+_DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+         "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
+
+
+def wait_job(job_id: str, *, poll_s: float = 2.0, timeout_s: float | None = None,
+             echo=print) -> tuple[str, str]:
+    """Poll until the job reaches a final state; returns (state, exit code)."""
+    t0, last = time.time(), None
+    while True:
+        st = job_state(job_id)
+        if st is None:
+            raise LaunchError(f"job {job_id}: Slurm no longer knows it (no scontrol/sacct "
+                              f"record); check its output file")
+        if st[0] != last:
+            echo(f"[hacpo launch] job {job_id}: {st[0]}")
+            last = st[0]
+        if st[0] in _DONE:
+            return st
+        if timeout_s is not None and time.time() - t0 > timeout_s:
+            raise LaunchError(f"job {job_id} still {st[0]} after {timeout_s:g}s")
+        time.sleep(poll_s)
+
+
+def launch_slurm(args) -> int:
+    cfg = load_run(args)
+    check_resources(cfg, args.nodes, args.cpus_per_node, args.gpus_per_node)
+    if args.ray_timeout <= 0:
+        raise LaunchError(f"--ray-timeout must be > 0, got {args.ray_timeout}")
+    script = render_sbatch(args, cfg)
+    if args.dry_run:
+        print(script, end="")
+        return 0
+    _slurm_bin("sbatch")
+    run_dir = Path(cfg.out_dir).resolve()
+    (run_dir / "slurm").mkdir(parents=True, exist_ok=True)
+    path = run_dir / "slurm" / "job.sbatch"
+    path.write_text(script)
+    job_id = submit(path)
+    out = run_dir / "slurm" / f"slurm-{job_id}.out"
+    print(f"[hacpo launch] submitted job {job_id} ({args.nodes} nodes): script {path}, "
+          f"output {out}", flush=True)
+    if not args.wait:
+        return 0
+    state, code = wait_job(job_id, poll_s=args.poll)
+    ok = state == "COMPLETED" and code.split(":")[0] == "0"
+    print(f"[hacpo launch] job {job_id} finished: state {state}, exit code {code}", flush=True)
+    if not ok and out.exists():
+        tail = out.read_text(errors="replace").splitlines()[-20:]
+        print(f"[hacpo launch] last lines of {out}:\n" + "\n".join("  | " + t for t in tail),
+              file=sys.stderr)
+    return 0 if ok else 1
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+def _add_run_args(p) -> None:
+    p.add_argument("--preset", default="default", help="run preset (default, tiny3)")
+    p.add_argument("--config", default=None, help="YAML file of overrides")
+    p.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="dotted overrides for the run")
+    p.add_argument("--out-dir", default=None, help="run dir (default: the config's out_dir)")
+    p.add_argument("--rollout-engine", default="ray", choices=["ray", "vllm", "local"],
+                   help="rollout.engine of the driver (default ray: actors over the cluster)")
+    p.add_argument("--cpus-per-node", type=int, default=None,
+                   help="Ray logical CPUs per node (slurm: also --cpus-per-task; default "
+                        "Slurm's CPUs on the node / local: this machine's CPU count)")
+    p.add_argument("--object-store-mb", type=int, default=None,
+                   help="Ray object store per node in MiB (default Ray's)")
+    p.add_argument("--ray-port", type=int, default=None,
+                   help="Ray head GCS port (default: slurm 6379, local a free port)")
+    p.add_argument("--ray-timeout", type=float, default=300.0,
+                   help="seconds for the whole Ray cluster to come up (default 300)")
+
+
+def _run(fn):
+    def call(args) -> int:
+        try:
+            return fn(args)
+        except LaunchError as e:
+            print(f"hacpo launch: error: {e}", file=sys.stderr)
+            return 2
+    return call
+
+
+def add_launch_parser(subparsers) -> None:
+    """``hacpo launch {slurm,local}`` on the ``hacpo`` command's subparsers."""
+    from .launch_local import launch_local
+    lp = subparsers.add_parser("launch", help="run `hacpo train` on a Ray cluster started on "
+                                              "Slurm nodes or on this machine")
+    sub = lp.add_subparsers(dest="launcher", required=True)
+    s = sub.add_parser("slurm", help="write and submit an sbatch job: Ray head + workers via "
+                                     "srun, then the driver")
+    s.add_argument("--nodes", type=int, required=True)
+    s.add_argument("--gpus-per-node", type=int, default=0)
+    _add_run_args(s)
+    s.add_argument("--partition", default=None)
+    s.add_argument("--time", default=None, help="Slurm time limit, e.g. 01:00:00")
+    s.add_argument("--job-name", default="hacpo")
+    s.add_argument("--sbatch-arg", action="append", metavar="ARG",
+                   help="extra #SBATCH line, e.g. --sbatch-arg=--account=abc (repeatable)")
+    s.add_argument("--setup", action="append", metavar="CMD",
+                   help="shell line run first in the job, e.g. 'module load cuda' (repeatable)")
+    s.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
+    s.add_argument("--wait", action="store_true",
+                   help="poll until the job ends; exit 0 only if it COMPLETED with exit 0")
+    s.add_argument("--poll", type=float, default=5.0, help="--wait poll period in seconds")
+    s.set_defaults(func=_run(launch_slurm))
+    loc = sub.add_parser("local", help="the same on this machine without Slurm: a Ray head "
+                                       "(+ --workers local worker nodes), the driver, teardown")
+    loc.add_argument("--workers", type=int, default=0, help="extra local Ray worker nodes")
+    loc.add_argument("--gpus-per-node", type=int, default=0)
+    _add_run_args(loc)
+    loc.set_defaults(func=_run(launch_local))

@@ -1,0 +1,313 @@
+"""``hacpo launch slurm``: the sbatch script's content (dry run), input checks, and real jobs on
+a real two-node Slurm on localhost (tools/local-slurm/: slurmctld + two slurmd, nodes n1/n2 at
+127.0.0.2/127.0.0.3), started and stopped by this module."""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from hacpo.launch.cli import main
+from hacpo.launch.ray_wait import ClusterTimeout, Node, _unmatched, wait_for_cluster
+
+from ._launch_helpers import (INHERITED_RAY_ENV, REPO, check_finished_run, free_port, hacpo,
+                              processes_mentioning, tiny_run_args)
+
+# --------------------------------------------------------------------------------------------
+# the script (dry run): semantics, not one big string
+# --------------------------------------------------------------------------------------------
+
+
+def launch(argv, capsys) -> tuple[int, str, str]:
+    """``hacpo ARGV`` in this process (input checks and dry runs need no fresh interpreter)."""
+    rc = main(argv)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def _dry_run(tmp_path, capsys, *extra):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("rollout:\n  group_size: 2\nprompts_per_step: 4\n")
+    rc, out, err = launch(
+        ["launch", "slurm", "--nodes", "3", "--gpus-per-node", "2", "--config", str(cfg),
+         "--preset", "tiny3", "--set", "steps=7", "agents.0.optim.lr=3e-4",
+         "--out-dir", str(tmp_path / "run"), "--partition", "gpu", "--time", "01:30:00",
+         "--ray-timeout", "123", "--ray-port", "6400", "--dry-run", *extra], capsys)
+    assert rc == 0, err
+    return out, cfg
+
+
+def _sbatch_directives(script: str) -> dict[str, str]:
+    out = {}
+    for m in re.finditer(r"^#SBATCH --([\w-]+)=(.*)$", script, re.M):
+        out[m.group(1)] = m.group(2)
+    return out
+
+
+def _logical_lines(script: str) -> list[str]:
+    """Lines with backslash continuations joined."""
+    return script.replace("\\\n", " ").splitlines()
+
+
+def test_dry_run_script(tmp_path, capsys):
+    script, cfg = _dry_run(tmp_path, capsys)
+    run = tmp_path / "run"
+    assert not run.exists(), "--dry-run must not write the run dir"
+    d = _sbatch_directives(script)
+    assert d["nodes"] == "3" and d["ntasks-per-node"] == "1" and d["gpus-per-node"] == "2"
+    assert d["partition"] == "gpu" and d["time"] == "01:30:00"
+    assert d["output"] == f"{run}/slurm/slurm-%j.out"
+    assert d["chdir"] == str(REPO)
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)   # valid bash
+
+    lines = _logical_lines(script)
+    sruns = [ln.strip() for ln in lines if ln.strip().startswith("srun ")]
+    assert len(sruns) == 2          # the head, and one line in the loop over the other nodes
+    head, worker = sruns
+    for s in sruns:   # one task on one named node, backgrounded, ray start blocking in the step
+        assert "--nodes=1 --ntasks=1" in s and " -w " in s and s.endswith("&")
+        assert "ray start" in s and "--block" in s and '--temp-dir="$RAY_TMP"' in s
+        assert '"${NODE_ARGS[@]}"' in s
+    assert "NODE_ARGS=(--num-cpus=${SLURM_CPUS_ON_NODE:-1} --num-gpus=2)" in lines
+    assert '-w "$HEAD"' in head and "--head" in head and '--port="$RAY_PORT"' in head
+    assert '--address="$ADDR"' in worker and '-w "$NODE"' in worker
+    loop = next(ln for ln in lines if ln.startswith("for NODE in"))
+    assert '"${NODES[@]:1}"' in loop    # workers on every node but the first
+    assert "RAY_PORT=6400" in lines and "RAY_TIMEOUT=123" in lines
+    assert "ADDR=$HEAD_IP:$RAY_PORT" in lines
+    # both waits use the one deadline and fail the job with a message
+    assert "DEADLINE=$((T0 + RAY_TIMEOUT))" in lines
+    waits = [ln for ln in lines if "-m hacpo.launch.ray_wait" in ln]
+    assert len(waits) == 2 and all('--deadline "$DEADLINE"' in w for w in waits)
+    for w in waits:                     # a failed wait fails the job
+        assert w.rstrip().endswith("||") and lines[lines.index(w) + 1].startswith("  fail ")
+    assert 'fail() { echo "[hacpo launch] ERROR: $*" >&2; exit 1; }' in lines
+    # the driver: hacpo train with the run's preset/config/overrides + the Ray engine/address
+    driver_line = next(ln for ln in lines if ln.startswith("DRIVER=("))
+    argv = shlex.split(driver_line[len("DRIVER=("):-1])
+    assert argv[1:4] == ["-m", "hacpo.launch.cli", "train"]
+    assert argv[argv.index("--preset") + 1] == "tiny3"
+    assert argv[argv.index("--config") + 1] == str(cfg.resolve())
+    assert argv[argv.index("--out-dir") + 1] == str(run)
+    sets = argv[argv.index("--set") + 1:]
+    assert sets == ["steps=7", "agents.0.optim.lr=3e-4", "rollout.engine=ray",
+                    "rollout.ray_address=$ADDR"]
+    assert lines.index(driver_line) > lines.index(waits[1])   # only after the cluster is up
+    # teardown: our srun steps on any exit, never `ray stop`
+    assert "trap cleanup EXIT" in lines
+    cleanup = script[script.index("cleanup() {"):script.index("trap cleanup EXIT")]
+    assert 'kill -TERM "${SRUN_PIDS[@]}"' in cleanup and 'rm -rf "$RAY_TMP"' in cleanup
+    assert "ray stop" not in script.replace("never `ray stop`", "")
+    assert [ln.strip() for ln in lines].count("SRUN_PIDS+=($!)") == 2   # both steps ended
+
+
+def test_dry_run_extra_options(tmp_path, capsys):
+    script, _ = _dry_run(tmp_path, capsys, "--cpus-per-node", "4", "--object-store-mb", "300",
+                         "--sbatch-arg=--account=abc", "--setup", "module load cuda",
+                         "--rollout-engine", "vllm")
+    d = _sbatch_directives(script)
+    assert d["cpus-per-task"] == "4" and d["account"] == "abc"
+    assert "NODE_ARGS=(--num-cpus=4 --num-gpus=2 --object-store-memory=314572800)" in script
+    assert "module load cuda" in script.splitlines()
+    assert "rollout.engine=vllm" in script and "rollout.engine=ray" not in script
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--config", "{bad_yaml}"], "does not load: "),
+    (["--config", "{unknown_key}"], "no_such_key"),
+    (["--config", "/nonexistent/x.yaml"], "no such file"),
+    (["--set", "rollout.engine=local"], "rollout.engine=... is set by the launcher"),
+    (["--set", "rollout.group_size=0"], "group_size"),
+    (["--cpus-per-node", "1"], "needs 3 Ray CPUs"),      # tiny3: 3 agents x 1 actor x 1 CPU
+    (["--nodes", "0"], "--nodes must be >= 1"),
+])
+def test_bad_input_fails_before_submitting(tmp_path, capsys, monkeypatch, args, message):
+    """Each is a clear error, exit 2, and nothing submitted (a fake sbatch records calls)."""
+    (tmp_path / "bad.yaml").write_text("rollout: [unclosed\n")
+    (tmp_path / "unknown.yaml").write_text("no_such_key: 1\n")
+    args = [a.format(bad_yaml=tmp_path / "bad.yaml", unknown_key=tmp_path / "unknown.yaml")
+            for a in args]
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "sbatch").write_text(f"#!/bin/sh\necho called >> {tmp_path}/sbatch-called\necho 1\n")
+    (fake / "sbatch").chmod(0o755)
+    if "--nodes" not in args:
+        args = ["--nodes", "1", *args]
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+    rc, out, err = launch(["launch", "slurm", "--preset", "tiny3", "--out-dir",
+                           str(tmp_path / "run"), *args], capsys)
+    assert rc == 2, (out, err)
+    assert "hacpo launch: error:" in err and message in err, err
+    assert not (tmp_path / "sbatch-called").exists()
+    assert not (tmp_path / "run").exists()
+
+
+def test_missing_sbatch_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    bindir = tmp_path / "bin"       # a PATH without Slurm's commands
+    bindir.mkdir()
+    monkeypatch.setenv("PATH", str(bindir))
+    rc, out, err = launch(["launch", "slurm", "--nodes", "2", "--preset", "tiny3", "--out-dir",
+                           str(tmp_path / "run")], capsys)
+    assert rc == 2
+    assert "`sbatch` not found on PATH" in err, err
+    assert not (tmp_path / "run").exists()
+    rc, out, err = launch(["launch", "slurm", "--nodes", "2", "--preset", "tiny3",
+                           "--dry-run"], capsys)
+    assert rc == 0 and out.startswith("#!/bin/bash")   # a dry run needs no Slurm
+
+
+# --------------------------------------------------------------------------------------------
+# the cluster wait (no Slurm): what it names when the cluster does not come up
+# --------------------------------------------------------------------------------------------
+
+
+def test_wait_names_the_head_when_nothing_listens():
+    port = free_port()
+    t0 = time.time()
+    with pytest.raises(ClusterTimeout, match=rf"Ray head on node n1 did not come up in time.*"
+                                             rf"nothing listening on 127.0.0.1:{port}"):
+        wait_for_cluster(f"127.0.0.1:{port}", [Node("n1", "127.0.0.1")], time.time() + 1.0,
+                         poll_s=0.2)
+    assert time.time() - t0 < 10
+
+
+def test_wait_names_a_node_whose_ray_start_exited(tmp_path):
+    log = tmp_path / "ray-n2.log"
+    log.write_text("starting\nError: cannot bind node manager port\n")
+    p = subprocess.Popen(["true"])
+    p.wait()
+    port = free_port()
+    with pytest.raises(ClusterTimeout, match=r"(?s)Ray worker on node n2 \(127.0.0.3\) exited "
+                                             r"before the cluster was up.*cannot bind"):
+        wait_for_cluster(f"127.0.0.1:{port}", [Node("n1", "127.0.0.2"),
+                                               Node("n2", "127.0.0.3", p.pid, str(log))],
+                         time.time() + 30, poll_s=0.1)
+
+
+def test_unmatched_nodes():
+    nodes = [Node("head", "10.0.0.1"), Node("a", "10.0.0.2"), Node("b", None), Node("c", None)]
+    assert [n.name for n in _unmatched(nodes, ["10.0.0.1", "10.0.0.2", "x", "y"])] == []
+    assert [n.name for n in _unmatched(nodes, ["10.0.0.1", "x"])] == ["a", "c"]
+    assert [n.name for n in _unmatched(nodes, ["10.0.0.2", "10.0.0.2"])] == ["head", "c"]
+
+
+# --------------------------------------------------------------------------------------------
+# real Slurm on localhost
+# --------------------------------------------------------------------------------------------
+SLURM_TOOLS = REPO / "tools" / "local-slurm"
+SLURM_DIR = "/tmp/hacpo-test-slurm"
+
+
+@pytest.fixture(scope="module")
+def local_slurm():
+    """A real two-node Slurm (installs slurm-wlm + munge with apt if missing, ~15 s), stopped
+    afterwards with nothing of it left running."""
+    if os.geteuid() != 0:
+        pytest.skip("starting slurmctld/slurmd on localhost needs root (CI runs as root)")
+    env = {**os.environ, "LOCAL_SLURM_DIR": SLURM_DIR, "LOCAL_SLURM_NODES": "2",
+           "LOCAL_SLURM_CPUS": "2", "LOCAL_SLURM_PORT": "16827",
+           "LOCAL_SLURM_NODE_PORT": "17011"}   # not the scripts' defaults: no clash with a dev one
+    t0 = time.time()
+    r = subprocess.run(["bash", str(SLURM_TOOLS / "start_local_slurm.sh")], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"start_local_slurm.sh failed:\n{r.stdout}\n{r.stderr}"
+    print(f"local Slurm up in {time.time() - t0:.1f}s")
+    conf = f"{SLURM_DIR}/etc/slurm.conf"
+    try:
+        yield {"SLURM_CONF": conf}
+    finally:
+        s = subprocess.run(["bash", str(SLURM_TOOLS / "stop_local_slurm.sh")],
+                           env={**env, "LOCAL_SLURM_PURGE": "1"},
+                           capture_output=True, text=True, timeout=300)
+        assert s.returncode == 0, s.stdout + s.stderr
+        left = processes_mentioning(conf) + processes_mentioning("hacpo-slurm-ray-")
+        assert not left, f"left running after stop_local_slurm.sh: {left}"
+
+
+def _job_id(stdout: str) -> str:
+    m = re.search(r"submitted job (\d+)", stdout)
+    assert m, stdout
+    return m.group(1)
+
+
+@pytest.mark.slurm
+def test_two_node_slurm_job_trains(local_slurm, tmp_path):
+    """The tiny config on 2 Slurm nodes: Ray head on n1, worker on n2; the 3 one-CPU rollout
+    actors do not fit on one 2-CPU node, so the run completes only if n2 hosts one. The job
+    COMPLETES, the run's outputs are there, and nothing is left running."""
+    out = tmp_path / "run"
+    port = free_port("127.0.0.2")
+    t0 = time.time()
+    r = hacpo(["launch", "slurm", "--nodes", "2", "--cpus-per-node", "2",
+               "--object-store-mb", "200", "--ray-port", str(port), "--ray-timeout", "240",
+               "--time", "00:10:00", "--wait", "--poll", "1", *tiny_run_args(out, tmp_path)],
+              env={**local_slurm, **INHERITED_RAY_ENV}, timeout=600)
+    job_out = out / "slurm" / f"slurm-{_job_id(r.stdout)}.out"
+    log = job_out.read_text() if job_out.exists() else "(no job output)"
+    assert r.returncode == 0, f"{r.stdout}\n{r.stderr}\n--- job output:\n{log}"
+    assert f"job {_job_id(r.stdout)} finished: state COMPLETED, exit code 0:0" in r.stdout
+    print(f"2-node Slurm job: {time.time() - t0:.1f}s")
+    check_finished_run(out, ray_address_prefix=f"127.0.0.2:{port}")
+    assert "ray cluster: 2 node(s) up at 127.0.0.2:" in log
+    assert "driver exited with 0" in log and "job exits with 0" in log
+    job_logs = out / "slurm" / f"job-{_job_id(r.stdout)}"
+    assert "Ray runtime started" in (job_logs / "ray-n2.log").read_text()   # worker on n2
+    assert (out / "slurm" / "job.sbatch").read_text().startswith("#!/bin/bash")
+    assert not processes_mentioning(f"hacpo-slurm-ray-{_job_id(r.stdout)}")
+    assert not Path(f"/tmp/hacpo-slurm-ray-{_job_id(r.stdout)}").exists()
+
+
+@pytest.mark.slurm
+def test_slurm_job_whose_ray_does_not_start_in_time_fails(local_slurm, tmp_path):
+    """A 1 s Ray deadline: the job prints which node timed out and ends FAILED (exit 1);
+    --wait exits non-zero; the head's srun step is ended."""
+    out = tmp_path / "run"
+    r = hacpo(["launch", "slurm", "--nodes", "2", "--cpus-per-node", "2",
+               "--ray-port", str(free_port("127.0.0.2")), "--ray-timeout", "1", "--wait",
+               "--poll", "1", *tiny_run_args(out, tmp_path)], env=local_slurm, timeout=300)
+    job, log = _failed_job(r, out)
+    # srun + `ray start` take seconds: the head's GCS port is not open after 1 s (if it were,
+    # the cluster wait would name the missing node instead)
+    assert re.search(r"ERROR \(ray head\): Ray head on node n1 did not come up in time|"
+                     r"ERROR \(ray (head|cluster)\): Ray cluster at 127.0.0.2:\d+ not complete in "
+                     r"time.*missing: n", log), log
+    assert re.search(r"ERROR: Ray (head on n1 \(127.0.0.2:\d+\)|cluster of 2 nodes) is not up "
+                     r"\(error above\); deadline 1s", log), log
+
+
+@pytest.mark.slurm
+def test_slurm_job_whose_ray_head_exits_fails(local_slurm, tmp_path):
+    """An impossible Ray setting (1 MiB object store, Ray's minimum is 75 MiB): the head's
+    `ray start` exits; the job names the node, shows Ray's own error, and ends FAILED at once
+    (well before the 240 s deadline)."""
+    out = tmp_path / "run"
+    t0 = time.time()
+    r = hacpo(["launch", "slurm", "--nodes", "2", "--cpus-per-node", "2", "--object-store-mb",
+               "1", "--ray-port", str(free_port("127.0.0.2")), "--ray-timeout", "240", "--wait",
+               "--poll", "1", *tiny_run_args(out, tmp_path)], env=local_slurm, timeout=300)
+    job, log = _failed_job(r, out)
+    assert time.time() - t0 < 120
+    assert re.search(r"ERROR \(ray head\): Ray head on node n1 \(127.0.0.2\) exited before the "
+                     r"cluster was up", log), log
+    assert "minimum allowed is 78643200 bytes" in log      # the tail of n1's Ray log
+
+
+def _failed_job(r, out):
+    """Common checks of a job that must fail before the driver: state FAILED, exit 1, --wait
+    exits 1 and shows the job's last lines, the Ray steps ended, nothing left running."""
+    job = _job_id(r.stdout)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"job {job} finished: state FAILED, exit code 1:0" in r.stdout
+    log = (out / "slurm" / f"slurm-{job}.out").read_text()
+    assert "ending the Ray srun steps" in log and "job exits with 1" in log
+    assert "driver:" not in log                   # the driver never ran
+    assert not (out / "metrics.jsonl").exists()
+    assert "is not up (error above)" in r.stderr  # --wait shows the job's last lines
+    time.sleep(1)
+    assert not processes_mentioning(f"hacpo-slurm-ray-{job}")
+    return job, log
