@@ -112,3 +112,93 @@ def train_worker(rank, world, arch, micro_rows, optimizers, out_path):
         ps.destroy_model_parallel()
     if rank == 0:
         torch.save(results, out_path)
+
+
+# -- TP x PP x DP: log-probs, gradients and one optimizer step --------------------------------
+def step_batch(vocab: int):
+    """The fixed batch of the gradient / training checks: B rows plus a per-row advantage, a
+    token mask and the global divisor (number of masked tokens of the whole batch)."""
+    ids, targets = batch(vocab)
+    g = torch.Generator().manual_seed(2)
+    adv = torch.randn(B, generator=g)
+    mask = torch.rand(B, S, generator=g) < 0.7
+    return ids, targets, adv, mask, mask.sum().float()
+
+
+def step_microbatches(vocab: int, lo: int, hi: int, micro_rows: int) -> list[dict]:
+    """Rows lo..hi-1 of :func:`step_batch` cut into micro-batches of ``micro_rows`` rows."""
+    ids, targets, adv, mask, divisor = step_batch(vocab)
+    return [{"input_ids": ids[i:i + micro_rows], "targets": targets[i:i + micro_rows],
+             "adv": adv[i:i + micro_rows], "mask": mask[i:i + micro_rows], "divisor": divisor}
+            for i in range(lo, hi, micro_rows)]
+
+
+def hf_grads(model) -> dict:
+    """Gradients of :func:`sgd_loss` over the whole :func:`step_batch` w.r.t. an HF model's
+    weights (HF names, without a tied ``lm_head.weight``): the single-process reference."""
+    ids, targets, adv, mask, divisor = step_batch(model.config.vocab_size)
+    model.zero_grad()
+    logits = model(input_ids=ids).logits.float()
+    lp = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
+    loss, _ = sgd_loss(lp, {"adv": adv, "mask": mask, "divisor": divisor})
+    loss.backward()
+    return {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+
+
+def _gather_hf(pol, local: dict) -> dict | None:
+    """megatron-named tensors of every rank -> HF-named full tensors on rank 0 (DP rank 0's
+    shards; None elsewhere). Generic over TP x PP through ``megatron_to_hf``."""
+    import torch.distributed as dist
+
+    from hacpo.models.megatron import megatron_to_hf
+
+    p = pol.par
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (p.pp_rank, p.tp_rank, p.dp_rank, local))
+    if dist.get_rank() != 0:
+        return None
+    shards = [[None] * p.tp for _ in range(p.pp)]
+    for pp_rank, tp_rank, dp_rank, sd in everyone:
+        if dp_rank == 0:
+            shards[pp_rank][tp_rank] = sd
+    return megatron_to_hf(shards, pol.arch)
+
+
+def parallel_step_worker(rank, world, tp, pp, micro_rows, cases, optimizers, out_path):
+    """At TP=tp, PP=pp, DP=world/(tp*pp), for each (arch, tie) and optimizer name: token
+    log-probs (2 micro-batches) and the gathered weights, then one ``train_step`` on this DP
+    rank's rows of :func:`step_batch` (micro-batches of ``micro_rows``). Rank 0 saves
+    {(arch, tie): {"lp", "same", "before", "grads": {opt: HF-named gradients (megatron's
+    main_grad after the step: summed over micro-batches, DP, tied copies)}, "after": {opt: HF
+    weights after the step}}}."""
+    from megatron.core import parallel_state as ps
+
+    from hacpo.models.megatron import hf_state_dict
+
+    results = {}
+    for arch, tie in cases:
+        res = {"grads": {}, "after": {}}
+        for name in optimizers:
+            hf, pol = _policy(arch, tie, tp, pp)
+            if "lp" not in res:
+                ids, targets = batch(pol.arch.vocab_size)
+                res["lp"] = pol.token_logprobs(ids, targets, micro_batch_size=B // 2)
+                ref = hf_state_dict(hf)
+                back = pol.hf_state_dict()
+                res["same"] = back.keys() == ref.keys() and all(
+                    torch.equal(back[k], ref[k]) for k in ref)
+                res["before"] = ref
+            opt = pol.build_optimizer(lr=0.5, optimizer=name)
+            dp, dp_rank = pol.par.dp, pol.par.dp_rank
+            mbs = step_microbatches(pol.arch.vocab_size, dp_rank * B // dp,
+                                    (dp_rank + 1) * B // dp, micro_rows)
+            pol.train_step(opt, mbs, sgd_loss)
+            # the optimizer reads main_grad and leaves it alone: these are the step's gradients
+            grads = {k: p.main_grad.detach().clone()
+                     for k, p in pol.module.named_parameters()}
+            res["grads"][name] = _gather_hf(pol, grads)
+            res["after"][name] = pol.hf_state_dict()
+            ps.destroy_model_parallel()
+        results[(arch, tie)] = res
+    if rank == 0:
+        torch.save(results, out_path)

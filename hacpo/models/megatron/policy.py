@@ -43,16 +43,19 @@ class MegatronPolicy:
         arch: the architecture (for weight mapping).
         par: this rank's :class:`~hacpo.models.megatron.build.Parallel`.
         transformer_impl: "local" or "transformer_engine" (weight names differ).
+        logprob_backend: ``hacpo.kernels.token_logprobs`` backend ("auto": Triton on CUDA,
+            torch elsewhere; "triton" is an error where Triton cannot run, never a fallback).
     """
 
     def __init__(self, model: torch.nn.Module, arch: ArchSpec, par: Parallel,
-                 transformer_impl: str = "local"):
+                 transformer_impl: str = "local", *, logprob_backend: str = "auto"):
         self.model, self.arch, self.par = model, arch, par
         self.transformer_impl = transformer_impl
+        self.logprob_backend = logprob_backend
 
     @classmethod
     def from_hf(cls, hf_model, par: Parallel, *, transformer_impl: str = "local",
-                params_dtype=torch.float32) -> "MegatronPolicy":
+                params_dtype=torch.float32, logprob_backend: str = "auto") -> "MegatronPolicy":
         """Build this rank's GPTModel from an HF model's config and load its weights shard."""
         arch = ArchSpec.from_hf(hf_model.config)
         model = build_gpt_model(arch, par, transformer_impl=transformer_impl,
@@ -60,7 +63,7 @@ class MegatronPolicy:
         state = hf_to_megatron(hf_model.state_dict(), arch, tp=par.tp, tp_rank=par.tp_rank,
                                pp=par.pp, pp_rank=par.pp_rank, transformer_impl=transformer_impl)
         load_megatron_state(model, state)
-        return cls(model, arch, par, transformer_impl)
+        return cls(model, arch, par, transformer_impl, logprob_backend=logprob_backend)
 
     # -- weights --------------------------------------------------------------------------------
     @property
@@ -104,7 +107,7 @@ class MegatronPolicy:
         def loss_func(logits):
             lp = token_logprobs(logits.reshape(b * s, -1), targets.reshape(-1),
                                 temperature=temperature, tp_group=self.par.tp_group,
-                                validate=False).view(b, s)
+                                backend=self.logprob_backend, validate=False).view(b, s)
             if loss_fn is None:
                 return lp.sum() * 0.0, torch.ones((), dtype=torch.int), {"logprobs": lp.detach()}
             loss, metrics = loss_fn(lp, mb)
