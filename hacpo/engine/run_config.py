@@ -43,6 +43,7 @@ class AgentConfig:
 
 
 ROLLOUT_ENGINES = ("local", "ray", "vllm")
+TRAINER_BACKENDS = ("local", "ray")
 
 
 @dataclass
@@ -114,6 +115,8 @@ class TrainConfig(ConfigMixin):
     max_nonfinite: int = 3          # stop after this many non-finite updates in a row
     drop_unencodable: bool = True   # cross samples the learner's vocabulary cannot spell
     threads: int = 0                # torch intra-op threads (0: torch's default)
+    trainer_backend: str = "local"  # local (policies train in-process) | ray (one Ray actor
+                                    # per agent: hacpo/launch/ray_trainer.py; TRAINER_BACKENDS)
     profile_sync: bool = False      # synchronize the device around each timed stage (exact
                                     # per-stage GPU times, lower throughput; `hacpo profile`)
     out_dir: str = "runs/hacpo"
@@ -130,11 +133,15 @@ class TrainConfig(ConfigMixin):
             raise ValueError(f"agent names must be unique, got {names}")
         if self.steps < 0 or self.prompts_per_step < 1 or self.max_nonfinite < 1:
             raise ValueError("steps >= 0, prompts_per_step >= 1 and max_nonfinite >= 1 needed")
+        if self.trainer_backend not in TRAINER_BACKENDS:
+            raise ValueError(f"unknown trainer_backend {self.trainer_backend!r}; choose one of "
+                             f"{', '.join(TRAINER_BACKENDS)}")
 
 
 # Keys that may change between a run and its resumption (they do not change the math).
 RESUMABLE_KEYS = {"steps", "out_dir", "cache_dir", "progress", "plots", "tensorboard",
-                  "checkpoint_every", "eval_every", "threads", "micro_batch", "profile_sync"}
+                  "checkpoint_every", "eval_every", "threads", "micro_batch", "profile_sync",
+                  "trainer_backend"}   # the backends give bit-identical results
 
 
 def fingerprint_dict(cfg: TrainConfig) -> dict[str, Any]:

@@ -12,6 +12,9 @@ SPEC through one code path.
             view   <- cross samples re-tokenized for k             pool.py
             M minibatch updates, stepwise index m                  update.py
         metrics, checkpoint                                        metrics.py, checkpoint.py
+
+Each agent's policy, optimizer and reference policy live in an agent group (agents.py):
+in-process (trainer_backend=local) or one Ray actor per agent (ray, launch/ray_trainer.py).
 """
 from __future__ import annotations
 
@@ -26,16 +29,16 @@ import torch
 from hacpo.models.retokenize import RetokStats
 
 from . import build, checkpoint as ckpt
+from .agents import build_agents, score_temperature
 from .algorithm import learner_samples, sample_omega
 from .capability import CapabilityTracker
 from .data import PromptSampler
-from .evaluate import evaluate_policy, score_named
+from .evaluate import score_named
 from .metrics import MetricsLogger
-from .pool import build_pool, compute_old_logprobs, learner_view
+from .pool import build_pool, learner_view
 from .rewards import RewardComputer
 from .run_config import TrainConfig, config_diff, default_fingerprint, fingerprint_dict
 from .timing import Stopwatch, device_sync
-from .update import update_learner
 
 CHECKPOINT = "checkpoint.pt"
 UPDATE_STAGES = ("score_self", "score_cross", "backward_self", "backward_cross", "optimizer")
@@ -49,23 +52,22 @@ def score_batch(rc: RewardComputer, pool, golds: list[str], names: list[str]):
     return torch.tensor(rewards, dtype=torch.float32), stats
 
 
-def evaluate_all(cfg, data, policies, rc, pass_k: int = 0) -> dict[str, dict]:
+def evaluate_all(cfg, data, agents, rc, pass_k: int = 0) -> dict[str, dict]:
     """Greedy avg@1 per agent on the held-out set; with pass_k > 1 also avg@k and pass@k of
     k samples at the rollout temperature."""
     golds = [e.answer for e in data.eval]
     max_new = cfg.eval_max_new_tokens or cfg.rollout.max_new_tokens
-    out = {}
-    for pol in policies:
-        prompts = [pol.tokenizer.prompt_ids(build.prompt_text(cfg, e)) for e in data.eval]
-        out[pol.name] = evaluate_policy(pol, prompts, golds, rc, max_new_tokens=max_new,
-                                        seed=cfg.seed)
-        if pass_k > 1:
-            r = evaluate_policy(pol, prompts, golds, rc, max_new_tokens=max_new,
-                                samples=pass_k, temperature=cfg.rollout.temperature,
-                                top_p=cfg.rollout.top_p, seed=cfg.seed + 1)
-            out[pol.name][f"avg@{pass_k}"] = r["accuracy"]
-            out[pol.name][f"pass@{pass_k}"] = r[f"pass@{pass_k}"]
-    return out
+    prompts = [[p.tokenizer.prompt_ids(build.prompt_text(cfg, e)) for e in data.eval]
+               for p in agents.policies]
+    out = agents.evaluate(prompts, golds, rc, max_new_tokens=max_new, seed=cfg.seed)
+    if pass_k > 1:
+        sampled = agents.evaluate(prompts, golds, rc, max_new_tokens=max_new, samples=pass_k,
+                                  temperature=cfg.rollout.temperature,
+                                  top_p=cfg.rollout.top_p, seed=cfg.seed + 1)
+        for r, s in zip(out, sampled):
+            r[f"avg@{pass_k}"] = s["accuracy"]
+            r[f"pass@{pass_k}"] = s[f"pass@{pass_k}"]
+    return dict(zip(agents.names, out))
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, echo=print) -> dict:
@@ -94,40 +96,38 @@ def _train(cfg: TrainConfig, rc: RewardComputer, resume: bool, echo) -> dict:
 
     data = build.load_data(cfg)
     policies = build.build_policies(cfg, data)
-    engine = build.rollout_engine(cfg, policies)
+    warm = build.warm_start(cfg, data, policies, echo) if state is None else state["warmup"]
+    agents = build_agents(cfg, policies)   # first: a Ray cluster it starts also holds the engine
     try:
-        return _run(cfg, rc, data, policies, engine, state, ck_path, echo)
+        engine = build.rollout_engine(cfg, policies)
+        try:
+            return _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo)
+        finally:
+            engine.close()
     finally:
-        engine.close()
+        agents.close()
 
 
-def _run(cfg, rc, data, policies, engine, state, ck_path, echo) -> dict:
-    names = [p.name for p in policies]
+def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
+    policies, names = agents.policies, agents.names   # driver-side: tokenizers, engine weights
     n = len(policies)
     tracker = CapabilityTracker(n, **vars(cfg.algorithm.capability))
     sampler = PromptSampler(data.train, seed=cfg.seed)
     shuffle_gen = torch.Generator().manual_seed(cfg.seed + 7)
     nonfinite = {"streak": 0, "total": 0}
     if state is None:
-        warm = build.warm_start(cfg, data, policies, echo)
         echo("[eval] held-out accuracy before RL ...")
-        before = evaluate_all(cfg, data, policies, rc)
+        before = evaluate_all(cfg, data, agents, rc)
         start = 0
-    optims = build.build_optimizers(cfg, policies)
-    refs = build.reference_policies(cfg, policies)
-    if state is not None:
-        for pol, opt, s in zip(policies, optims, state["agents"]):
-            pol.load_state_dict(s["model"])
-            opt.load_state_dict(s["optim"])
-        for ref, s in zip(refs, state["agents"]):
-            if ref is not None:
-                ref.load_state_dict(s["ref_model"])
+    else:
+        for k, s in enumerate(state["agents"]):
+            agents.load_state_dict(k, s)
         tracker.load_state_dict(state["tracker"])
         sampler.load_state_dict(state["sampler"])
         engine.load_state_dict(state["engine"])
         shuffle_gen.set_state(state["shuffle_gen"])
         nonfinite = state["nonfinite"]
-        warm, before, start = state["warmup"], state["eval_before"], state["step"]
+        before, start = state["eval_before"], state["step"]
         echo(f"[resume] {ck_path} at step {start}")
     for k in range(n):                 # engines holding weight copies start from these weights
         engine.sync_weights(k)
@@ -160,8 +160,7 @@ def _run(cfg, rc, data, policies, engine, state, ck_path, echo) -> dict:
                 pool.rewards, rstats = score_batch(rc, pool, [e.answer for e in batch], names)
             tracker.update(pool.rewards, pool.agent)
             ratios = tracker.ratios()
-            compute_old_logprobs(pool, policies, prompt_ids, cfg.micro_batch,
-                                 _score_temperature(cfg), timer=sw.scoped("time/old_logprobs/"))
+            agents.old_logprobs(pool, prompt_ids, cfg.micro_batch, score_temperature(cfg), sw)
             metrics: dict[str, float] = {}
             retok = RetokStats()
             for k in range(n):
@@ -173,18 +172,12 @@ def _run(cfg, rc, data, policies, engine, state, ck_path, echo) -> dict:
                                         cfg.rollout.max_new_tokens, retok, cfg.drop_unencodable)
                 rl = {} if cfg.plots else None
                 with sw(f"time/update/{names[k]}"):
-                    m = update_learner(algo, policies[k], optims[k], view, lp_old=pool.lp_old,
-                                       old_token_logp=pool.old_token_logp,
-                                       prompt_of_sample=pool.prompt, generator=shuffle_gen,
-                                       micro_batch=cfg.micro_batch,
-                                       grad_clip=cfg.agents[k].optim.grad_clip,
-                                       nonfinite=nonfinite, max_nonfinite=cfg.max_nonfinite,
-                                       ref_policy=refs[k], kl_coef=algo.loss.kl_coef,
-                                       ratio_log=rl, temperature=_score_temperature(cfg),
-                                       timer=sw.scoped("time/", f"/{names[k]}"))
+                    m = agents.update(k, view, pool, generator=shuffle_gen,
+                                      nonfinite=nonfinite, ratio_log=rl, sw=sw)
                 for stage in UPDATE_STAGES:        # same keys every step, 0 when idle
                     sw.setdefault(f"time/{stage}/{names[k]}", 0.0)
                 with sw(f"time/sync/{names[k]}"):
+                    agents.pull_weights(k)     # ray: the driver's copy, which engines read
                     engine.sync_weights(k)
                 metrics.update(_view_tokens(view, names[k]))
                 if rl:
@@ -200,21 +193,21 @@ def _run(cfg, rc, data, policies, engine, state, ck_path, echo) -> dict:
             metrics.update(sw)
             metrics["time/step"] = time.perf_counter() - t_step
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
-                for name, r in evaluate_all(cfg, data, policies, rc).items():
+                for name, r in evaluate_all(cfg, data, agents, rc).items():
                     metrics[f"eval/{name}/accuracy"] = r["accuracy"]
             logger.log(step, metrics)
             if bar is not None:
                 bar.set_postfix({nm: f"{metrics[f'reward/{nm}']:.2f}" for nm in names})
                 bar.update(1)
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
-                _save(ck_path, cfg, step + 1, policies, optims, refs, tracker, sampler, engine,
-                      shuffle_gen, nonfinite, warm, before)
+                _save(ck_path, cfg, step + 1, agents, tracker, sampler, engine, shuffle_gen,
+                      nonfinite, warm, before)
     finally:
         if bar is not None:
             bar.close()
         logger.close()
     echo("[eval] held-out accuracy after RL ...")
-    after = evaluate_all(cfg, data, policies, rc, pass_k=cfg.eval_pass_k)
+    after = evaluate_all(cfg, data, agents, rc, pass_k=cfg.eval_pass_k)
     summary = {"before": before, "after": after, "warmup": warm, "steps": cfg.steps,
                "algorithm": algo.name, "agents": names}
     with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:
@@ -232,11 +225,6 @@ def _run(cfg, rc, data, policies, engine, state, ck_path, echo) -> dict:
         echo(f"[result] {name}: held-out accuracy {b['accuracy']:.3f} -> {a['accuracy']:.3f} "
              f"({diff:+.3f}, {diff / se if se else float('nan'):+.1f} SE) on {b['n']} problems")
     return summary
-
-
-def _score_temperature(cfg) -> float:
-    """Log-probs for ratios are taken under the sampling distribution's temperature."""
-    return cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
 
 
 def _step_metrics(pool, tracker, ratios, names, rstats, retok) -> dict[str, float]:
@@ -276,13 +264,11 @@ def _view_tokens(view, name: str) -> dict[str, float]:
     return out
 
 
-def _save(path, cfg, next_step, policies, optims, refs, tracker, sampler, engine, shuffle_gen,
-          nonfinite, warm, before):
+def _save(path, cfg, next_step, agents, tracker, sampler, engine, shuffle_gen, nonfinite, warm,
+          before):
     ckpt.save_atomic({
         "step": next_step, "config": cfg.to_dict(), "fingerprint": fingerprint_dict(cfg),
-        "agents": [{"name": p.name, "model": p.state_dict(), "optim": o.state_dict(),
-                    **({"ref_model": r.state_dict()} if r is not None else {})}
-                   for p, o, r in zip(policies, optims, refs)],
+        "agents": [{"name": name, **agents.state_dict(k)} for k, name in enumerate(agents.names)],
         "tracker": tracker.state_dict(), "sampler": sampler.state_dict(),
         "engine": engine.state_dict(), "shuffle_gen": shuffle_gen.get_state(),
         "nonfinite": dict(nonfinite), "warmup": warm, "eval_before": before}, path)

@@ -126,9 +126,12 @@ class RayRolloutEngine:
         cfg: the TrainConfig (``rollout.*``, ``seed``, ``threads``).
         timeout_s: how long to wait for the cluster to be reachable and for the placement
             groups' resources; past it, a clear error instead of a hang.
+        start_timeout_s: how long the actors may take to start (unpickling a policy on a
+            loaded node can be slow).
     """
 
-    def __init__(self, policies: Sequence[Policy], cfg, *, timeout_s: float = 60.0):
+    def __init__(self, policies: Sequence[Policy], cfg, *, timeout_s: float = 60.0,
+                 start_timeout_s: float = 300.0):
         r = cfg.rollout
         for p in policies:
             if p.output_weight.device.type != "cpu":
@@ -166,13 +169,14 @@ class RayRolloutEngine:
                     f"rollout.engines_per_agent={r.engines_per_agent} x {self.cpus_per_actor} "
                     f"CPU each) but the Ray cluster at {self.cluster.address} has {have:g}; "
                     f"lower rollout.engines_per_agent or add nodes")
-            self._start_actors(policies, timeout_s)
+            self._start_actors(policies, timeout_s, start_timeout_s)
         except BaseException:
             self.close()
             raise
 
     # -- bring-up ---------------------------------------------------------------------------------
-    def _start_actors(self, policies: Sequence[Policy], timeout_s: float) -> None:
+    def _start_actors(self, policies: Sequence[Policy], timeout_s: float,
+                      start_timeout_s: float) -> None:
         remote_cls = ray.remote(RolloutActor)
         bundle = {"CPU": self.cpus_per_actor}
         for k, pol in enumerate(policies):
@@ -201,10 +205,10 @@ class RayRolloutEngine:
         for k, actors in enumerate(self._actors):
             for j, a in enumerate(actors):
                 try:
-                    self._pids[k][j] = ray.get(a.ready.remote(), timeout=timeout_s)
+                    self._pids[k][j] = ray.get(a.ready.remote(), timeout=start_timeout_s)
                 except (GetTimeoutError, RayActorError) as e:
                     raise RuntimeError(f"rollout actor {j} of agent {self.names[k]!r} did not "
-                                       f"start within {timeout_s:g} s: {e}") from e
+                                       f"start within {start_timeout_s:g} s: {e}") from e
         log.info("ray rollout pool: %d agents x %d actors on %s", len(self._actors),
                  self.engines_per_agent, self.cluster.address)
 

@@ -1,0 +1,303 @@
+"""Trainer groups as Ray actors: ``trainer_backend = "ray"``.
+
+Per agent one :class:`TrainerActor` (a trainer group of one rank, DP = TP = PP = 1, on CPU) in
+its own placement group holds that agent's policy, its AdamW optimizer and, when
+``algorithm.loss.kl_coef > 0``, its frozen reference policy. The driver
+(:mod:`hacpo.engine.trainer`) keeps the tokenizers and all math that is not per-agent
+(rewards, capability, advantages, re-tokenization) and calls typed methods:
+
+- ``old_logprobs``: the generator's own forward pass over its samples (all agents at once);
+- ``update``: the M minibatch updates of :func:`hacpo.engine.update.update_learner` on the
+  driver-built :class:`~hacpo.engine.pool.LearnerView`. The minibatch shuffle RNG and the
+  non-finite-update streak are the driver's, shared by all learners in order, so updates run
+  one agent after another: the state goes with the request and comes back advanced, and the
+  run is bit-for-bit the local backend's (given the same intra-op thread count: actors use
+  ``threads``, or 1 if unset);
+- ``weights``: after each update the driver copies the new weights into its own CPU policy
+  (:meth:`RayAgents.pull_weights`), which is what every rollout engine reads. That is one
+  state-dict transfer per agent and step: cheap for the CPU models this backend runs;
+- ``state_dict`` / ``load_state_dict`` for checkpoints and ``--resume``;
+- ``evaluate``: held-out evaluation where the weights are, with the run's reward.
+
+Policies reach the actors pickled (``ray.put``), tokenizer and architecture included, as in
+:mod:`hacpo.launch.ray_rollout`. Actors are not restarted (``max_restarts = 0``): an
+optimizer's state cannot be rebuilt mid-step, so a dead actor is a clear error naming its
+agent, and the run continues from its last checkpoint with ``--resume``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import Any
+
+from .ray_cluster import RayCluster, connect  # first: its environment must precede `import ray`
+
+import ray  # noqa: E402
+import torch
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from hacpo.engine import build
+from hacpo.engine.agents import score_temperature
+from hacpo.engine.evaluate import evaluate_policy
+from hacpo.engine.pool import LearnerView, StepPool, score_responses
+from hacpo.engine.rewards import RewardComputer
+from hacpo.engine.timing import Stopwatch, device_sync
+from hacpo.engine.update import update_learner
+from hacpo.models.policy import Policy
+
+log = logging.getLogger("hacpo")
+
+
+class TrainerActor:
+    """One agent's trainer group (one rank): policy, optimizer, reference policy."""
+
+    def __init__(self, policy: Policy, cfg, agent: int, threads: int):
+        torch.set_num_threads(threads)
+        self.cfg = cfg
+        self.name = policy.name
+        self.policy = policy
+        one = dataclasses.replace(cfg, agents=[cfg.agents[agent]])
+        self.optim = build.build_optimizers(one, [policy])[0]
+        self.ref = build.reference_policies(one, [policy])[0]
+        self.grad_clip = cfg.agents[agent].optim.grad_clip
+        self._rc: RewardComputer | None = None
+
+    def ready(self) -> int:
+        return os.getpid()
+
+    def old_logprobs(self, prompts: list[list[int]], responses: list[list[int]],
+                     micro_batch: int, temperature: float
+                     ) -> tuple[torch.Tensor, list[torch.Tensor], float]:
+        """(seq_mean [N], token log-probs, seconds) of pool.score_responses."""
+        t = time.perf_counter()
+        seq, toks = score_responses(self.policy, prompts, responses, micro_batch,
+                                    temperature=temperature)
+        return seq, toks, time.perf_counter() - t
+
+    def update(self, view: LearnerView, lp_old: torch.Tensor,
+               old_token_logp: list[torch.Tensor], prompt_of_sample: torch.Tensor,
+               rng_state: torch.Tensor, nonfinite: dict, log_ratios: bool
+               ) -> tuple[dict[str, float], torch.Tensor, dict, dict | None, dict[str, float]]:
+        """update_learner; returns (metrics, advanced shuffle RNG state, non-finite counters,
+        ratio log or None, stage seconds keyed ``time/<stage>/<agent>``)."""
+        cfg = self.cfg
+        gen = torch.Generator()
+        gen.set_state(rng_state)
+        sw = Stopwatch(device_sync(cfg.profile_sync))
+        ratio_log = {} if log_ratios else None
+        m = update_learner(cfg.algorithm, self.policy, self.optim, view, lp_old=lp_old,
+                           old_token_logp=old_token_logp, prompt_of_sample=prompt_of_sample,
+                           generator=gen, micro_batch=cfg.micro_batch, grad_clip=self.grad_clip,
+                           nonfinite=nonfinite, max_nonfinite=cfg.max_nonfinite,
+                           ref_policy=self.ref, kl_coef=cfg.algorithm.loss.kl_coef,
+                           ratio_log=ratio_log, temperature=score_temperature(cfg),
+                           timer=sw.scoped("time/", f"/{self.name}"))
+        return m, gen.get_state(), nonfinite, ratio_log, dict(sw)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu() for k, v in self.policy.state_dict().items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.policy.state_dict(), "optim": self.optim.state_dict(),
+                **({"ref_model": self.ref.state_dict()} if self.ref is not None else {})}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> int:
+        self.policy.load_state_dict(sd["model"])
+        self.optim.load_state_dict(sd["optim"])
+        if self.ref is not None:
+            self.ref.load_state_dict(sd["ref_model"])
+        return os.getpid()
+
+    def evaluate(self, prompt_ids: list[list[int]], golds: list[str],
+                 kwargs: dict[str, Any]) -> dict:
+        """evaluate_policy with the run's reward (a RewardComputer of this actor's own)."""
+        if self._rc is None:
+            r = self.cfg.reward
+            self._rc = RewardComputer(r.name, num_workers=r.num_workers, timeout_s=r.timeout_s)
+        return evaluate_policy(self.policy, prompt_ids, golds, self._rc, **kwargs)
+
+    def close(self) -> int:
+        """Stop the reward workers, if any (before the actor is killed)."""
+        if self._rc is not None:
+            self._rc.close()
+            self._rc = None
+        return os.getpid()
+
+
+def rollout_cpus(cfg) -> int:
+    """CPUs the configured remote rollout pool reserves on the same cluster (0: in-process)."""
+    r, n = cfg.rollout, len(cfg.agents)
+    if r.engine == "ray":
+        return n * r.engines_per_agent * (cfg.threads if cfg.threads > 0 else 1)
+    if r.engine == "vllm":
+        return n * r.engines_per_agent
+    return 0
+
+
+class RayAgents:
+    """The agent group over :class:`TrainerActor` s (see the module docstring); the same
+    methods as :class:`hacpo.engine.agents.LocalAgents`.
+
+    Args:
+        cfg: the TrainConfig (``threads``, ``rollout.ray_address``, everything update needs).
+        policies: the driver's policies (warm-started); each is pickled once for its actor and
+            kept as the driver's CPU copy.
+        timeout_s: how long to wait for the cluster and the placement groups.
+        start_timeout_s: how long the actors may take to start.
+    """
+
+    def __init__(self, cfg, policies: list[Policy], *, timeout_s: float = 60.0,
+                 start_timeout_s: float = 300.0):
+        for p in policies:
+            if p.output_weight.device.type != "cpu":
+                raise ValueError(f"trainer_backend=ray trains on CPU actors, but policy "
+                                 f"{p.name!r} is on {p.output_weight.device}")
+        self.cfg = cfg
+        self.policies = list(policies)
+        self.names = [p.name for p in policies]
+        self.threads = cfg.threads if cfg.threads > 0 else 1
+        self._actors: list[Any] = []
+        self._pgs: list[Any] = []
+        self._closed = False
+        need = len(policies) * self.threads
+        # A private cluster holds the trainer groups and the remote rollout pool that joins it.
+        self.cluster: RayCluster | None = None
+        self.cluster = connect(cfg.rollout.ray_address, timeout_s=timeout_s,
+                               num_cpus=max(need + rollout_cpus(cfg), os.cpu_count() or 1))
+        try:
+            have = self.cluster.num_cpus()
+            if need > have:
+                raise RuntimeError(
+                    f"trainer_backend=ray needs {need} CPUs ({len(policies)} agents x "
+                    f"{self.threads} CPU each, threads={cfg.threads}) but the Ray cluster at "
+                    f"{self.cluster.address} has {have:g}; lower threads or add nodes")
+            self._start(timeout_s, start_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, timeout_s: float, start_timeout_s: float) -> None:
+        remote_cls = ray.remote(TrainerActor)
+        bundle = {"CPU": self.threads}
+        for k, pol in enumerate(self.policies):
+            pg = placement_group([bundle], strategy="PACK")   # one bundle per rank (DP=1)
+            self._pgs.append(pg)
+            try:
+                ray.get(pg.ready(), timeout=timeout_s)
+            except GetTimeoutError:
+                free = ray.available_resources().get("CPU", 0)
+                raise RuntimeError(
+                    f"agent {pol.name!r}: the placement group for its trainer actor x {bundle} "
+                    f"was not granted within {timeout_s:g} s (the Ray cluster at "
+                    f"{self.cluster.address} has {free:g} free CPUs of "
+                    f"{self.cluster.num_cpus():g}); lower threads or free resources") from None
+            self._actors.append(remote_cls.options(
+                num_cpus=self.threads, max_restarts=0, max_task_retries=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=0),
+            ).remote(ray.put(pol), self.cfg, k, self.threads))
+        for k, a in enumerate(self._actors):
+            try:
+                ray.get(a.ready.remote(), timeout=start_timeout_s)
+            except (GetTimeoutError, RayActorError) as e:
+                raise RuntimeError(f"the trainer actor of agent {self.names[k]!r} did not "
+                                   f"start within {start_timeout_s:g} s: {e}") from e
+        log.info("ray trainer groups: %d agents x 1 actor on %s", len(self._actors),
+                 self.cluster.address)
+
+    def actor(self, k: int):
+        """Agent k's actor handle (for inspection and fault-injection tests)."""
+        return self._actors[k]
+
+    def _get(self, k: int, ref):
+        """ray.get of agent k's call; a dead actor is a clear error, not a hang."""
+        try:
+            return ray.get(ref)
+        except RayActorError as e:
+            raise RuntimeError(
+                f"the trainer actor of agent {self.names[k]!r} died ({type(e).__name__}); its "
+                f"policy and optimizer state cannot be recovered mid-step: resume the run from "
+                f"its last checkpoint with --resume") from e
+
+    # -- the agent group ------------------------------------------------------------------------
+    def old_logprobs(self, pool: StepPool, prompt_ids, micro_batch: int, temperature: float,
+                     sw) -> None:
+        """As pool.compute_old_logprobs, every generator's actor at once."""
+        lp = torch.full((pool.num_samples,), float("nan"))
+        toks: list[torch.Tensor] = [torch.empty(0)] * pool.num_samples
+        idxs, refs = [], []
+        for k, a in enumerate(self._actors):
+            idx = (pool.agent == k).nonzero().flatten().tolist()
+            idxs.append(idx)
+            refs.append(a.old_logprobs.remote(
+                [prompt_ids[k][int(pool.prompt[i])] for i in idx],
+                [pool.response_ids[i] for i in idx], micro_batch, temperature))
+        for k, (idx, ref) in enumerate(zip(idxs, refs)):
+            seq, tl, seconds = self._get(k, ref)
+            lp[idx] = seq
+            for j, i in enumerate(idx):
+                toks[i] = tl[j]
+            key = f"time/old_logprobs/{self.names[k]}"
+            sw[key] = sw.get(key, 0.0) + seconds
+        pool.lp_old, pool.old_token_logp = lp, toks
+
+    def update(self, k: int, view: LearnerView, pool: StepPool, *, generator: torch.Generator,
+               nonfinite: dict, ratio_log: dict | None, sw) -> dict[str, float]:
+        m, state, nf, rl, times = self._get(k, self._actors[k].update.remote(
+            view, pool.lp_old, pool.old_token_logp, pool.prompt, generator.get_state(),
+            dict(nonfinite), ratio_log is not None))
+        generator.set_state(state)
+        nonfinite.update(nf)
+        if ratio_log is not None and rl:
+            ratio_log.update(rl)
+        for key, v in times.items():
+            sw[key] = sw.get(key, 0.0) + v
+        return m
+
+    def pull_weights(self, k: int) -> None:
+        """Copy agent k's trained weights into the driver's policy (what engines read)."""
+        self.policies[k].load_state_dict(self._get(k, self._actors[k].weights.remote()))
+
+    def state_dict(self, k: int) -> dict[str, Any]:
+        return self._get(k, self._actors[k].state_dict.remote())
+
+    def load_state_dict(self, k: int, sd: dict[str, Any]) -> None:
+        self._get(k, self._actors[k].load_state_dict.remote(sd))
+        self.policies[k].load_state_dict(sd["model"])
+
+    def evaluate(self, prompt_ids: list[list[list[int]]], golds: list[str], rc,
+                 **kwargs) -> list[dict]:
+        """evaluate_policy in every agent's actor at once (``rc`` is the driver's; each actor
+        scores with its own RewardComputer of the same reward)."""
+        refs = [a.evaluate.remote(prompt_ids[k], golds, kwargs)
+                for k, a in enumerate(self._actors)]
+        return [self._get(k, r) for k, r in enumerate(refs)]
+
+    def close(self) -> None:
+        """Stop the actors' reward workers, kill the actors, remove the placement groups,
+        stop/leave the cluster. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if ray.is_initialized():
+            for a in self._actors:
+                try:
+                    ray.get(a.close.remote(), timeout=30)
+                except Exception as e:   # dead already
+                    log.debug("trainer actor close: %s", e)
+                try:
+                    ray.kill(a, no_restart=True)
+                except Exception as e:
+                    log.debug("ray.kill: %s", e)
+            for pg in self._pgs:
+                try:
+                    remove_placement_group(pg)
+                except Exception as e:
+                    log.debug("remove_placement_group: %s", e)
+        self._actors, self._pgs = [], []
+        if self.cluster is not None:
+            self.cluster.shutdown()
