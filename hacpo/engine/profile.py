@@ -2,8 +2,10 @@
 measured side by side on one config, plus a per-token cost model that extrapolates both.
 
 Procedure. One run per algorithm (default gspo, gspo2x, hacpo) from the same warm start; the
-runs advance in interleaved rounds (gspo steps 0-1, gspo2x 0-1, hacpo 0-1, gspo 2-3, ...) via
-checkpoint/resume, so drifts in machine load hit every algorithm alike. The first step of each
+runs advance in interleaved rounds (gspo steps 0-1, gspo2x 0-1, hacpo 0-1, then gspo2x 2-3,
+hacpo 2-3, gspo 2-3, ...: the order rotates every round) via checkpoint/resume, so drifts in
+machine load and the effect of the preceding run hit every algorithm alike (measured: with a
+fixed order, whichever ran last was ~15% slower per token). The first step of each
 run is discarded (allocator and cache warm-up). Per-stage wall times and token counts come from
 the trainer's own accounting (metrics ``time/*`` and ``tokens/*``), with the device synchronized
 around each stage (``profile_sync``).
@@ -66,10 +68,14 @@ def run_profile(base: TrainConfig, out_dir: str, *, algorithms=DEFAULT_ALGORITHM
                              "plots": False, "tensorboard": False, "checkpoint_every": 1,
                              "profile_sync": True, "eval_every": 0, "eval_pass_k": 0})
         runs[algo] = _with_algorithm(cfg, algo)
+    order = list(runs)
     for r in range(1, rounds + 1):
-        for algo, cfg in runs.items():
+        # rotate the order every round: each algorithm takes each position in turn, so the
+        # effect of running right after another run (allocator, caches, clocks) evens out
+        shift = (r - 1) % len(order)
+        for algo in order[shift:] + order[:shift]:
             echo(f"[profile] round {r}/{rounds}: {algo} to step {r * steps_per_round}")
-            train(cfg.override({"steps": r * steps_per_round}), resume=True,
+            train(runs[algo].override({"steps": r * steps_per_round}), resume=True,
                   echo=lambda *_: None)
     names = [a.policy.name for a in base.agents]
     measured = {algo: summarize_run(_read_metrics(cfg.out_dir), names, skip_steps)
