@@ -346,6 +346,7 @@ def plot_profile(rep: dict, path: str) -> None:
     stages = AGENT_STAGES[:-2] + UPDATE_PARTS + ("sync",)
     labels = []
     bottom_x = 0
+    top = 0.0
     for algo, m in meas.items():
         for a, d in m["agents"].items():
             bottom = 0.0
@@ -353,9 +354,11 @@ def plot_profile(rep: dict, path: str) -> None:
                 ax.bar(bottom_x, d[s], bottom=bottom, color=f"C{i}",
                        label=s if bottom_x == 0 else None)
                 bottom += d[s]
+            top = max(top, bottom)
             labels.append(f"{algo}\n{a}")
             bottom_x += 1
     ax.set_xticks(range(len(labels)), labels, fontsize=7)
+    ax.set_ylim(0, top * 1.05 if top > 0 else 1)
     ax.set_ylabel("seconds per step")
     ax.set_title("measured stage times per agent")
     ax.legend(fontsize=7)
