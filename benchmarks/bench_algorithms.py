@@ -12,7 +12,6 @@ import argparse
 import json
 import math
 import platform
-import statistics
 import time
 
 import torch

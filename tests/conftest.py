@@ -3,6 +3,7 @@ enabled before anything imports triton (liger-kernel and hacpo.kernels' Triton m
 it is set here, before any test module is collected."""
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -12,3 +13,12 @@ if not torch.cuda.is_available():
 # (hacpo.launch.ray_cluster refuses to start one if ray was imported without it).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+@pytest.fixture
+def one_thread():
+    """Run the test with one torch thread (the CI machine is shared), then restore."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -11,7 +11,7 @@ import torch
 from hacpo.models.policy import Policy, build_policy
 
 from . import checkpoint as ckpt
-from .data import Example, FieldMap, GSM8K_FIELDS, MATH_ANSWER_FIELDS, MATH_FIELDS, \
+from .data import Example, GSM8K_FIELDS, MATH_ANSWER_FIELDS, MATH_FIELDS, \
     apply_prompt_template, load_examples
 from .run_config import TrainConfig, config_hash
 from .tasks import ArithmeticTask, reference_solution

@@ -40,7 +40,7 @@ def run_compare(base: TrainConfig, algorithms: list[str], seeds: list[int], root
             out = os.path.join(root, f"{algo}-seed{seed}")
             cfg = base.override({"seed": seed, "out_dir": out, "progress": False,
                                  "eval_pass_k": pass_k, "cache_dir": base.cache_dir})
-            cfg = _with_algorithm(cfg, algo)
+            cfg = with_algorithm(cfg, algo)
             summ_path = os.path.join(out, "summary.json")
             if os.path.exists(summ_path):         # finished earlier: reuse (resumable compare)
                 summary = json.load(open(summ_path))
@@ -60,7 +60,9 @@ def run_compare(base: TrainConfig, algorithms: list[str], seeds: list[int], root
     return results
 
 
-def _with_algorithm(cfg: TrainConfig, algo: str) -> TrainConfig:
+def with_algorithm(cfg: TrainConfig, algo: str) -> TrainConfig:
+    """``cfg`` under algorithm preset ``algo``, keeping its minibatch count and order (the
+    run budget); shared by compare and profile."""
     import dataclasses
     return dataclasses.replace(cfg, algorithm=preset(algo, {
         "num_minibatches": cfg.algorithm.num_minibatches,

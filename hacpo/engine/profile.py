@@ -55,7 +55,7 @@ def run_profile(base: TrainConfig, out_dir: str, *, algorithms=DEFAULT_ALGORITHM
     """Measure ``algorithms`` side by side on ``base`` (its steps are ignored) and write
     profile.json, profile.md and profile.png into ``out_dir``. Returns the report dict."""
     from .trainer import train
-    from .compare import _with_algorithm
+    from .compare import with_algorithm
     if rounds < 1 or steps_per_round < 1 or skip_steps < 0:
         raise ValueError("rounds and steps_per_round must be >= 1, skip_steps >= 0")
     if rounds * steps_per_round <= skip_steps:
@@ -67,7 +67,7 @@ def run_profile(base: TrainConfig, out_dir: str, *, algorithms=DEFAULT_ALGORITHM
         cfg = base.override({"out_dir": os.path.join(out_dir, algo), "progress": False,
                              "plots": False, "tensorboard": False, "checkpoint_every": 1,
                              "profile_sync": True, "eval_every": 0, "eval_pass_k": 0})
-        runs[algo] = _with_algorithm(cfg, algo)
+        runs[algo] = with_algorithm(cfg, algo)
     order = list(runs)
     for r in range(1, rounds + 1):
         # rotate the order every round: each algorithm takes each position in turn, so the

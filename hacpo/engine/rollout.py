@@ -20,18 +20,37 @@ class RolloutEngine(Protocol):
 
     def load_state_dict(self, sd: dict) -> None: ...
 
+    def stats(self) -> dict: ...
+
     def close(self) -> None: ...
 
 
-class LocalRolloutEngine:
+def agent_generators(seed: int, n: int) -> list[torch.Generator]:
+    """Each agent's sampling RNG: the same seeds in every engine, so a run's samples depend on
+    the seed, not on which engine draws them."""
+    return [torch.Generator().manual_seed(seed * 1000 + 17 + k) for k in range(n)]
+
+
+class GeneratorState:
+    """The resumable state every engine shares: its per-agent ``generators``."""
+    generators: list[torch.Generator]
+
+    def state_dict(self) -> dict:
+        return {"generators": [g.get_state() for g in self.generators]}
+
+    def load_state_dict(self, sd: dict) -> None:
+        for g, s in zip(self.generators, sd["generators"]):
+            g.set_state(s)
+
+
+class LocalRolloutEngine(GeneratorState):
     """Samples with the trainer's own policies (KV-cache sampler), one generator per agent.
 
     Sharing the policy objects means there is nothing to sync after an optimizer step."""
 
     def __init__(self, policies: Sequence[Policy], seed: int):
         self.policies = list(policies)
-        self.generators = [torch.Generator().manual_seed(seed * 1000 + 17 + k)
-                           for k in range(len(policies))]
+        self.generators = agent_generators(seed, len(policies))
 
     def generate(self, agent: int, prompt_ids, *, num_samples: int, max_new_tokens: int,
                  temperature: float, top_p: float) -> Rollout:
@@ -48,12 +67,9 @@ class LocalRolloutEngine:
     def sync_weights(self, agent: int) -> None:
         """Weights are shared in-process."""
 
-    def state_dict(self) -> dict:
-        return {"generators": [g.get_state() for g in self.generators]}
-
-    def load_state_dict(self, sd: dict) -> None:
-        for g, s in zip(self.generators, sd["generators"]):
-            g.set_state(s)
+    def stats(self) -> dict:
+        """No faults in-process."""
+        return {}
 
     def close(self) -> None:
         """Nothing to release in-process."""

@@ -187,8 +187,7 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
                 for key, v in view.dropped.items():
                     metrics[f"dropped/{names[k]}/{key}"] = float(v)
             metrics.update(_step_metrics(pool, tracker, ratios, names, rstats, retok))
-            stats = engine.stats() if hasattr(engine, "stats") else {}   # remote engines
-            metrics.update({f"rollout/{k}": float(v) for k, v in stats.items()
+            metrics.update({f"rollout/{k}": float(v) for k, v in engine.stats().items()
                             if isinstance(v, (int, float))})
             metrics.update(sw)
             metrics["time/step"] = time.perf_counter() - t_step

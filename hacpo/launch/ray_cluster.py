@@ -40,6 +40,33 @@ class RayCluster:
         import ray
         return float(ray.cluster_resources().get("CPU", 0))
 
+    def reserve(self, bundles: list[dict], *, what: str, hint: str, timeout_s: float):
+        """A PACK placement group for ``bundles``, granted within ``timeout_s``; otherwise it is
+        removed again and the error names ``what``, the cluster's free CPUs and ``hint``."""
+        import ray
+        from ray.exceptions import GetTimeoutError
+        from ray.util.placement_group import placement_group, remove_placement_group
+        pg = placement_group(bundles, strategy="PACK")
+        try:
+            ray.get(pg.ready(), timeout=timeout_s)
+        except GetTimeoutError:
+            free = ray.available_resources().get("CPU", 0)
+            remove_placement_group(pg)
+            raise RuntimeError(
+                f"{what} was not granted within {timeout_s:g} s (the Ray cluster at "
+                f"{self.address} has {free:g} free CPUs of {self.num_cpus():g}); {hint}") from None
+        return pg
+
+    @staticmethod
+    def wait_started(ref, *, what: str, timeout_s: float):
+        """ray.get of an actor's ready call; a timeout or a dead actor names ``what``."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+        try:
+            return ray.get(ref, timeout=timeout_s)
+        except (GetTimeoutError, RayActorError) as e:
+            raise RuntimeError(f"{what} did not start within {timeout_s:g} s: {e}") from e
+
     def shutdown(self) -> None:
         """Stop the cluster if this process started it, disconnect if it joined one; a reused
         connection is left as it was. Idempotent."""

@@ -36,11 +36,12 @@ from typing import Any
 
 import ray
 import torch
-from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hacpo.models.generation import Rollout, generate
+from hacpo.engine.rollout import GeneratorState, agent_generators
 from hacpo.models.policy import Policy
 
 from .ray_cluster import RayCluster, connect
@@ -118,7 +119,7 @@ def merge_rollouts(parts: Sequence[Rollout], name: str) -> Rollout:
                    truncated=[r for p in parts for r in p.truncated])
 
 
-class RayRolloutEngine:
+class RayRolloutEngine(GeneratorState):
     """``RolloutEngine`` over Ray actors (see the module docstring).
 
     Args:
@@ -142,8 +143,7 @@ class RayRolloutEngine:
         self.names = [p.name for p in policies]
         self.engines_per_agent = r.engines_per_agent
         self.max_restarts = r.max_engine_restarts
-        self.generators = [torch.Generator().manual_seed(cfg.seed * 1000 + 17 + k)
-                           for k in range(len(policies))]
+        self.generators = agent_generators(cfg.seed, len(policies))
         self.threads = cfg.threads if cfg.threads > 0 else 1
         self.cpus_per_actor = self.threads
         self._actors: list[list[Any]] = []
@@ -180,18 +180,12 @@ class RayRolloutEngine:
         remote_cls = ray.remote(RolloutActor)
         bundle = {"CPU": self.cpus_per_actor}
         for k, pol in enumerate(policies):
-            pg = placement_group([bundle] * self.engines_per_agent, strategy="PACK")
+            pg = self.cluster.reserve(
+                [bundle] * self.engines_per_agent, timeout_s=timeout_s,
+                what=f"agent {pol.name!r}: the placement group for {self.engines_per_agent} "
+                     f"rollout actors x {bundle}",
+                hint="lower rollout.engines_per_agent or free resources")
             self._pgs.append(pg)
-            try:
-                ray.get(pg.ready(), timeout=timeout_s)
-            except GetTimeoutError:
-                free = ray.available_resources().get("CPU", 0)
-                raise RuntimeError(
-                    f"agent {pol.name!r}: the placement group for {self.engines_per_agent} "
-                    f"rollout actors x {bundle} was not granted within {timeout_s:g} s (the "
-                    f"Ray cluster at {self.cluster.address} has {free:g} free CPUs of "
-                    f"{self.cluster.num_cpus():g}); lower rollout.engines_per_agent or free "
-                    f"resources") from None
             policy_ref = ray.put(pol)
             self._policy_refs.append(policy_ref)   # a restarted actor is rebuilt from it
             actors = [remote_cls.options(
@@ -204,11 +198,9 @@ class RayRolloutEngine:
         self._pids = [[None] * self.engines_per_agent for _ in policies]
         for k, actors in enumerate(self._actors):
             for j, a in enumerate(actors):
-                try:
-                    self._pids[k][j] = ray.get(a.ready.remote(), timeout=start_timeout_s)
-                except (GetTimeoutError, RayActorError) as e:
-                    raise RuntimeError(f"rollout actor {j} of agent {self.names[k]!r} did not "
-                                       f"start within {start_timeout_s:g} s: {e}") from e
+                self._pids[k][j] = self.cluster.wait_started(
+                    a.ready.remote(), timeout_s=start_timeout_s,
+                    what=f"rollout actor {j} of agent {self.names[k]!r}")
         log.info("ray rollout pool: %d agents x %d actors on %s", len(self._actors),
                  self.engines_per_agent, self.cluster.address)
 
@@ -329,13 +321,6 @@ class RayRolloutEngine:
         return {"restarts": sum(map(sum, self._restarts)),
                 "restarts_per_actor": {n: list(r) for n, r in zip(self.names, self._restarts)},
                 "retried_calls": self._retried_calls}
-
-    def state_dict(self) -> dict:
-        return {"generators": [g.get_state() for g in self.generators]}
-
-    def load_state_dict(self, sd: dict) -> None:
-        for g, s in zip(self.generators, sd["generators"]):
-            g.set_state(s)
 
     def close(self) -> None:
         """Kill the actors, remove the placement groups, stop/leave the cluster. Idempotent."""

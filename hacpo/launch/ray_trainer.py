@@ -36,8 +36,8 @@ from .ray_cluster import RayCluster, connect  # first: its environment must prec
 
 import ray  # noqa: E402
 import torch
-from ray.exceptions import GetTimeoutError, RayActorError
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.exceptions import RayActorError
+from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hacpo.engine import build
@@ -184,28 +184,19 @@ class RayAgents:
         remote_cls = ray.remote(TrainerActor)
         bundle = {"CPU": self.threads}
         for k, pol in enumerate(self.policies):
-            pg = placement_group([bundle], strategy="PACK")   # one bundle per rank (DP=1)
+            pg = self.cluster.reserve(        # one bundle per rank (DP=1)
+                [bundle], timeout_s=timeout_s,
+                what=f"agent {pol.name!r}: the placement group for its trainer actor x {bundle}",
+                hint="lower threads or free resources")
             self._pgs.append(pg)
-            try:
-                ray.get(pg.ready(), timeout=timeout_s)
-            except GetTimeoutError:
-                free = ray.available_resources().get("CPU", 0)
-                raise RuntimeError(
-                    f"agent {pol.name!r}: the placement group for its trainer actor x {bundle} "
-                    f"was not granted within {timeout_s:g} s (the Ray cluster at "
-                    f"{self.cluster.address} has {free:g} free CPUs of "
-                    f"{self.cluster.num_cpus():g}); lower threads or free resources") from None
             self._actors.append(remote_cls.options(
                 num_cpus=self.threads, max_restarts=0, max_task_retries=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=0),
             ).remote(ray.put(pol), self.cfg, k, self.threads))
         for k, a in enumerate(self._actors):
-            try:
-                ray.get(a.ready.remote(), timeout=start_timeout_s)
-            except (GetTimeoutError, RayActorError) as e:
-                raise RuntimeError(f"the trainer actor of agent {self.names[k]!r} did not "
-                                   f"start within {start_timeout_s:g} s: {e}") from e
+            self.cluster.wait_started(a.ready.remote(), timeout_s=start_timeout_s,
+                                      what=f"the trainer actor of agent {self.names[k]!r}")
         log.info("ray trainer groups: %d agents x 1 actor on %s", len(self._actors),
                  self.cluster.address)
 

@@ -49,7 +49,8 @@ from pathlib import Path
 
 import torch
 
-from hacpo.models.generation import Rollout
+from hacpo.models.generation import Rollout, check_generate_args, empty_rollout
+from hacpo.engine.rollout import GeneratorState, agent_generators
 from hacpo.models.policy import Policy
 
 from .ray_cluster import connect   # before any `import ray`: it sets Ray's loopback-only env
@@ -173,7 +174,7 @@ def _shards(n: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
-class VLLMRolloutEngine:
+class VLLMRolloutEngine(GeneratorState):
     """``RolloutEngine`` backed by vLLM engines in Ray actors (see the module docstring).
 
     Args:
@@ -196,8 +197,7 @@ class VLLMRolloutEngine:
         self.threads = cfg.threads if getattr(cfg, "threads", 0) > 0 else 1
         self.start_timeout_s = start_timeout_s
         self.seed = cfg.seed
-        self.generators = [torch.Generator().manual_seed(cfg.seed * 1000 + 17 + k)
-                           for k in range(len(policies))]
+        self.generators = agent_generators(cfg.seed, len(policies))
         self.configs = [hf_config_dict(p) for p in self.policies]
         n = len(policies)
         self.actors: list[list] = [[None] * self.engines_per_agent for _ in range(n)]
@@ -320,27 +320,14 @@ class VLLMRolloutEngine:
         self._check_open()
         policy = self.policies[agent]
         tok = policy.tokenizer
-        if num_samples < 1 or max_new_tokens < 0:
-            raise ValueError(f"num_samples={num_samples}, max_new_tokens={max_new_tokens}")
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError(f"temperature={temperature} must be >= 0, top_p={top_p} in (0, 1]")
-        prompts = [[int(t) for t in p] for p in prompt_ids]
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("generate needs at least one prompt, and no empty prompt")
+        prompts = check_generate_args(policy, prompt_ids, num_samples=num_samples,
+                                      max_new_tokens=max_new_tokens, temperature=temperature,
+                                      top_p=top_p)
+        if max_new_tokens == 0:
+            return empty_rollout(policy.name, prompts, num_samples)
         B, G = len(prompts), num_samples
         N = B * G
-        P = max(len(p) for p in prompts)
-        if P + max_new_tokens > policy.max_len:
-            raise ValueError(f"policy {policy.name!r}: prompt of {P} + {max_new_tokens} new "
-                             f"tokens exceeds max_len={policy.max_len}")
-        bad = [t for p in prompts for t in p if not 0 <= t < tok.vocab_size]
-        if bad:
-            raise ValueError(f"policy {policy.name!r}: prompt id {bad[0]} is outside the "
-                             f"vocabulary of {tok.vocab_size}")
         prompt_index = [i for i in range(B) for _ in range(G)]
-        if max_new_tokens == 0:
-            return Rollout(policy.name, prompts, prompt_index, [[] for _ in range(N)],
-                           [[] for _ in range(N)], [False] * N, [True] * N)
         seeds = torch.randint(2 ** 62, (N,), generator=self.generators[agent]).tolist()
         bounds = _shards(B, self.engines_per_agent)
         version = self._version[agent]
@@ -383,13 +370,6 @@ class VLLMRolloutEngine:
 
     def stats(self) -> dict:
         return {"restarts": [list(r) for r in self.restarts], "versions": list(self._version)}
-
-    def state_dict(self) -> dict:
-        return {"generators": [g.get_state() for g in self.generators]}
-
-    def load_state_dict(self, sd: dict) -> None:
-        for g, s in zip(self.generators, sd["generators"]):
-            g.set_state(s)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -141,6 +141,38 @@ class _HFStepper:
         return out.logits[:, -1]
 
 
+def check_generate_args(policy: Policy, prompt_ids: Sequence[Sequence[int]], *,
+                        num_samples: int, max_new_tokens: int, temperature: float,
+                        top_p: float) -> list[list[int]]:
+    """Validate a sampling request (every rollout engine's): returns the prompts as int lists.
+    A bad request is a ValueError naming what is wrong."""
+    if num_samples < 1 or max_new_tokens < 0:
+        raise ValueError(f"num_samples={num_samples}, max_new_tokens={max_new_tokens}")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"temperature={temperature} must be >= 0, top_p={top_p} in (0, 1]")
+    prompts = [[int(t) for t in p] for p in prompt_ids]
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate needs at least one prompt, and no empty prompt")
+    P = max(len(p) for p in prompts)
+    if P + max_new_tokens > policy.max_len:
+        raise ValueError(f"policy {policy.name!r}: prompt of {P} + {max_new_tokens} new tokens "
+                         f"exceeds max_len={policy.max_len}")
+    V = policy.tokenizer.vocab_size
+    bad = [t for p in prompts for t in p if not 0 <= t < V]
+    if bad:
+        raise ValueError(f"policy {policy.name!r}: prompt id {bad[0]} is outside the "
+                         f"vocabulary of {V}")
+    return prompts
+
+
+def empty_rollout(policy_name: str, prompts: list[list[int]], num_samples: int) -> Rollout:
+    """The Rollout of max_new_tokens=0: every response empty and truncated."""
+    N = len(prompts) * num_samples
+    return Rollout(policy_name, prompts, [i for i in range(len(prompts))
+                                          for _ in range(num_samples)],
+                   [[] for _ in range(N)], [[] for _ in range(N)], [False] * N, [True] * N)
+
+
 @torch.inference_mode()
 def generate(policy: Policy, prompt_ids: Sequence[Sequence[int]], *, num_samples: int,
              max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
@@ -159,25 +191,17 @@ def generate(policy: Policy, prompt_ids: Sequence[Sequence[int]], *, num_samples
     Returns:
         a :class:`Rollout` with ``B * num_samples`` samples, prompt-major.
     """
-    if num_samples < 1 or max_new_tokens < 0:
-        raise ValueError(f"num_samples={num_samples}, max_new_tokens={max_new_tokens}")
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"temperature={temperature} must be >= 0, top_p={top_p} in (0, 1]")
-    prompts = [list(p) for p in prompt_ids]
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("generate needs at least one prompt, and no empty prompt")
+    prompts = check_generate_args(policy, prompt_ids, num_samples=num_samples,
+                                  max_new_tokens=max_new_tokens, temperature=temperature,
+                                  top_p=top_p)
+    if max_new_tokens == 0:
+        return empty_rollout(policy.name, prompts, num_samples)
     tok = policy.tokenizer
     B, G = len(prompts), num_samples
     N = B * G
     P = max(len(p) for p in prompts)
-    if P + max_new_tokens > policy.max_len:
-        raise ValueError(f"policy {policy.name!r}: prompt of {P} + {max_new_tokens} new tokens "
-                         f"exceeds max_len={policy.max_len}")
     dev = policy.output_weight.device
     prompt_index = [i for i in range(B) for _ in range(G)]
-    if max_new_tokens == 0:
-        return Rollout(policy.name, prompts, prompt_index, [[] for _ in range(N)],
-                       [[] for _ in range(N)], [False] * N, [True] * N)
 
     ids = torch.full((B, P), tok.pad_id, dtype=torch.long)
     mask = torch.zeros(B, P, dtype=torch.bool)

@@ -64,3 +64,14 @@ def processes_mentioning(text: str) -> list[str]:
         if text in cmd:
             out.append(f"{d.name} {cmd[:200]}")
     return out
+
+
+def two_agent_cfg(tmp_path: Path, name: str = "run", **over):
+    """tiny3 reduced to its first two agents (char and reduced-vocab Qwen3 tokenizers)."""
+    import dataclasses
+
+    from hacpo.engine.run_config import load_config
+    base = {"out_dir": str(tmp_path / name), "cache_dir": str(tmp_path / "cache"),
+            "threads": 1, "plots": False, "tensorboard": False}
+    cfg = load_config("tiny3", overrides={**base, **over})
+    return dataclasses.replace(cfg, agents=cfg.agents[:2])

@@ -1,7 +1,6 @@
 """The Ray rollout pool against a real local Ray cluster (loopback, private temp dir, 4 logical
 CPUs; one cluster for the module): bit-for-bit equality with the in-process engine, an actor
 killed mid-call, a 2-agent training run, and bad input (unreachable address, too few CPUs)."""
-import dataclasses
 import json
 import os
 import signal
@@ -13,42 +12,22 @@ import time
 import pytest
 import torch
 
-from hacpo.launch import ray_cluster  # first: its environment must precede `import ray`
-from hacpo.launch.ray_rollout import RayRolloutEngine, merge_rollouts, shard_bounds
 from hacpo.engine import build
 from hacpo.engine.rollout import LocalRolloutEngine
-from hacpo.engine.run_config import load_config
 from hacpo.engine.trainer import train
+from hacpo.launch.ray_rollout import RayRolloutEngine, merge_rollouts, shard_bounds
 from hacpo.models.generation import generate
+
+from ._launch_helpers import two_agent_cfg
 
 import ray
 
 GEN = dict(num_samples=3, max_new_tokens=12, temperature=1.0, top_p=0.9)
 
 
-def _cfg(tmp_path, **over):
-    """tiny3 reduced to its first two agents (char and reduced-vocab Qwen3 tokenizers)."""
-    base = {"out_dir": str(tmp_path / "run"), "cache_dir": str(tmp_path / "cache"),
-            "threads": 1, "plots": False, "tensorboard": False}
-    cfg = load_config("tiny3", overrides={**base, **over})
-    return dataclasses.replace(cfg, agents=cfg.agents[:2])
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    c = ray_cluster.connect("", num_cpus=4)
-    try:
-        assert c.owned and c.address.startswith("127.0.0.1:")    # loopback only
-        yield c
-    finally:
-        c.shutdown()
-    assert not ray.is_initialized()
-    assert not os.path.exists(c.temp_dir)
-
-
 @pytest.fixture(scope="module")
 def setup(cluster, tmp_path_factory):
-    cfg = _cfg(tmp_path_factory.mktemp("ray"))
+    cfg = two_agent_cfg(tmp_path_factory.mktemp("ray"))
     data = build.load_data(cfg)
     policies = build.build_policies(cfg, data)      # sets torch threads to cfg.threads (1)
     prompts = [[p.tokenizer.prompt_ids(build.prompt_text(cfg, e)) for e in data.train[:5]]
@@ -185,8 +164,8 @@ def test_train_two_agents_ray_equals_local(setup, tmp_path):
     runs = {}
     for kind, steps, resume in (("local", 2, False), ("ray", 2, False), ("ray-resumed", 1, False),
                                 ("ray-resumed", 2, True)):
-        cfg = _cfg(tmp_path, **{"out_dir": str(tmp_path / kind), "steps": steps,
-                                "rollout.engine": kind.split("-")[0]})
+        cfg = two_agent_cfg(tmp_path, **{"out_dir": str(tmp_path / kind), "steps": steps,
+                                         "rollout.engine": kind.split("-")[0]})
         summary = train(cfg, resume=resume, echo=lambda *_: None)
         rows = [json.loads(l) for l in open(tmp_path / kind / "metrics.jsonl")]
         runs[kind] = (summary, rows)

@@ -2,7 +2,6 @@
 (loopback, private temp dir, 4 logical CPUs; one cluster for the module): a 2-agent run gives
 metrics identical to the in-process backend (also with the Ray rollout pool, and across a
 resume), and a killed trainer actor is a clear error naming its agent."""
-import dataclasses
 import json
 import os
 import signal
@@ -11,32 +10,13 @@ import time
 
 import pytest
 
-from hacpo.launch import ray_cluster  # first: its environment must precede `import ray`
-from hacpo.launch import ray_trainer
 from hacpo.engine.run_config import load_config
 from hacpo.engine.trainer import train
+from hacpo.launch import ray_trainer
+
+from ._launch_helpers import two_agent_cfg
 
 import ray
-
-
-def _cfg(tmp_path, name, **over):
-    """tiny3 reduced to its first two agents (char and reduced-vocab Qwen3 tokenizers)."""
-    base = {"out_dir": str(tmp_path / name), "cache_dir": str(tmp_path / "cache"),
-            "threads": 1, "plots": False, "tensorboard": False}
-    cfg = load_config("tiny3", overrides={**base, **over})
-    return dataclasses.replace(cfg, agents=cfg.agents[:2])
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    c = ray_cluster.connect("", num_cpus=4)
-    try:
-        assert c.owned and c.address.startswith("127.0.0.1:")    # loopback only
-        yield c
-    finally:
-        c.shutdown()
-    assert not ray.is_initialized()
-    assert not os.path.exists(c.temp_dir)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +34,7 @@ def _strip_times(rows):
 
 
 def _run(tmp, name, resume=False, **over):
-    cfg = _cfg(tmp, name, **over)
+    cfg = two_agent_cfg(tmp, name, **over)
     summary = train(cfg, resume=resume, echo=lambda *_: None)
     rows = [json.loads(l) for l in open(tmp / name / "metrics.jsonl")]
     return summary, rows

@@ -1,7 +1,6 @@
 """Shared fixtures: real tokenizers are loaded once per session (~1-2 s each)."""
 
 import pytest
-import torch
 
 from hacpo.models.policy import PolicyConfig, build_policy
 from hacpo.models.tokenizer import load_tokenizer
@@ -15,12 +14,8 @@ MATH_TEXTS = [
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    """The CI machine is shared: keep every test on one thread."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """Every test here on one torch thread (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="session")

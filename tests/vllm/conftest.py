@@ -68,8 +68,5 @@ def max_abs_diff(a, b) -> float:
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """Every test here on one torch thread (tests/conftest.py)."""
