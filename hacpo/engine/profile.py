@@ -15,14 +15,19 @@ Reported (per agent a, means over measured steps):
                             + reward / n                      (the shared verifier, split evenly)
     extra over GSPO       = T_hacpo(a) / T_gspo(a) - 1       (everything HACPO adds)
     cross scoring         = (retokenize + score_cross)_hacpo / T_gspo(a)   (target <= 25%):
-                            the learner's forward pass over the other agents' responses
+                            the learner's forward pass over the other agents' responses (on
+                            the plain decoder each prompt is forwarded once per micro-batch
+                            block for self and cross samples together, score_prompt, so this
+                            is what the cross samples add; GSPO runs the same prompt pass)
     cross backward        = backward_cross_hacpo / T_gspo(a): learning from them (its cost is
                             what the per-sample comparison below weighs against generation)
     per trained sample    = (step time / trained samples)_hacpo / (same)_gspo2x  (target <= 0.75)
 
 Cost model (``fit_cost_model``): per agent, seconds per token for generation (per generated
-token), old log-probs (per forward token: prompt + response), training fwd+bwd on self and on
-cross samples (per forward token), re-tokenization (per cross response token), plus a fixed
+token), old log-probs (per forward token: prompt + response), training fwd+bwd on prompts (per
+prompt token forwarded, when the policy shares prompt states; once per prompt for self and cross
+samples alike) and on self and on cross samples (per response token; per prompt + response
+token for whole-sequence policies), re-tokenization (per cross response token), plus a fixed
 optimizer cost per update and the reward per sample. Everything is linear in token counts, so
 a setting is (prompt length Lp, response length Lr, agents n, decode factor kappa); kappa
 multiplies the measured generation cost per token. Model size enters only through kappa under
@@ -45,7 +50,8 @@ DEFAULT_ALGORITHMS = ("gspo", "gspo2x", "hacpo")
 TARGET_EXTRA = 0.25
 TARGET_PER_SAMPLE = 0.75
 AGENT_STAGES = ("generate", "old_logprobs", "retokenize", "update", "sync")
-UPDATE_PARTS = ("score_self", "backward_self", "score_cross", "backward_cross", "optimizer")
+UPDATE_PARTS = ("score_prompt", "backward_prompt", "score_self", "backward_self", "score_cross",
+                "backward_cross", "optimizer")
 
 
 # -- measuring ------------------------------------------------------------------------------
@@ -114,7 +120,8 @@ def summarize_run(rows: list[dict], names: list[str], skip_steps: int) -> dict:
            "agents": {}}
     for a in names:
         d = {s: mean(f"time/{s}/{a}") for s in AGENT_STAGES + UPDATE_PARTS}
-        for t in ("generated", "scored_self", "scored_cross", "forward_self", "forward_cross"):
+        for t in ("generated", "scored_self", "scored_cross", "forward_self", "forward_cross",
+                  "forward_prompt"):
             d[f"tokens_{t}"] = mean(f"tokens/{t}/{a}")
         d["trained_samples"] = mean(f"train/{a}/trained_samples")
         d["trained_cross"] = mean(f"train/{a}/trained_cross")
@@ -161,8 +168,8 @@ class CostModel:
     config; see the module docstring."""
     gen_per_token: float         # per generated response token
     old_per_token: float         # per forward token (prompt + response), no grad
-    train_self_per_token: float  # fwd + bwd per forward token of a self sample
-    train_cross_per_token: float  # fwd + bwd per forward token of a cross sample
+    train_self_per_token: float  # fwd + bwd per trained token of a self sample
+    train_cross_per_token: float  # fwd + bwd per trained token of a cross sample
     retok_per_token: float       # per cross response token (learner's tokenization)
     optimizer_per_step: float    # per agent and step (all M updates)
     reward_per_sample: float
@@ -172,6 +179,14 @@ class CostModel:
     samples_per_agent: float     # measured generated samples per agent and step (B x G)
     n_agents: int
     cross_measured: bool = False  # cross costs measured on HACPO (else: self costs assumed)
+    # prompt states (plain decoder): prompts trained once per block, samples per response
+    # token; else (whole sequences) samples per prompt + response token and no prompt term
+    shared_prompts: bool = False
+    train_prompt_per_token: float = 0.0  # fwd + bwd per prompt token forwarded
+    prompts_per_agent: float = 0.0       # prompt passes per agent and step (measured)
+
+    def _trained_tokens(self, d: dict, part: str) -> float:
+        return d[f"tokens_scored_{part}" if self.shared_prompts else f"tokens_forward_{part}"]
 
     def to_dict(self) -> dict:
         return dict(vars(self))
@@ -184,8 +199,9 @@ class CostModel:
             own_fwd = d["tokens_forward_self"]
             t += self.gen_per_token * d["tokens_generated"]
             t += self.old_per_token * own_fwd
-            t += self.train_self_per_token * d["tokens_forward_self"]
-            t += self.train_cross_per_token * d["tokens_forward_cross"]
+            t += self.train_prompt_per_token * d["tokens_forward_prompt"]
+            t += self.train_self_per_token * self._trained_tokens(d, "self")
+            t += self.train_cross_per_token * self._trained_tokens(d, "cross")
             t += self.retok_per_token * d["tokens_scored_cross"]
             t += self.optimizer_per_step + self.reward_per_sample * gen_samples
         return t + self.overhead_per_step
@@ -199,13 +215,15 @@ class CostModel:
         S = self.samples_per_agent
         gen = kappa * self.gen_per_token * S * lr
         old = self.old_per_token * S * (lp + lr)
-        tself = self.train_self_per_token * S * (lp + lr)
-        tcross = self.train_cross_per_token * S * (lp + lr)
+        trained = lr if self.shared_prompts else lp + lr        # tokens per trained sample
+        tself = self.train_self_per_token * S * trained
+        tcross = self.train_cross_per_token * S * trained
+        prompt = self.train_prompt_per_token * self.prompts_per_agent * lp  # once, any n
         retok = self.retok_per_token * S * lr
         rew = self.reward_per_sample * S
         opt = self.optimizer_per_step
-        hacpo = gen + old + tself + (n - 1) * (tcross + retok) + opt + rew
-        gspo_n = n * (gen + old + tself + rew) + opt
+        hacpo = gen + old + prompt + tself + (n - 1) * (tcross + retok) + opt + rew
+        gspo_n = n * (gen + old + tself + rew) + prompt + opt
         return hacpo / gspo_n
 
     def break_even_kappa(self, *, n: int, target: float, response_len: float | None = None,
@@ -238,31 +256,39 @@ def fit_cost_model(gspo: dict, names: list[str], cross_from: dict | None = None)
         d = sum(den)
         return sum(num) / d if d > 0 else 0.0
 
+    shared = sum(a["tokens_forward_prompt"] for a in A) > 0
+    trained = "tokens_scored_" if shared else "tokens_forward_"
     gen = ratio([a["generate"] for a in A], [a["tokens_generated"] for a in A])
     old = ratio([a["old_logprobs"] for a in A], [a["tokens_forward_self"] for a in A])
+    tprompt = ratio([a["score_prompt"] + a["backward_prompt"] for a in A],
+                    [a["tokens_forward_prompt"] for a in A])
     tself = ratio([a["score_self"] + a["backward_self"] for a in A],
-                  [a["tokens_forward_self"] for a in A])
+                  [a[trained + "self"] for a in A])
     tcross, retok, measured = tself, 0.0, False
     if cross_from is not None:
         H = list(cross_from["agents"].values())
         if sum(a["tokens_forward_cross"] for a in H) > 0:   # else: no cross sample trained
             tcross = ratio([a["score_cross"] + a["backward_cross"] for a in H],
-                           [a["tokens_forward_cross"] for a in H])
+                           [a[trained + "cross"] for a in H])
             retok = ratio([a["retokenize"] for a in H], [a["tokens_scored_cross"] for a in H])
             measured = True
     samples = sum(a["generated_samples"] for a in A)
     stage_sum = sum(a["agent_time"] for a in A)
+    prompt_len = ratio([a["tokens_forward_self"] - a["tokens_scored_self"] for a in A],
+                       [a["generated_samples"] for a in A])
     return CostModel(
         gen_per_token=gen, old_per_token=old, train_self_per_token=tself,
         train_cross_per_token=tcross, retok_per_token=retok,
         optimizer_per_step=statistics.fmean(a["optimizer"] for a in A),
         reward_per_sample=gspo["reward_time"] / max(samples, 1),
         overhead_per_step=max(gspo["step_time"] - stage_sum, 0.0),
-        prompt_len=ratio([a["tokens_forward_self"] - a["tokens_scored_self"] for a in A],
-                         [a["generated_samples"] for a in A]),
+        prompt_len=prompt_len,
         response_len=ratio([a["tokens_generated"] for a in A],
                            [a["generated_samples"] for a in A]),
-        samples_per_agent=samples / len(A), n_agents=len(A), cross_measured=measured)
+        samples_per_agent=samples / len(A), n_agents=len(A), cross_measured=measured,
+        shared_prompts=shared, train_prompt_per_token=tprompt,
+        prompts_per_agent=(sum(a["tokens_forward_prompt"] for a in A) / len(A) / prompt_len
+                           if shared and prompt_len > 0 else 0.0))
 
 
 def extrapolate(model: CostModel, *, kappas=(1,), agents=(2, 3, 4),

@@ -41,7 +41,8 @@ from .run_config import TrainConfig, config_diff, default_fingerprint, fingerpri
 from .timing import Stopwatch, device_sync
 
 CHECKPOINT = "checkpoint.pt"
-UPDATE_STAGES = ("score_self", "score_cross", "backward_self", "backward_cross", "optimizer")
+UPDATE_STAGES = ("score_prompt", "score_self", "score_cross", "backward_prompt", "backward_self",
+                 "backward_cross", "optimizer")
 
 
 def score_batch(rc: RewardComputer, pool, golds: list[str], names: list[str]):
@@ -180,6 +181,7 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
                     agents.pull_weights(k)     # ray: the driver's copy, which engines read
                     engine.sync_weights(k)
                 metrics.update(_view_tokens(view, names[k]))
+                metrics[f"tokens/forward_prompt/{names[k]}"] = m.pop("tokens_forward_prompt", 0.0)
                 if rl:
                     for kind, vals in rl.items():
                         ratio_log[f"{names[k]}/{kind}"].append(torch.cat(vals).numpy())
@@ -251,8 +253,10 @@ def _step_metrics(pool, tracker, ratios, names, rstats, retok) -> dict[str, floa
 
 
 def _view_tokens(view, name: str) -> dict[str, float]:
-    """Tokens a learner scored in its updates: response tokens (``scored``) and everything
-    run through the model, prompt included (``forward``), for self and cross samples."""
+    """Tokens a learner scored in its updates, for self and cross samples: response tokens
+    (``scored``) and response + prompt tokens per sample (``forward``: what whole-sequence
+    forwards run; with prompt states each prompt is forwarded once per micro-batch block
+    instead, counted in ``tokens/forward_prompt``)."""
     out = {}
     for part, sel in (("self", view.is_self), ("cross", ~view.is_self)):
         js = sel.nonzero().flatten().tolist()

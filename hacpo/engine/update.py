@@ -38,12 +38,16 @@ def update_learner(algo: AlgorithmConfig, policy, optimizer, view: LearnerView, 
     """Run the M updates; returns averaged metrics (floats). ``nonfinite`` carries the count of
     consecutive non-finite updates across calls ({"streak": int, "total": int}).
 
-    Within a minibatch, self and cross samples are forwarded in separate micro-batches (each
-    grouped by prompt and sorted by length) so their costs are accounted apart: ``timer(key)`` is
-    entered for "score_self", "score_cross" (forward + loss), "backward_self",
-    "backward_cross" and "optimizer" (clip, host sync, step). The loss is a sum over samples
-    divided by the minibatch's global count, so the split leaves the gradient unchanged.
-    Metrics are computed once per minibatch over all its samples (from detached values)."""
+    Self and cross samples are forwarded in separate passes so their costs are accounted
+    apart: ``timer(key)`` is entered for "score_self", "score_cross" (forward + loss),
+    "backward_self", "backward_cross" and "optimizer" (clip, host sync, step). A policy with
+    prompt states (the plain decoder, ``share_prompts``) forwards each micro-batch's prompts once
+    for both parts ("score_prompt") and backpropagates through them once ("backward_prompt"), so
+    cross samples cost only their responses; other policies run self and cross micro-batches
+    of whole sequences. The loss is a sum over samples divided by the minibatch's global count,
+    so the split leaves the gradient unchanged. Metrics are computed once per minibatch over all
+    its samples (from detached values). The result's ``tokens_forward_prompt`` counts the prompt
+    tokens forwarded in prompt passes."""
     M = algo.num_minibatches * algo.minibatch_factor
     n = view.idx.numel()
     sums: dict[str, float] = defaultdict(float)
@@ -53,6 +57,9 @@ def update_learner(algo: AlgorithmConfig, policy, optimizer, view: LearnerView, 
                             generator)
     params = [p for p in policy.parameters() if p.requires_grad]
     is_self = view.is_self.tolist()
+    shared = bool(getattr(policy, "share_prompts", False)
+                  and getattr(policy, "supports_prompt_states", False))
+    prompt_tokens = 0
     for m, mb in enumerate(mbs):
         optimizer.zero_grad(set_to_none=True)
         mb_list = mb.tolist()
@@ -64,45 +71,70 @@ def update_learner(algo: AlgorithmConfig, policy, optimizer, view: LearnerView, 
         kl_sum = torch.zeros(())
         new_lp_of: dict[int, torch.Tensor] = {}      # sample -> detached mean log-prob
         tl_of: dict[int, torch.Tensor] = {}          # sample -> detached token log-probs (grpo)
-        for part in ("self", "cross"):
-            rows = [j for j in mb_list if is_self[j] == (part == "self")]
-            # samples of one prompt together (the policy forwards a shared prompt once),
-            # prompts by length, so micro-batches carry little padding
-            rows.sort(key=lambda j: (len(view.prompt_ids[j]), tuple(view.prompt_ids[j]),
-                                     len(view.response_ids[j])))
-            for s in range(0, len(rows), micro_batch):
-                js = rows[s:s + micro_batch]
-                prompts = [view.prompt_ids[j] for j in js]
-                resps = [view.response_ids[j] for j in js]
-                pool_idx = view.idx[js]
-                with timer(f"score_{part}"):
-                    tl, mask = policy.response_logprobs(prompts, resps, temperature=temperature)
-                    new_lp = (tl * mask).sum(-1) / mask.sum(-1)
-                    kwargs = {}
-                    if algo.token_level:
-                        kwargs = dict(token_logp=tl, mask=mask, old_token_logp=_pad(
-                            [old_token_logp[i] for i in pool_idx.tolist()], tl.shape[1]))
-                    loss, _ = learner_loss(algo, new_lp=new_lp, old_lp=lp_old[pool_idx],
-                                           advantages=view.advantages[js],
-                                           is_self=view.is_self[js], omega=view.omega[js],
-                                           minibatch_index=m, divisor=divisor, **kwargs)
-                    if kl_coef > 0 and ref_policy is not None and part == "self":
-                        with torch.no_grad():
-                            ref_tl, _ = ref_policy.response_logprobs(prompts, resps,
-                                                                     temperature=temperature)
-                        kl = low_var_kl(tl, ref_tl, mask)
-                        loss = loss + kl_coef * kl.sum() / divisor
-                        kl_sum = kl_sum + kl.detach().sum()
-                with timer(f"backward_{part}"):
+
+        def score(part: str, js: list[int], logprobs) -> None:
+            """Forward + loss of rows ``js`` (all self or all cross) and their backward;
+            ``logprobs(prompts, resps)`` -> (token_logp, mask)."""
+            nonlocal total, kl_sum
+            prompts = [view.prompt_ids[j] for j in js]
+            resps = [view.response_ids[j] for j in js]
+            pool_idx = view.idx[js]
+            with timer(f"score_{part}"):
+                tl, mask = logprobs(prompts, resps)
+                new_lp = (tl * mask).sum(-1) / mask.sum(-1)
+                kwargs = {}
+                if algo.token_level:
+                    kwargs = dict(token_logp=tl, mask=mask, old_token_logp=_pad(
+                        [old_token_logp[i] for i in pool_idx.tolist()], tl.shape[1]))
+                loss, _ = learner_loss(algo, new_lp=new_lp, old_lp=lp_old[pool_idx],
+                                       advantages=view.advantages[js],
+                                       is_self=view.is_self[js], omega=view.omega[js],
+                                       minibatch_index=m, divisor=divisor, **kwargs)
+                if kl_coef > 0 and ref_policy is not None and part == "self":
+                    with torch.no_grad():
+                        ref_tl, _ = ref_policy.response_logprobs(prompts, resps,
+                                                                 temperature=temperature)
+                    kl = low_var_kl(tl, ref_tl, mask)
+                    loss = loss + kl_coef * kl.sum() / divisor
+                    kl_sum = kl_sum + kl.detach().sum()
+            with timer(f"backward_{part}"):
+                if loss.requires_grad:
                     loss.backward()
-                total = total + loss.detach()
-                for r, j in enumerate(js):
-                    new_lp_of[j] = new_lp[r].detach()
-                    if algo.token_level:
-                        tl_of[j] = tl[r, :len(view.response_ids[j])].detach()
-                if ratio_log is not None:
-                    lr_ = (new_lp.detach() - lp_old[pool_idx]).clamp(-10, 10)
-                    ratio_log.setdefault(part, []).append(lr_)
+            total = total + loss.detach()
+            for r, j in enumerate(js):
+                new_lp_of[j] = new_lp[r].detach()
+                if algo.token_level:
+                    tl_of[j] = tl[r, :len(view.response_ids[j])].detach()
+            if ratio_log is not None:
+                lr_ = (new_lp.detach() - lp_old[pool_idx]).clamp(-10, 10)
+                ratio_log.setdefault(part, []).append(lr_)
+
+        def full_sequences(prompts, resps):
+            return policy.response_logprobs(prompts, resps, temperature=temperature)
+
+        for js_all in _micro_batches(view, mb_list, micro_batch, by_prompt=shared):
+            if not shared:                      # one part per micro-batch, whole sequences
+                score("self" if is_self[js_all[0]] else "cross", js_all, full_sequences)
+                continue
+            # the micro-batch's prompts are forwarded once for its self and cross rows: their
+            # states become leaves, each part's backward stops there, and the prompts'
+            # backward runs once on the summed gradient (same gradient as whole sequences)
+            keys: dict[tuple, int] = {}
+            for j in js_all:
+                keys.setdefault(tuple(view.prompt_ids[j]), len(keys))
+            with timer("score_prompt"):
+                states = policy.encode_prompts(list(keys))
+                leaves = states.detached()
+            prompt_tokens += sum(len(k) for k in keys)
+            for part in ("self", "cross"):
+                js = [j for j in js_all if is_self[j] == (part == "self")]
+                for s in range(0, len(js), micro_batch):
+                    score(part, js[s:s + micro_batch], lambda prompts, resps:
+                          policy.continuation_logprobs(leaves, [keys[tuple(p)] for p in prompts],
+                                                       resps, temperature=temperature))
+            with timer("backward_prompt"):
+                states.backward_from(leaves)
+            del states, leaves
         mb_metrics = _minibatch_metrics(algo, view, mb_list, new_lp_of, tl_of, lp_old,
                                         old_token_logp, m, divisor)
         n_self = sum(is_self[j] for j in mb_list)
@@ -136,9 +168,42 @@ def update_learner(algo: AlgorithmConfig, policy, optimizer, view: LearnerView, 
         for k, v in zip(keys, vals[2:]):
             sums[k] += v / len(mbs)
     sums["trained_samples"] = float(n)
+    sums["tokens_forward_prompt"] = float(prompt_tokens)
     sums["trained_self"] = float(view.is_self.sum())
     sums["trained_cross"] = float((~view.is_self).sum())
     return dict(sums)
+
+
+def _micro_batches(view: LearnerView, rows: list[int], micro_batch: int, *,
+                   by_prompt: bool) -> list[list[int]]:
+    """Split a minibatch's rows into micro-batches, prompts ordered by length (little padding).
+
+    by_prompt: blocks of whole prompt groups, self and cross rows together, of at most
+    ``micro_batch`` rows or one group (the block's prompts are forwarded once for both parts;
+    the caller runs each part of a block in row chunks of ``micro_batch``); else self rows first, then cross rows, the rows of one prompt adjacent (the
+    policy forwards a prompt shared within a call once)."""
+    def key(j):
+        return (len(view.prompt_ids[j]), tuple(view.prompt_ids[j]), len(view.response_ids[j]))
+
+    is_self = view.is_self.tolist()
+    if not by_prompt:
+        out = []
+        for part in (True, False):
+            part_rows = sorted((j for j in rows if is_self[j] == part), key=key)
+            out += [part_rows[s:s + micro_batch] for s in range(0, len(part_rows), micro_batch)]
+        return out
+    groups: dict[tuple, list[int]] = {}
+    for j in sorted(rows, key=key):
+        groups.setdefault(tuple(view.prompt_ids[j]), []).append(j)
+    out, cur = [], []
+    for g in groups.values():
+        if cur and len(cur) + len(g) > micro_batch:
+            out.append(cur)
+            cur = []
+        cur = cur + g
+    if cur:
+        out.append(cur)
+    return out
 
 
 @torch.no_grad()

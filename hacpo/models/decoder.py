@@ -142,17 +142,54 @@ class Block(nn.Module):
         x = x + self.attn(self.attn_norm(x), cos, sin, attn_mask, cache, layer)
         return x + self.mlp(self.mlp_norm(x))
 
-    def forward_prefixed(self, xp, xr, rope_p, rope_r, mask_p, mask_r, prefix_of_row):
-        """Prefixes xp [P, Lp, D] attend causally among themselves; rows xr [N, Lr, D] attend
-        to their prefix's keys/values (``prefix_of_row [N]``) and causally to their own."""
+    def forward_prefix(self, xp, rope_p, mask_p):
+        """Prefixes xp [P, Lp, D], causal among themselves -> (xp', k, v [P, H, Lp, Dh])."""
         qp, kp, vp = self.attn.project(self.attn_norm(xp), *rope_p)
+        xp = xp + self.attn.attend(qp, kp, vp, mask_p)
+        return xp + self.mlp(self.mlp_norm(xp)), kp, vp
+
+    def forward_continued(self, xr, rope_r, mask_r, kp, vp, prefix_of_row):
+        """Rows xr [N, Lr, D] attend to their prefix's keys/values kp, vp [P, H, Lp, Dh]
+        (``prefix_of_row [N]``) and causally to their own -> xr'."""
         qr, kr, vr = self.attn.project(self.attn_norm(xr), *rope_r)
-        yp = self.attn.attend(qp, kp, vp, mask_p)
         k = torch.cat([kp.index_select(0, prefix_of_row), kr], dim=2)
         v = torch.cat([vp.index_select(0, prefix_of_row), vr], dim=2)
-        yr = self.attn.attend(qr, k, v, mask_r)
-        xp, xr = xp + yp, xr + yr
-        return xp + self.mlp(self.mlp_norm(xp)), xr + self.mlp(self.mlp_norm(xr))
+        xr = xr + self.attn.attend(qr, k, v, mask_r)
+        return xr + self.mlp(self.mlp_norm(xr))
+
+
+@dataclass
+class PrefixStates:
+    """What continuations of P shared prefixes need: per layer the prefixes' keys and values
+    ``kv[i] = (k, v)`` [P, H, Lp, Dh] (rotary applied), the final-norm hidden state of each
+    prefix's last real token ``last`` [P, D] (it predicts a continuation's first token), the
+    prefix mask [P, Lp] and lengths [P]."""
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    last: torch.Tensor
+    mask: torch.Tensor
+    lengths: torch.Tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The differentiable tensors, in a fixed order (``kv`` flattened, then ``last``)."""
+        return [t for kv in self.kv for t in kv] + [self.last]
+
+    def detached(self) -> "PrefixStates":
+        """The same states as new autograd leaves (``requires_grad``): continuations built on
+        them stop their backward at the leaves, whose ``.grad`` then holds what they sent into
+        the prefixes; :meth:`backward_from` carries it on through the prefix forward once."""
+        leaf = [t.detach().requires_grad_(t.requires_grad) for t in self.tensors()]
+        kv = [(leaf[2 * i], leaf[2 * i + 1]) for i in range(len(self.kv))]
+        return PrefixStates(kv, leaf[-1], self.mask, self.lengths)
+
+    def backward_from(self, leaves: "PrefixStates") -> bool:
+        """Backpropagate the gradients accumulated on ``leaves`` (from :meth:`detached`)
+        through the computation of these states. Returns False when no gradient arrived."""
+        pairs = [(t, g.grad) for t, g in zip(self.tensors(), leaves.tensors())
+                 if t.requires_grad and g.grad is not None]
+        if not pairs:
+            return False
+        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        return True
 
 
 class Decoder(nn.Module):
@@ -233,41 +270,67 @@ class Decoder(nn.Module):
             cache.length = start + L
         return self.norm(x)
 
+    def encode_prefix(self, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor) -> PrefixStates:
+        """prefix_ids, prefix_mask [P, Lp] (right-padded; 1 = real token, >= 1 per row) ->
+        :class:`PrefixStates` for :meth:`hidden_continued`."""
+        P, Lp = prefix_ids.shape
+        dev = prefix_ids.device
+        if Lp > self.cfg.max_len:
+            raise ValueError(f"prefix of {Lp} tokens exceeds max_len={self.cfg.max_len}")
+        prefix_mask = prefix_mask.bool()
+        lengths = prefix_mask.long().sum(-1)                                  # [P]
+        if P and int(lengths.min()) < 1:
+            raise ValueError("encode_prefix: every prefix needs at least one real token")
+        pos = torch.arange(Lp, device=dev)
+        x = self.embed(prefix_ids)
+        rope = rope_cos_sin(pos.expand(P, Lp), self.cfg.d_model // self.cfg.n_heads,
+                            self.cfg.rope_theta, x.dtype)
+        # causal over real keys; a query always sees itself, so padding stays finite
+        mask = (((pos[None, :] <= pos[:, None])[None] & prefix_mask[:, None, :])
+                | (pos[None, :] == pos[:, None])[None])[:, None]
+        kv = []
+        for block in self.blocks:
+            x, k, v = block.forward_prefix(x, rope, mask)
+            kv.append((k, v))
+        last = self.norm(x[torch.arange(P, device=dev), lengths - 1])          # [P, D]
+        return PrefixStates(kv, last, prefix_mask, lengths)
+
+    def hidden_continued(self, states: PrefixStates, input_ids: torch.Tensor,
+                         attention_mask: torch.Tensor,
+                         prefix_of_row: torch.Tensor) -> torch.Tensor:
+        """Continuations input_ids, attention_mask [N, Lr] (right-padded) of the prefixes
+        ``prefix_of_row [N]`` (long) -> final-norm hidden states [N, Lr, D], equal (up to float
+        rounding) to ``hidden`` on each concatenation prefix + row."""
+        N, Lr = input_ids.shape
+        dev = input_ids.device
+        attention_mask = attention_mask.bool()
+        Lp = states.mask.shape[1]
+        pos = states.lengths.index_select(0, prefix_of_row)[:, None] + torch.arange(Lr, device=dev)
+        if int(pos.max() if N and Lr else 0) >= self.cfg.max_len:
+            raise ValueError(f"prefix + continuation exceeds max_len={self.cfg.max_len}")
+        x = self.embed(input_ids)
+        rope = rope_cos_sin(pos, self.cfg.d_model // self.cfg.n_heads, self.cfg.rope_theta,
+                            x.dtype)
+        q, k = torch.arange(Lr, device=dev)[:, None], torch.arange(Lr, device=dev)[None]
+        own = ((k <= q)[None] & attention_mask[:, None, :]) | (k == q)[None]      # [N, Lr, Lr]
+        pre = states.mask.index_select(0, prefix_of_row)[:, None, :].expand(N, Lr, Lp)
+        mask = torch.cat([pre, own], dim=-1)[:, None]
+        for block, (kp, vp) in zip(self.blocks, states.kv):
+            x = block.forward_continued(x, rope, mask, kp, vp, prefix_of_row)
+        return self.norm(x)
+
     def hidden_prefixed(self, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor,
                         input_ids: torch.Tensor, attention_mask: torch.Tensor,
                         prefix_of_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Teacher forcing with shared prefixes: each prefix is computed once for all its rows.
 
-        prefix_ids, prefix_mask [P, Lp] (right-padded; 1 = real token); input_ids,
-        attention_mask [N, Lr] (right-padded continuations); prefix_of_row [N] long.
-        Returns final-norm hidden states (prefixes [P, Lp, D], rows [N, Lr, D]) equal (up to
-        float rounding) to ``hidden`` on each concatenation prefix + row; gradients flow into
-        the shared prefix from every row.
+        prefix_ids, prefix_mask [P, Lp]; input_ids, attention_mask [N, Lr]; prefix_of_row [N].
+        Returns (final-norm hidden state of each prefix's last token [P, D], rows' hidden
+        states [N, Lr, D]); gradients flow into the shared prefix from every row.
         """
-        P, Lp = prefix_ids.shape
-        N, Lr = input_ids.shape
-        dev = input_ids.device
-        prefix_mask, attention_mask = prefix_mask.bool(), attention_mask.bool()
-        plen = prefix_mask.long().sum(-1)                                     # [P]
-        pos_p = torch.arange(Lp, device=dev).expand(P, Lp)
-        pos_r = plen.index_select(0, prefix_of_row)[:, None] + torch.arange(Lr, device=dev)
-        if int(pos_r.max() if N and Lr else 0) >= self.cfg.max_len or Lp > self.cfg.max_len:
-            raise ValueError(f"prefix + continuation exceeds max_len={self.cfg.max_len}")
-        hd = self.cfg.d_model // self.cfg.n_heads
-        xp, xr = self.embed(prefix_ids), self.embed(input_ids)
-        rope_p = rope_cos_sin(pos_p, hd, self.cfg.rope_theta, xp.dtype)
-        rope_r = rope_cos_sin(pos_r, hd, self.cfg.rope_theta, xr.dtype)
-        # masks (a query always sees itself, so padded rows stay finite; they are ignored)
-        qp, kp_ = torch.arange(Lp, device=dev)[:, None], torch.arange(Lp, device=dev)[None]
-        mask_p = ((kp_ <= qp)[None] & prefix_mask[:, None, :]) | (kp_ == qp)[None]
-        qr, kr_ = torch.arange(Lr, device=dev)[:, None], torch.arange(Lr, device=dev)[None]
-        own = ((kr_ <= qr)[None] & attention_mask[:, None, :]) | (kr_ == qr)[None]  # [N,Lr,Lr]
-        pre = prefix_mask.index_select(0, prefix_of_row)[:, None, :].expand(N, Lr, Lp)
-        mask_r = torch.cat([pre, own], dim=-1)
-        for block in self.blocks:
-            xp, xr = block.forward_prefixed(xp, xr, rope_p, rope_r, mask_p[:, None],
-                                            mask_r[:, None], prefix_of_row)
-        return self.norm(xp), self.norm(xr)
+        states = self.encode_prefix(prefix_ids, prefix_mask)
+        return states.last, self.hidden_continued(states, input_ids, attention_mask,
+                                                  prefix_of_row)
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None):
         """-> logits [B, L, V] (in the parameter dtype)."""

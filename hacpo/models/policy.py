@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hacpo.models.decoder import Decoder, DecoderConfig
+from hacpo.models.decoder import Decoder, DecoderConfig, PrefixStates
 from hacpo.models.tokenizer import Tokenizer, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -193,34 +193,76 @@ class Policy(nn.Module):
 
     def _response_logprobs_shared(self, keys: list[tuple], response_ids, temperature: float):
         """response_logprobs with each distinct prompt forwarded once (Decoder only)."""
-        dev = self.output_weight.device
         uniq: dict[tuple, int] = {}
         prefix_of_row = [uniq.setdefault(k, len(uniq)) for k in keys]
-        prompts = list(uniq)
-        P, B = len(prompts), len(keys)
-        Lp = max(len(p) for p in prompts)
-        Tmax = max(len(r) for r in response_ids)
-        pad = self.tokenizer.pad_id
-        p_ids = torch.full((P, Lp), pad, dtype=torch.long)
+        states = self.encode_prompts(list(uniq))
+        return self.continuation_logprobs(states, prefix_of_row, response_ids,
+                                          temperature=temperature)
+
+    # -- shared prompts across calls ------------------------------------------------------------
+    @property
+    def supports_prompt_states(self) -> bool:
+        """Whether :meth:`encode_prompts` / :meth:`continuation_logprobs` are available (the
+        plain decoder; HF models forward whole sequences)."""
+        return self.kind == "decoder"
+
+    def encode_prompts(self, prompt_ids: Sequence[Sequence[int]]) -> PrefixStates:
+        """Forward P prompts once -> their :class:`PrefixStates` (keys/values per layer and the
+        last token's hidden state), differentiable w.r.t. the parameters; responses are then
+        scored on them by :meth:`continuation_logprobs`, in one call or several."""
+        if not self.supports_prompt_states:
+            raise NotImplementedError(f"policy {self.name!r} ({self.kind}): prompt states need "
+                                      f"the plain decoder")
+        if any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("encode_prompts: every prompt needs at least one token")
+        dev = self.output_weight.device
+        P = len(prompt_ids)
+        Lp = max((len(p) for p in prompt_ids), default=0)
+        if Lp > self.max_len:
+            raise ValueError(f"policy {self.name!r}: prompt of {Lp} tokens exceeds "
+                             f"max_len={self.max_len}")
+        p_ids = torch.full((P, Lp), self.tokenizer.pad_id, dtype=torch.long)
         p_mask = torch.zeros(P, Lp, dtype=torch.bool)
-        for i, p in enumerate(prompts):
-            p_ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+        for i, p in enumerate(prompt_ids):
+            p_ids[i, :len(p)] = torch.tensor(list(p), dtype=torch.long)
             p_mask[i, :len(p)] = True
-        r_ids = torch.full((B, Tmax), pad, dtype=torch.long)
+        return self.model.encode_prefix(p_ids.to(dev), p_mask.to(dev))
+
+    def continuation_logprobs(self, states: PrefixStates, prompt_of_row: Sequence[int],
+                              response_ids: Sequence[Sequence[int]], *,
+                              temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token log-probs of each response given prompt ``prompt_of_row[b]`` of
+        ``states`` (from :meth:`encode_prompts`): the same (token_logp [B, Tmax], mask [B, Tmax])
+        as :meth:`response_logprobs` on the full sequences, up to float rounding."""
+        if len(prompt_of_row) != len(response_ids):
+            raise ValueError(f"{len(prompt_of_row)} prompt indices but {len(response_ids)} "
+                             f"responses")
+        dev = self.output_weight.device
+        P, B = states.last.shape[0], len(response_ids)
+        if B and not all(0 <= int(i) < P for i in prompt_of_row):
+            raise ValueError(f"continuation_logprobs: prompt index out of range [0, {P})")
+        lengths = states.lengths.tolist()
+        longest = max((lengths[int(i)] + len(r) for i, r in zip(prompt_of_row, response_ids)),
+                      default=0)
+        if longest > self.max_len:
+            raise ValueError(f"policy {self.name!r}: prompt+response of {longest} tokens "
+                             f"exceeds max_len={self.max_len}")
+        Tmax = max((len(r) for r in response_ids), default=0)
         mask = torch.zeros(B, Tmax, dtype=torch.bool)
-        src, targets = [], []     # flat index into [prefix hidden (P*Lp); row hidden (B*Tmax)]
+        if Tmax == 0:
+            return torch.zeros(B, 0, device=dev), mask.to(dev)
+        r_ids = torch.full((B, Tmax), self.tokenizer.pad_id, dtype=torch.long)
+        src, targets = [], []     # flat index into [prompts' last states (P); rows (B*Tmax)]
         for b, r in enumerate(response_ids):
             if r:
                 r_ids[b, :len(r)] = torch.tensor(list(r), dtype=torch.long)
                 mask[b, :len(r)] = True
-                src.append(prefix_of_row[b] * Lp + len(prompts[prefix_of_row[b]]) - 1)
-                src += [P * Lp + b * Tmax + j for j in range(len(r) - 1)]
+                src.append(int(prompt_of_row[b]))
+                src += [P + b * Tmax + j for j in range(len(r) - 1)]
                 targets += r
-        hp, hr = self.model.hidden_prefixed(
-            p_ids.to(dev), p_mask.to(dev), r_ids.to(dev), mask.to(dev),
-            torch.tensor(prefix_of_row, dtype=torch.long, device=dev))
-        H = hp.shape[-1]
-        h = torch.cat([hp.reshape(P * Lp, H), hr.reshape(B * Tmax, H)])
+        pidx = torch.tensor([int(i) for i in prompt_of_row], dtype=torch.long, device=dev)
+        hr = self.model.hidden_continued(states, r_ids.to(dev), mask.to(dev), pidx)
+        h = torch.cat([states.last, hr.reshape(B * Tmax, hr.shape[-1])])
         h = h.index_select(0, torch.tensor(src, dtype=torch.long, device=dev))
         return self._scatter_logprobs(h, targets, mask.to(dev), temperature)
 

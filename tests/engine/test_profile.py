@@ -1,5 +1,6 @@
 """hacpo profile: the cost model recovers known per-token costs and predicts exactly when the
-costs are linear; break-even solving; a real side-by-side run on the tiny preset."""
+costs are linear, for whole-sequence policies and for policies with shared prompt states;
+break-even solving; a real side-by-side run on the tiny preset."""
 import json
 import math
 
@@ -8,30 +9,40 @@ import pytest
 from hacpo.engine.profile import (build_report, fit_cost_model, run_profile, summarize_run)
 from hacpo.engine.run_config import load_config
 
-C = dict(gen=2e-3, old=3e-4, tself=9e-4, tcross=1.2e-3, retok=5e-5, opt=0.05, rew=1e-3)
+C = dict(gen=2e-3, old=3e-4, tself=9e-4, tcross=1.2e-3, retok=5e-5, opt=0.05, rew=1e-3,
+         tprompt=7e-4)
+PROMPTS = 8          # prompts per step: every run below trains each prompt's samples together
 
 
-def _agent(samples, cross, prompt_len=40, resp_len=10, cross_len=12):
-    """Stage times of one agent under exactly linear costs C."""
+def _agent(samples, cross, shared, prompt_len=40, resp_len=10, cross_len=12):
+    """Stage times of one agent under exactly linear costs C. shared: prompt states (each
+    prompt trained once, samples per response token); else whole sequences."""
     gen_tok = samples * resp_len
     fwd_self = samples * (prompt_len + resp_len)
     fwd_cross = cross * (prompt_len + cross_len)
+    fwd_prompt = PROMPTS * prompt_len if shared else 0
+    t_self = samples * resp_len if shared else fwd_self
+    t_cross = cross * cross_len if shared else fwd_cross
     d = {"generate": C["gen"] * gen_tok, "old_logprobs": C["old"] * fwd_self,
          "retokenize": C["retok"] * cross * cross_len, "sync": 0.0,
-         "score_self": 0.5 * C["tself"] * fwd_self, "backward_self": 0.5 * C["tself"] * fwd_self,
-         "score_cross": 0.5 * C["tcross"] * fwd_cross,
-         "backward_cross": 0.5 * C["tcross"] * fwd_cross, "optimizer": C["opt"],
+         "score_prompt": 0.4 * C["tprompt"] * fwd_prompt,
+         "backward_prompt": 0.6 * C["tprompt"] * fwd_prompt,
+         "score_self": 0.5 * C["tself"] * t_self, "backward_self": 0.5 * C["tself"] * t_self,
+         "score_cross": 0.5 * C["tcross"] * t_cross,
+         "backward_cross": 0.5 * C["tcross"] * t_cross, "optimizer": C["opt"],
          "tokens_generated": gen_tok, "tokens_scored_self": samples * resp_len,
          "tokens_scored_cross": cross * cross_len, "tokens_forward_self": fwd_self,
-         "tokens_forward_cross": fwd_cross, "trained_samples": samples + cross,
-         "trained_cross": cross, "generated_samples": samples}
-    d["update"] = sum(d[k] for k in ("score_self", "backward_self", "score_cross",
-                                     "backward_cross", "optimizer"))
+         "tokens_forward_cross": fwd_cross, "tokens_forward_prompt": fwd_prompt,
+         "trained_samples": samples + cross, "trained_cross": cross,
+         "generated_samples": samples}
+    d["update"] = sum(d[k] for k in ("score_prompt", "backward_prompt", "score_self",
+                                     "backward_self", "score_cross", "backward_cross",
+                                     "optimizer"))
     return d
 
 
-def _run(samples, cross, n=2):
-    agents = {f"a{i}": _agent(samples, cross) for i in range(n)}
+def _run(samples, cross, n=2, shared=False):
+    agents = {f"a{i}": _agent(samples, cross, shared) for i in range(n)}
     reward = C["rew"] * samples * n
     for d in agents.values():
         d["agent_time"] = (d["generate"] + d["old_logprobs"] + d["retokenize"] + d["update"]
@@ -41,10 +52,15 @@ def _run(samples, cross, n=2):
             "trained_samples": sum(d["trained_samples"] for d in agents.values())}
 
 
-def test_cost_model_recovers_linear_costs_and_predicts_exactly():
-    meas = {"gspo": _run(64, 0), "gspo2x": _run(128, 0), "hacpo": _run(64, 64)}
+@pytest.mark.parametrize("shared", [False, True])
+def test_cost_model_recovers_linear_costs_and_predicts_exactly(shared):
+    meas = {"gspo": _run(64, 0, shared=shared), "gspo2x": _run(128, 0, shared=shared),
+            "hacpo": _run(64, 64, shared=shared)}
     rep = build_report(meas, ["a0", "a1"], kappas=(1, 4))
     cm = rep["cost_model"]
+    assert cm["shared_prompts"] is shared
+    assert cm["train_prompt_per_token"] == pytest.approx(C["tprompt"] if shared else 0.0)
+    assert cm["prompts_per_agent"] == pytest.approx(PROMPTS if shared else 0.0)
     assert cm["gen_per_token"] == pytest.approx(C["gen"])
     assert cm["old_per_token"] == pytest.approx(C["old"])
     assert cm["train_self_per_token"] == pytest.approx(C["tself"])
@@ -65,14 +81,18 @@ def test_cost_model_recovers_linear_costs_and_predicts_exactly():
         (meas["hacpo"]["step_time"] / 256) / (meas["gspo2x"]["step_time"] / 256))
 
 
-def test_per_sample_ratio_and_break_even():
-    meas = {"gspo": _run(64, 0), "hacpo": _run(64, 64)}
+@pytest.mark.parametrize("shared", [False, True])
+def test_per_sample_ratio_and_break_even(shared):
+    meas = {"gspo": _run(64, 0, shared=shared), "hacpo": _run(64, 64, shared=shared)}
     model = fit_cost_model(meas["gspo"], ["a0", "a1"], cross_from=meas["hacpo"])
     S, lp, lr = 64, 40, 10
     gen, old = C["gen"] * S * lr, C["old"] * S * (lp + lr)
-    ts, tc = C["tself"] * S * (lp + lr), C["tcross"] * S * (lp + lr)
+    trained = lr if shared else lp + lr
+    ts, tc = C["tself"] * S * trained, C["tcross"] * S * trained
+    pr = C["tprompt"] * PROMPTS * lp if shared else 0.0   # prompts trained once, any n
     rt, rew = C["retok"] * S * lr, C["rew"] * S
-    hand = (gen + old + ts + tc + rt + C["opt"] + rew) / (2 * (gen + old + ts + rew) + C["opt"])
+    hand = ((gen + old + pr + ts + tc + rt + C["opt"] + rew)
+            / (2 * (gen + old + ts + rew) + pr + C["opt"]))
     assert model.per_sample_ratio(n=2) == pytest.approx(hand)
     # the ratio falls with the decode cost towards 1/n
     rs = [model.per_sample_ratio(n=3, kappa=k) for k in (0.1, 1, 10, 1e4)]

@@ -1,5 +1,6 @@
 """update_learner: metrics are means over the right subsets whatever the micro-batching, the
-gradient does not depend on the micro-batch size or the self/cross split, and every stage is
+gradient does not depend on the micro-batch size, the self/cross split or on prompts being
+forwarded once for both parts (prompt states) versus whole sequences, and every stage is
 charged to the timer."""
 import math
 
@@ -75,13 +76,43 @@ def test_gradient_independent_of_micro_batch(setup):
     torch.testing.assert_close(w1, w64, rtol=0, atol=2e-6)
 
 
+@pytest.mark.parametrize("micro_batch", [1, 4, 64])
+def test_shared_prompt_states_equal_whole_sequences(setup, micro_batch):
+    """Prompts forwarded once per micro-batch for self and cross rows, with one backward through
+    them, give the gradient of the whole-sequence forward (share_prompts=False)."""
+    pol, view, lp_old, p_of = setup
+    assert pol.supports_prompt_states
+    state = {k: v.clone() for k, v in pol.state_dict().items()}
+    m_shared, w_shared = _run(pol, view, lp_old, p_of, micro_batch)
+    pol.load_state_dict(state)
+    pol.share_prompts = False
+    m_whole, w_whole = _run(pol, view, lp_old, p_of, micro_batch)
+    before = torch.cat([v.flatten() for k, v in state.items()
+                        if k in dict(pol.named_parameters())])
+    assert (w_whole - before).abs().max() > 1e-3
+    torch.testing.assert_close(w_shared, w_whole, rtol=0, atol=2e-6)
+    assert m_shared["loss"] == pytest.approx(m_whole["loss"], abs=1e-6)
+    # 3 prompts x 5 rows: each prompt forwarded once, also when its rows run in several
+    # micro-batches (micro_batch=1, 4)
+    plen = sum(len(view.prompt_ids[j]) for j in (0, 5, 10))
+    assert m_shared["tokens_forward_prompt"] == plen
+    assert m_whole["tokens_forward_prompt"] == 0
+
+
 def test_stages_are_timed(setup):
     pol, view, lp_old, p_of = setup
+    sw = Stopwatch()
+    _run(pol, view, lp_old, p_of, micro_batch=5, timer=sw.scoped("time/", "/p"))
+    assert set(sw) == {f"time/{k}/p" for k in ("score_prompt", "score_self", "score_cross",
+                                                "backward_prompt", "backward_self",
+                                                "backward_cross", "optimizer")}
+    assert all(v > 0 for v in sw.values())
+    pol.share_prompts = False          # whole sequences: no prompt pass
     sw = Stopwatch()
     _run(pol, view, lp_old, p_of, micro_batch=4, timer=sw.scoped("time/", "/p"))
     assert set(sw) == {f"time/{k}/p" for k in ("score_self", "score_cross", "backward_self",
                                                 "backward_cross", "optimizer")}
-    assert all(v > 0 for v in sw.values())
+    pol.share_prompts = True
     # gspo trains on self samples only: nothing is charged to cross scoring
     sw = Stopwatch()
     view_self = LearnerView(view.idx[:3], view.advantages[:3], view.omega[:3],
