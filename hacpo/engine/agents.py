@@ -87,6 +87,9 @@ def build_agents(cfg: TrainConfig, policies: list[Policy]):
     if cfg.trainer_backend == "local":
         return LocalAgents(cfg, policies)
     if cfg.trainer_backend == "ray":
+        if any(a.trainer == "megatron" for a in cfg.agents):   # tp x pp x dp rank actors
+            from hacpo.launch.megatron_trainer import MegatronAgents
+            return MegatronAgents(cfg, policies)
         from hacpo.launch.ray_trainer import RayAgents
         return RayAgents(cfg, policies)
     raise ValueError(f"unknown trainer_backend {cfg.trainer_backend!r}")

@@ -35,11 +35,73 @@ class WarmupConfig:
     batch_size: int = 32
 
 
+TRAINERS = ("torch", "megatron")
+PARALLEL_DEVICES = ("cpu", "cuda")
+
+
+@dataclass
+class ParallelConfig:
+    """A megatron trainer group's layout (``trainer = "megatron"``): tp x pp x dp rank actors
+    (hacpo/launch/megatron_trainer.py). device "cpu": gloo; "cuda": nccl, one GPU per rank."""
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    transformer_impl: str = "local"    # local | transformer_engine (CUDA only)
+    device: str = "cpu"
+
+    def __post_init__(self):
+        for k in ("tp", "pp", "dp"):
+            v = getattr(self, k)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"parallel.{k} must be an integer >= 1, got {v!r}")
+        if self.transformer_impl not in ("local", "transformer_engine"):
+            raise ValueError(f"parallel.transformer_impl must be 'local' or "
+                             f"'transformer_engine', got {self.transformer_impl!r}")
+        if self.device not in PARALLEL_DEVICES:
+            raise ValueError(f"parallel.device must be one of {', '.join(PARALLEL_DEVICES)}, "
+                             f"got {self.device!r}")
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
 @dataclass
 class AgentConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    trainer: str = "torch"         # torch (plain-torch Policy) | megatron (TP x PP x DP ranks)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)   # trainer=megatron only
+
+    def __post_init__(self):
+        if self.trainer not in TRAINERS:
+            raise ValueError(f"agent {self.policy.name!r}: unknown trainer {self.trainer!r}; "
+                             f"choose one of {', '.join(TRAINERS)}")
+        if self.trainer == "megatron":
+            _check_megatron_agent(self)
+
+
+def _check_megatron_agent(a: AgentConfig) -> None:
+    """What can be checked before the policy is built: an HF Llama/Qwen2 policy whose heads,
+    kv heads, FFN size and layers split over tp/pp (the vocabulary is the tokenizer's: checked
+    when the trainer group starts)."""
+    from hacpo.models.megatron.build import ArchSpec
+    p, par = a.policy, a.parallel
+    where = f"agent {p.name!r} (trainer=megatron)"
+    if p.kind != "hf":
+        raise ValueError(f"{where}: needs an HF policy (policy.kind='hf'), got kind={p.kind!r}")
+    if p.path is None:
+        from hacpo.models.hf import TINY_DEFAULTS
+        if p.arch not in ("llama", "qwen2"):
+            raise ValueError(f"{where}: megatron-core trains policy.arch 'llama' or 'qwen2' "
+                             f"(ArchSpec), got {p.arch!r}")
+        hf = {**TINY_DEFAULTS[p.arch], **p.hf_config, "model_type": p.arch,
+              "vocab_size": par.tp}    # placeholder: the tokenizer's size is checked later
+        try:
+            ArchSpec.from_hf(hf).check_parallel(par.tp, par.pp)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
 
 
 ROLLOUT_ENGINES = ("local", "ray", "vllm")
@@ -56,6 +118,9 @@ class RolloutConfig:
     engines_per_agent: int = 1     # ray/vllm: rollout actors per agent
     ray_address: str = ""          # ray/vllm: "" starts a private local cluster; else join it
     max_engine_restarts: int = 3   # ray/vllm: a dead rollout actor is restarted this often
+    call_timeout_s: float = 1800.0  # ray/vllm: a generate/sync call not answered within this
+                                    # (a hung actor) kills and restarts the actor, as if dead,
+                                    # and re-sends the call; 0: no limit
 
     def __post_init__(self):
         if self.group_size < 1 or self.max_new_tokens < 1:
@@ -67,6 +132,9 @@ class RolloutConfig:
         if self.engines_per_agent < 1 or self.max_engine_restarts < 0:
             raise ValueError(f"rollout.engines_per_agent must be >= 1 and max_engine_restarts "
                              f">= 0, got {self.engines_per_agent}, {self.max_engine_restarts}")
+        if not self.call_timeout_s >= 0:
+            raise ValueError(f"rollout.call_timeout_s must be >= 0 (0: no limit), got "
+                             f"{self.call_timeout_s}")
 
 
 @dataclass
@@ -117,6 +185,11 @@ class TrainConfig(ConfigMixin):
     threads: int = 0                # torch intra-op threads (0: torch's default)
     trainer_backend: str = "local"  # local (policies train in-process) | ray (one Ray actor
                                     # per agent: hacpo/launch/ray_trainer.py; TRAINER_BACKENDS)
+    trainer_setup_hook: str = ""    # "module:function" run first in every megatron trainer
+                                    # rank process (site setup; e.g. the CPU tests' patches)
+    trainer_call_timeout_s: float = 3600.0  # trainer_backend=ray: a trainer actor call not
+                                    # answered within this is an error (actor killed; resume
+                                    # with --resume); 0: no limit
     profile_sync: bool = False      # synchronize the device around each timed stage (exact
                                     # per-stage GPU times, lower throughput; `hacpo profile`)
     out_dir: str = "runs/hacpo"
@@ -136,16 +209,41 @@ class TrainConfig(ConfigMixin):
         if self.trainer_backend not in TRAINER_BACKENDS:
             raise ValueError(f"unknown trainer_backend {self.trainer_backend!r}; choose one of "
                              f"{', '.join(TRAINER_BACKENDS)}")
+        megatron = [a.policy.name for a in self.agents if a.trainer == "megatron"]
+        if megatron and self.trainer_backend != "ray":
+            raise ValueError(f"agents {megatron} use trainer=megatron, which runs as Ray rank "
+                             f"actors: set trainer_backend=ray (got {self.trainer_backend!r})")
+        if megatron and self.algorithm.loss.kl_coef > 0:
+            raise ValueError(f"trainer=megatron (agents {megatron}) does not support the KL "
+                             f"term yet (no reference policy on the ranks): set "
+                             f"algorithm.loss.kl_coef=0, got {self.algorithm.loss.kl_coef}")
+        if self.trainer_setup_hook and not _is_hook(self.trainer_setup_hook):
+            raise ValueError(f"trainer_setup_hook must look like 'package.module:function', "
+                             f"got {self.trainer_setup_hook!r}")
+        if not self.trainer_call_timeout_s >= 0:
+            raise ValueError(f"trainer_call_timeout_s must be >= 0 (0: no limit), got "
+                             f"{self.trainer_call_timeout_s}")
 
 
 # Keys that may change between a run and its resumption (they do not change the math).
 RESUMABLE_KEYS = {"steps", "out_dir", "cache_dir", "progress", "plots", "tensorboard",
                   "checkpoint_every", "eval_every", "threads", "micro_batch", "profile_sync",
-                  "trainer_backend"}   # the backends give bit-identical results
+                  "trainer_backend",   # the backends give bit-identical results
+                  "trainer_call_timeout_s", "trainer_setup_hook"}
+# Nested keys that may change on resumption too (time limits are no part of the math).
+RESUMABLE_NESTED_KEYS = {("rollout", "call_timeout_s")}
 
 
 def fingerprint_dict(cfg: TrainConfig) -> dict[str, Any]:
-    return {k: v for k, v in cfg.to_dict().items() if k not in RESUMABLE_KEYS}
+    d = {k: v for k, v in cfg.to_dict().items() if k not in RESUMABLE_KEYS}
+    for section, key in RESUMABLE_NESTED_KEYS:
+        d.get(section, {}).pop(key, None)
+    return d
+
+
+def _is_hook(spec: str) -> bool:
+    mod, sep, fn = spec.partition(":")
+    return bool(sep) and all(p.isidentifier() for p in mod.split(".")) and fn.isidentifier()
 
 
 _MISSING = "<missing>"

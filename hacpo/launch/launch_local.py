@@ -5,7 +5,10 @@ Starts a Ray head (``ray start --head --block``, its own temp dir, loopback, no 
 (``--ray-timeout``), runs the driver ``hacpo train ... --set rollout.engine=ray
 rollout.ray_address=127.0.0.1:PORT`` as a child process, then tears the cluster down by
 signalling the processes it started (never ``ray stop``, which would stop every Ray on the
-machine) and removes the temp dir. Exits with the driver's exit code.
+machine) and removes the temp dir. Exits with the driver's exit code. With ``--wait-timeout
+S``, a launch not finished S seconds after it started (Ray bring-up included) kills the
+driver's process group (SIGTERM, SIGKILL after 10 s), tears the cluster down the same way and
+exits 124 naming the driver's process group, the elapsed time and where the logs are.
 """
 from __future__ import annotations
 
@@ -20,7 +23,8 @@ import time
 from pathlib import Path
 
 from .ray_wait import ClusterTimeout, Node, wait_for_cluster
-from .slurm import LaunchError, check_resources, driver_argv, load_run
+from .slurm import (LaunchError, WaitTimeout, check_resources, check_wait_timeout, driver_argv,
+                    load_run)
 
 _HOST = "127.0.0.1"
 
@@ -52,8 +56,29 @@ def _stop(procs: list[subprocess.Popen], grace_s: float = 30.0) -> None:
             p.wait()
 
 
+def _kill_group(p: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM the process group of ``p`` (started in its own session), SIGKILL it after
+    ``grace_s``, and reap ``p``."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, None)):
+        try:
+            os.killpg(p.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            p.wait(timeout=wait_s)
+            if sig == signal.SIGTERM:   # the leader is gone; end the rest of its group too
+                os.killpg(p.pid, signal.SIGKILL)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+        except (ProcessLookupError, PermissionError):
+            return
+
+
 def launch_local(args) -> int:
+    t_start = time.time()
     cfg = load_run(args)
+    check_wait_timeout(args.wait_timeout)
     if args.workers < 0:
         raise LaunchError(f"--workers must be >= 0, got {args.workers}")
     cpus = args.cpus_per_node or os.cpu_count() or 1
@@ -79,7 +104,19 @@ def launch_local(args) -> int:
         node_args.append(f"--object-store-memory={args.object_store_mb * 1024 * 1024}")
     procs: list[subprocess.Popen] = []
     nodes: list[Node] = []
+    driver: subprocess.Popen | None = None
+    wall = None if args.wait_timeout is None else t_start + args.wait_timeout
     deadline = time.time() + args.ray_timeout
+    if wall is not None:
+        deadline = min(deadline, wall)
+
+    def timed_out(phase: str) -> WaitTimeout:
+        return WaitTimeout(
+            f"the local launch did not finish within --wait-timeout {args.wait_timeout:g}s "
+            f"({phase}; {time.time() - t_start:.0f}s elapsed): "
+            + (f"killed the driver's process group {driver.pid} and " if driver else "")
+            + f"stopped the Ray cluster; Ray logs: {log_dir}/, run dir: {run_dir}"
+            + (" (the driver's output is above)" if driver else ""))
 
     def start(name, extra):
         log = log_dir / f"ray-{name}.log"
@@ -101,11 +138,24 @@ def launch_local(args) -> int:
               flush=True)
         argv = driver_argv(args, cfg, sys.executable) + [f"rollout.ray_address={address}"]
         print("[hacpo launch] driver: " + " ".join(argv), flush=True)
-        rc = subprocess.call(argv, env=env)
+        # its own session: on a timeout (or if this launcher is interrupted) the whole driver
+        # process group is ended, whatever it started
+        driver = subprocess.Popen(argv, env=env, start_new_session=True)
+        try:
+            rc = driver.wait(timeout=None if wall is None else max(0.0, wall - time.time()))
+        except subprocess.TimeoutExpired:
+            print(f"[hacpo launch] --wait-timeout {args.wait_timeout:g}s passed: ending the "
+                  f"driver (process group {driver.pid}) and the Ray cluster", flush=True)
+            _kill_group(driver)
+            raise timed_out("the driver was still running") from None
         print(f"[hacpo launch] driver exited with {rc}", flush=True)
         return rc
     except ClusterTimeout as e:
+        if wall is not None and time.time() >= wall:
+            raise timed_out(f"Ray was still coming up: {e}") from None
         raise LaunchError(str(e)) from None
     finally:
+        if driver is not None and driver.poll() is None:   # interrupted: end it too
+            _kill_group(driver)
         _stop(procs)
         shutil.rmtree(tmp, ignore_errors=True)

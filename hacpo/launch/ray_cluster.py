@@ -80,6 +80,34 @@ class RayCluster:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
+def call_deadline(timeout_s: float) -> float | None:
+    """The ``time.monotonic()`` by which a call sent now must answer (None: ``timeout_s`` 0,
+    no limit)."""
+    return time.monotonic() + timeout_s if timeout_s > 0 else None
+
+
+def next_ready(refs, deadlines: dict) -> tuple[object, bool]:
+    """Block until one of ``refs`` (ObjectRefs of actor calls) is ready or the earliest of
+    their deadlines passes: a hung actor (alive, never answering) costs at most its deadline.
+
+    ``deadlines`` maps a ref to an absolute ``time.monotonic()`` (a ref not in it, or mapped
+    to None, waits without limit). Returns ``(ref, False)`` for a ref that is ready (results
+    are taken before deadlines), or ``(ref, True)`` for one whose deadline passed first."""
+    import ray
+    refs = list(refs)
+    while True:
+        limits = [d for r in refs if (d := deadlines.get(r)) is not None]
+        wait_s = None if not limits else max(0.0, min(limits) - time.monotonic())
+        done, _ = ray.wait(refs, num_returns=1, timeout=wait_s)
+        if done:
+            return done[0], False
+        now = time.monotonic()
+        for r in refs:
+            d = deadlines.get(r)
+            if d is not None and d <= now:
+                return r, True
+
+
 def _host_port(address: str) -> tuple[str, int] | None:
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or "/" in host:

@@ -25,6 +25,11 @@ sample with the same :func:`hacpo.models.generation.generate` as the in-process 
   (same prompts, same RNG state, latest weights version) and keeps the other shards'
   results: no sample is lost or counted twice. Restarts are counted per actor
   (:meth:`RayRolloutEngine.stats`); one past the budget is an error naming agent and actor.
+- **Hangs.** An actor that is alive but does not answer a call (generate or weight load)
+  within ``rollout.call_timeout_s`` (0: no limit) is killed (``ray.kill``, Ray restarts it)
+  and treated as one that died: the restart is counted against the same budget, the call is
+  re-sent identically once the new process answers, and ``stats()["timeouts"]`` counts it.
+  Past the budget the error names the agent, the actor, the timeout and its config key.
 """
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ from typing import Any
 
 import ray
 import torch
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -44,9 +49,12 @@ from hacpo.models.generation import Rollout, generate
 from hacpo.engine.rollout import GeneratorState, agent_generators
 from hacpo.models.policy import Policy
 
-from .ray_cluster import RayCluster, connect
+from .ray_cluster import RayCluster, call_deadline, connect, next_ready
 
 log = logging.getLogger("hacpo")
+
+# After a hung actor is killed, its call must fail (the kill took) within this many seconds.
+KILL_GRACE_S = 60.0
 
 
 class RolloutActor:
@@ -152,6 +160,9 @@ class RayRolloutEngine(GeneratorState):
         self._weights: list[tuple[int, Any] | None] = [None] * len(policies)
         self._pids: list[list[int | None]] = []
         self._restarts = [[0] * r.engines_per_agent for _ in policies]
+        self._timeouts = [[0] * r.engines_per_agent for _ in policies]
+        self.call_timeout_s = r.call_timeout_s
+        self.start_timeout_s = start_timeout_s
         self._retried_calls = 0
         self._closed = False
         need = len(policies) * r.engines_per_agent * self.cpus_per_actor
@@ -234,33 +245,101 @@ class RayRolloutEngine(GeneratorState):
                     f"{self.max_restarts} exhausted")
         self._pids[agent][j] = pid
 
-    def _call(self, agent: int, indices, submit, on_result) -> None:
+    def _timed_out(self, agent: int, j: int, what: str) -> None:
+        """Actor (agent, j) has not answered a ``what`` call within rollout.call_timeout_s:
+        kill it and count the restart Ray makes (as for a dead actor), or fail."""
+        self._timeouts[agent][j] += 1
+        self._restarts[agent][j] += 1
+        self._pids[agent][j] = None         # a new process is expected
+        n = self._restarts[agent][j]
+        actor = self._actors[agent][j]
+        if n > self.max_restarts:
+            ray.kill(actor, no_restart=True)     # hung: do not leave it holding its CPU
+            raise RuntimeError(
+                f"rollout actor {j} of agent {self.names[agent]!r} did not answer a {what} "
+                f"call within rollout.call_timeout_s={self.call_timeout_s:g} s and was killed; "
+                f"that is its restart {n} and rollout.max_engine_restarts={self.max_restarts} "
+                f"is exhausted (raise rollout.call_timeout_s if calls are legitimately this "
+                f"slow)")
+        log.warning("rollout actor %d of agent %r did not answer a %s call within %g s "
+                    "(rollout.call_timeout_s): killed it; restart %d/%d, retrying its request",
+                    j, self.names[agent], what, self.call_timeout_s, n, self.max_restarts)
+        ray.kill(actor, no_restart=False)        # Ray restarts it in its bundle
+
+    def _await_restart(self, agent: int, j: int) -> None:
+        """After a killed call has failed: wait until Ray's new process answers (within the
+        start timeout), so the re-sent call's time limit does not include the restart."""
+        what = f"restarted rollout actor {j} of agent {self.names[agent]!r}"
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            try:
+                pid = ray.get(self._actors[agent][j].ready.remote(),
+                              timeout=max(0.1, deadline - time.monotonic()))
+                break
+            except ActorUnavailableError:          # still restarting
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{what} did not start within "
+                                       f"{self.start_timeout_s:g} s") from None
+                time.sleep(0.2)
+            except (GetTimeoutError, RayActorError) as e:
+                raise RuntimeError(f"{what} did not start within {self.start_timeout_s:g} s: "
+                                   f"{type(e).__name__}: {e}") from e
+        self._pids[agent][j] = pid
+
+    def _call(self, agent: int, indices, submit, on_result, what: str) -> None:
         """``submit(j) -> ObjectRef`` for every actor index j in ``indices``; a call whose actor
-        died is re-sent, identical, once Ray has restarted it; ``on_result(j, value)``."""
-        pending = {submit(j): j for j in indices}
+        died, or did not answer within rollout.call_timeout_s (the actor is then killed), is
+        re-sent, identical, once Ray has restarted it; ``on_result(j, value)``."""
+        pending: dict[Any, int] = {}
+        deadlines: dict[Any, float | None] = {}
+        killed: set[int] = set()        # killed for a timeout; their call has not failed yet
+
+        def send(j: int) -> None:
+            ref = submit(j)
+            pending[ref] = j
+            deadlines[ref] = call_deadline(self.call_timeout_s)
+
+        for j in indices:
+            send(j)
         unavailable_since: dict[int, float] = {}
         while pending:
-            done, _ = ray.wait(list(pending), num_returns=1)
-            ref = done[0]
-            j = pending.pop(ref)
+            ref, late = next_ready(pending, deadlines)
+            j = pending[ref]
+            if late:
+                if j in killed:
+                    raise RuntimeError(
+                        f"rollout actor {j} of agent {self.names[agent]!r} was killed after "
+                        f"not answering a {what} call within rollout.call_timeout_s="
+                        f"{self.call_timeout_s:g} s, but its call has not failed "
+                        f"{KILL_GRACE_S:g} s later: the kill did not take")
+                self._timed_out(agent, j, what)
+                killed.add(j)
+                deadlines[ref] = time.monotonic() + KILL_GRACE_S
+                continue
+            del pending[ref], deadlines[ref]
             try:
                 value = ray.get(ref)
-            except ActorUnavailableError as e:  # transient (e.g. restarting): not a new death
-                t0 = unavailable_since.setdefault(j, time.monotonic())
-                if time.monotonic() - t0 > 120:
-                    raise RuntimeError(f"rollout actor {j} of agent {self.names[agent]!r} "
-                                       f"unavailable for 120 s: {e}") from e
-                time.sleep(0.2)
-                self._retried_calls += 1
-                pending[submit(j)] = j
-                continue
             except RayActorError as e:
-                self._died(agent, j, e)
+                if j in killed:                 # the kill took: counted in _timed_out
+                    killed.discard(j)
+                    self._await_restart(agent, j)
+                elif isinstance(e, ActorUnavailableError):  # transient (e.g. restarting):
+                    t0 = unavailable_since.setdefault(j, time.monotonic())   # not a new death
+                    if time.monotonic() - t0 > 120:
+                        raise RuntimeError(f"rollout actor {j} of agent "
+                                           f"{self.names[agent]!r} unavailable for 120 s: "
+                                           f"{e}") from e
+                    time.sleep(0.2)
+                else:
+                    self._died(agent, j, e)
                 self._retried_calls += 1
-                pending[submit(j)] = j
+                send(j)
                 continue
             unavailable_since.pop(j, None)
             on_result(j, value)
+            if j in killed:     # answered just before the kill: keep it; the restart that
+                killed.discard(j)   # follows is counted already, so its new pid is expected
+                self._pids[agent][j] = None
 
     # -- RolloutEngine ----------------------------------------------------------------------------
     def sync_weights(self, agent: int) -> None:
@@ -275,7 +354,7 @@ class RayRolloutEngine(GeneratorState):
         def submit(j):
             return actors[j].load_weights.remote(version, ref)
         self._call(agent, range(len(actors)), submit,
-                   lambda j, pid: self._seen_pid(agent, j, pid))
+                   lambda j, pid: self._seen_pid(agent, j, pid), "load_weights")
 
     def generate(self, agent: int, prompt_ids, *, num_samples: int, max_new_tokens: int,
                  temperature: float, top_p: float) -> Rollout:
@@ -312,14 +391,18 @@ class RayRolloutEngine(GeneratorState):
                                    f"{weights[0][0]}")
             parts[j], new_states[j] = ro, state
 
-        self._call(agent, range(len(bounds)), submit, on_result)
+        self._call(agent, range(len(bounds)), submit, on_result, "generate")
         self.generators[agent].set_state(new_states[0] if len(bounds) == 1 else gen.get_state())
         return parts[0] if len(parts) == 1 else merge_rollouts(parts, self.names[agent])
 
     def stats(self) -> dict:
-        """Fault counters: total restarts, per agent and actor, and calls re-sent."""
+        """Fault counters: total restarts (deaths and timeouts), per agent and actor; calls
+        that timed out (rollout.call_timeout_s), in total and per agent and actor; calls
+        re-sent."""
         return {"restarts": sum(map(sum, self._restarts)),
                 "restarts_per_actor": {n: list(r) for n, r in zip(self.names, self._restarts)},
+                "timeouts": sum(map(sum, self._timeouts)),
+                "timeouts_per_actor": {n: list(r) for n, r in zip(self.names, self._timeouts)},
                 "retried_calls": self._retried_calls}
 
     def close(self) -> None:

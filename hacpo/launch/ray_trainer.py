@@ -22,7 +22,8 @@ its own placement group holds that agent's policy, its AdamW optimizer and, when
 Policies reach the actors pickled (``ray.put``), tokenizer and architecture included, as in
 :mod:`hacpo.launch.ray_rollout`. Actors are not restarted (``max_restarts = 0``): an
 optimizer's state cannot be rebuilt mid-step, so a dead actor is a clear error naming its
-agent, and the run continues from its last checkpoint with ``--resume``.
+agent, and the run continues from its last checkpoint with ``--resume``. So is one that is
+alive but does not answer a call within ``trainer_call_timeout_s`` (it is killed first).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from .ray_cluster import RayCluster, connect  # first: its environment must prec
 
 import ray  # noqa: E402
 import torch
-from ray.exceptions import RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -205,9 +206,19 @@ class RayAgents:
         return self._actors[k]
 
     def _get(self, k: int, ref):
-        """ray.get of agent k's call; a dead actor is a clear error, not a hang."""
+        """ray.get of agent k's call; a dead actor, or one that does not answer within
+        ``trainer_call_timeout_s`` (0: no limit; it is killed), is a clear error, not a hang."""
+        timeout_s = getattr(self.cfg, "trainer_call_timeout_s", 0)
         try:
-            return ray.get(ref)
+            return ray.get(ref, timeout=timeout_s if timeout_s > 0 else None)
+        except GetTimeoutError:
+            ray.kill(self._actors[k], no_restart=True)
+            raise RuntimeError(
+                f"the trainer actor of agent {self.names[k]!r} did not answer a call within "
+                f"trainer_call_timeout_s={timeout_s:g} s (alive but hung) and was killed; its "
+                f"policy and optimizer state cannot be recovered mid-step: resume the run from "
+                f"its last checkpoint with --resume (and raise trainer_call_timeout_s if its "
+                f"steps are legitimately this slow)") from None
         except RayActorError as e:
             raise RuntimeError(
                 f"the trainer actor of agent {self.names[k]!r} died ({type(e).__name__}); its "

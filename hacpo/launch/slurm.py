@@ -14,7 +14,9 @@ submitted), writes an sbatch script into the run dir and submits it. The script:
    processes) and removes the Ray temp dir. Never ``ray stop``: on a shared machine it would
    stop every Ray there.
 
-``--wait`` polls the job until it ends and reports its state and exit code.
+``--wait`` polls the job until it ends and reports its state and exit code; with
+``--wait-timeout S`` a job not finished S seconds after submission (queue time included) is
+cancelled (``scancel``) and the command exits 124 naming the job, the elapsed time and its logs.
 ``hacpo launch local`` (:mod:`hacpo.launch.launch_local`) does the same without Slurm.
 """
 from __future__ import annotations
@@ -34,6 +36,17 @@ _LAUNCHER_KEYS = ("rollout.engine", "rollout.ray_address")
 
 class LaunchError(RuntimeError):
     """Bad launch input or a failed submission: printed as ``hacpo launch: error: ...``."""
+    exit_code = 2
+
+
+class WaitTimeout(LaunchError):
+    """``--wait-timeout`` passed: the job was cancelled (exit code 124, as ``timeout(1)``)."""
+    exit_code = 124
+
+
+def check_wait_timeout(value: float | None) -> None:
+    if value is not None and not value > 0:
+        raise LaunchError(f"--wait-timeout must be > 0 seconds, got {value:g}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -292,7 +305,7 @@ def wait_job(job_id: str, *, poll_s: float = 2.0, timeout_s: float | None = None
         if st[0] in _DONE:
             return st
         if timeout_s is not None and time.time() - t0 > timeout_s:
-            raise LaunchError(f"job {job_id} still {st[0]} after {timeout_s:g}s")
+            raise WaitTimeout(f"job {job_id} still {st[0]} after {timeout_s:g}s")
         time.sleep(poll_s)
 
 
@@ -301,6 +314,9 @@ def launch_slurm(args) -> int:
     check_resources(cfg, args.nodes, args.cpus_per_node, args.gpus_per_node)
     if args.ray_timeout <= 0:
         raise LaunchError(f"--ray-timeout must be > 0, got {args.ray_timeout}")
+    check_wait_timeout(args.wait_timeout)
+    if args.wait_timeout is not None and not args.wait:
+        raise LaunchError("--wait-timeout needs --wait")
     script = render_sbatch(args, cfg)
     if args.dry_run:
         print(script, end="")
@@ -310,20 +326,87 @@ def launch_slurm(args) -> int:
     (run_dir / "slurm").mkdir(parents=True, exist_ok=True)
     path = run_dir / "slurm" / "job.sbatch"
     path.write_text(script)
+    t0 = time.time()
     job_id = submit(path)
     out = run_dir / "slurm" / f"slurm-{job_id}.out"
     print(f"[hacpo launch] submitted job {job_id} ({args.nodes} nodes): script {path}, "
           f"output {out}", flush=True)
     if not args.wait:
         return 0
-    state, code = wait_job(job_id, poll_s=args.poll)
+    try:
+        state, code = wait_job(job_id, poll_s=args.poll, timeout_s=args.wait_timeout)
+    except WaitTimeout as e:
+        _print_tail(out)
+        raise WaitTimeout(_cancel(job_id, t0, args.wait_timeout, str(e), out,
+                                  run_dir / "slurm" / f"job-{job_id}", args.poll)) from None
     ok = state == "COMPLETED" and code.split(":")[0] == "0"
     print(f"[hacpo launch] job {job_id} finished: state {state}, exit code {code}", flush=True)
-    if not ok and out.exists():
-        tail = out.read_text(errors="replace").splitlines()[-20:]
+    if not ok:
+        _print_tail(out)
+    return 0 if ok else 1
+
+
+def _print_tail(out: Path, n: int = 20) -> None:
+    if out.exists():
+        tail = out.read_text(errors="replace").splitlines()[-n:]
         print(f"[hacpo launch] last lines of {out}:\n" + "\n".join("  | " + t for t in tail),
               file=sys.stderr)
-    return 0 if ok else 1
+
+
+# After the job is signalled: how long it may take to end (the driver exits, then the job's
+# cleanup ends its Ray steps, up to 30 s) before it is cancelled outright.
+CANCEL_GRACE_S = 90.0
+
+
+def _scancel(*args: str) -> str | None:
+    """``scancel ARGS``; None, or what went wrong."""
+    p = subprocess.run([_slurm_bin("scancel"), *args], capture_output=True, text=True)
+    if p.returncode != 0:
+        return f"`scancel {' '.join(args)}` failed (exit {p.returncode}: " \
+               f"{(p.stderr or p.stdout).strip()})"
+    return None
+
+
+def _ended(job_id: str, poll_s: float, timeout_s: float) -> str | None:
+    """The job's final state once it has one (within ``timeout_s``), else None."""
+    try:
+        return wait_job(job_id, poll_s=min(poll_s, 2.0), timeout_s=timeout_s,
+                        echo=lambda *_: None)[0]
+    except WaitTimeout:
+        return None
+    except LaunchError:         # Slurm has no record left: it has ended
+        return "ended (no record left)"
+
+
+def _cancel(job_id: str, t0: float, timeout_s: float, why: str, out: Path, ray_logs: Path,
+            poll_s: float) -> str:
+    """End the job; returns the message for the error: job, elapsed time, how it was ended,
+    its final state, where its logs are.
+
+    A running job first gets SIGTERM everywhere (``scancel --full --signal=TERM``): the
+    driver exits and the job script's own cleanup ends its Ray steps and removes their temp
+    dir, which a plain ``scancel`` could cut short after Slurm's KillWait. A job that has not
+    ended CANCEL_GRACE_S later, or was not running, is cancelled (``scancel``)."""
+    st = job_state(job_id)
+    how, state = [], None
+    if st is not None and st[0] in _DONE:         # it ended just now
+        how.append("it ended meanwhile")
+        state = st[0]
+    elif st is not None and st[0] == "RUNNING":
+        err = _scancel("--full", "--signal=TERM", job_id)
+        how.append(err or "sent SIGTERM to its script, driver and Ray steps (scancel --full "
+                          "--signal=TERM)")
+        if err is None:
+            state = _ended(job_id, poll_s, CANCEL_GRACE_S)
+    if state is None:
+        err = _scancel(job_id)
+        how.append(err or f"cancelled it (scancel {job_id})")
+        state = _ended(job_id, poll_s, CANCEL_GRACE_S)
+    ended = (f"final state {state}" if state is not None else
+             f"it has not ended {CANCEL_GRACE_S:g}s later; check `squeue -j {job_id}`")
+    return (f"job {job_id} did not finish within --wait-timeout {timeout_s:g}s ({why}; "
+            f"{time.time() - t0:.0f}s since submission): {', then '.join(how)}; {ended}. Job "
+            f"output: {out}; Ray logs: {ray_logs}/")
 
 
 # --------------------------------------------------------------------------------------------
@@ -347,13 +430,20 @@ def _add_run_args(p) -> None:
                    help="seconds for the whole Ray cluster to come up (default 300)")
 
 
+def _add_wait_timeout(p, what: str) -> None:
+    p.add_argument("--wait-timeout", type=float, default=None, metavar="SECONDS",
+                   help=f"{what}; then it is cancelled, nothing of it is left running, and "
+                        f"the command exits 124 naming the job, the elapsed time and its logs "
+                        f"(default: no limit)")
+
+
 def _run(fn):
     def call(args) -> int:
         try:
             return fn(args)
         except LaunchError as e:
             print(f"hacpo launch: error: {e}", file=sys.stderr)
-            return 2
+            return e.exit_code
     return call
 
 
@@ -379,10 +469,14 @@ def add_launch_parser(subparsers) -> None:
     s.add_argument("--wait", action="store_true",
                    help="poll until the job ends; exit 0 only if it COMPLETED with exit 0")
     s.add_argument("--poll", type=float, default=5.0, help="--wait poll period in seconds")
+    _add_wait_timeout(s, "with --wait: the most seconds the job may take from submission "
+                         "(queue time included)")
     s.set_defaults(func=_run(launch_slurm))
     loc = sub.add_parser("local", help="the same on this machine without Slurm: a Ray head "
                                        "(+ --workers local worker nodes), the driver, teardown")
     loc.add_argument("--workers", type=int, default=0, help="extra local Ray worker nodes")
     loc.add_argument("--gpus-per-node", type=int, default=0)
     _add_run_args(loc)
+    _add_wait_timeout(loc, "the most seconds the whole launch (Ray bring-up and the driver) "
+                           "may take")
     loc.set_defaults(func=_run(launch_local))

@@ -34,7 +34,10 @@ in-process sampler returns.
 - **Faults.** An engine that dies (actor killed, process crash) is restarted with the last
   synced weights and the failed call is re-sent with the same seeds, at most
   ``rollout.max_engine_restarts`` times per engine; past that, a ``RuntimeError`` names the
-  agent and the engine. A call either returns every sample once or raises.
+  agent and the engine. A call either returns every sample once or raises. An engine that is
+  alive but does not answer a call (generate or weight load) within ``rollout.call_timeout_s``
+  (0: no limit) is killed and handled the same way (restart, same seeds, same budget), counted
+  in ``stats()["timeouts"]``.
 """
 from __future__ import annotations
 
@@ -53,7 +56,8 @@ from hacpo.models.generation import Rollout, check_generate_args, empty_rollout
 from hacpo.engine.rollout import GeneratorState, agent_generators
 from hacpo.models.policy import Policy
 
-from .ray_cluster import connect   # before any `import ray`: it sets Ray's loopback-only env
+# before any `import ray`: ray_cluster sets Ray's loopback-only env
+from .ray_cluster import call_deadline, connect, next_ready
 
 log = logging.getLogger("hacpo")
 
@@ -194,6 +198,7 @@ class VLLMRolloutEngine(GeneratorState):
         ro = cfg.rollout
         self.engines_per_agent = ro.engines_per_agent
         self.max_restarts = ro.max_engine_restarts
+        self.call_timeout_s = ro.call_timeout_s
         self.threads = cfg.threads if getattr(cfg, "threads", 0) > 0 else 1
         self.start_timeout_s = start_timeout_s
         self.seed = cfg.seed
@@ -202,6 +207,7 @@ class VLLMRolloutEngine(GeneratorState):
         n = len(policies)
         self.actors: list[list] = [[None] * self.engines_per_agent for _ in range(n)]
         self.restarts = [[0] * self.engines_per_agent for _ in range(n)]
+        self.timeouts = [[0] * self.engines_per_agent for _ in range(n)]
         self._weights: list = [None] * n      # ObjectRef of the last synced weights
         self._version = [0] * n
         self._cluster = None
@@ -262,42 +268,68 @@ class VLLMRolloutEngine(GeneratorState):
             log.info("%s started: pid %s, vllm %s", self._label(k, j), info["pid"],
                      info["vllm"])
 
-    def _restart(self, k: int, j: int, err: Exception) -> None:
-        """Replace a dead engine (same agent, last synced weights) or raise past the budget."""
+    def _restart(self, k: int, j: int, err: Exception | None, hung: str | None = None) -> None:
+        """Replace a dead engine (same agent, last synced weights) or raise past the budget.
+        ``hung``: the call the (live) engine did not answer within rollout.call_timeout_s;
+        it is killed first."""
         import ray
 
-        if self.restarts[k][j] >= self.max_restarts:
-            raise RuntimeError(
-                f"{self._label(k, j)} died and has already been restarted "
-                f"{self.restarts[k][j]} times (rollout.max_engine_restarts="
-                f"{self.max_restarts}): {type(err).__name__}: {err}") from err
-        self.restarts[k][j] += 1
-        log.warning("%s died (%s); restarting it (%d/%d)", self._label(k, j),
-                    type(err).__name__, self.restarts[k][j], self.max_restarts)
+        if hung is not None:
+            self.timeouts[k][j] += 1
+            what = (f"did not answer a {hung} call within rollout.call_timeout_s="
+                    f"{self.call_timeout_s:g} s (killed)")
+        else:
+            what = "died"
         try:
-            ray.kill(self.actors[k][j], no_restart=True)
+            ray.kill(self.actors[k][j], no_restart=True)   # a hung engine must not linger
         except Exception:  # already gone
             pass
+        if self.restarts[k][j] >= self.max_restarts:
+            raise RuntimeError(
+                f"{self._label(k, j)} {what} and has already been restarted "
+                f"{self.restarts[k][j]} times (rollout.max_engine_restarts="
+                f"{self.max_restarts})"
+                + ("; raise rollout.call_timeout_s if calls are legitimately this slow"
+                   if hung is not None else f": {type(err).__name__}: {err}")) from err
+        self.restarts[k][j] += 1
+        log.warning("%s %s%s; restarting it (%d/%d)", self._label(k, j), what,
+                    "" if hung is not None else f" ({type(err).__name__})",
+                    self.restarts[k][j], self.max_restarts)
         self.actors[k][j] = self._new_actor(k)
         self._wait_started([(k, j)])
 
-    def _run(self, k: int, submit, on_result, shards: Sequence[int]) -> None:
+    def _run(self, k: int, submit, on_result, shards: Sequence[int], what: str) -> None:
         """Call ``submit(j) -> ObjectRef`` on engines ``shards`` of agent k in parallel and pass
-        each result to ``on_result(j, value)``; a dead engine is restarted and its call re-sent
-        (the same arguments, so the same samples)."""
+        each result to ``on_result(j, value)``; a dead engine, or one that has not answered
+        within rollout.call_timeout_s, is restarted and its call re-sent (the same arguments,
+        so the same samples)."""
         import ray
         from ray.exceptions import RayActorError
 
-        pending = {j: submit(j) for j in shards}
+        pending: dict = {}          # ref -> engine index
+        deadlines: dict = {}        # ref -> time.monotonic() deadline (None: no limit)
+
+        def send(j):
+            ref = submit(j)
+            pending[ref] = j
+            deadlines[ref] = call_deadline(self.call_timeout_s)
+
+        for j in shards:
+            send(j)
         while pending:
-            j, ref = next(iter(pending.items()))
+            ref, late = next_ready(pending, deadlines)
+            j = pending.pop(ref)
+            del deadlines[ref]
+            if late:                # the old call is abandoned with its killed engine
+                self._restart(k, j, None, hung=what)
+                send(j)
+                continue
             try:
                 value = ray.get(ref)
             except RayActorError as e:
                 self._restart(k, j, e)
-                pending[j] = submit(j)
+                send(j)
                 continue
-            del pending[j]
             on_result(j, value)
 
     # -- RolloutEngine --------------------------------------------------------------------------
@@ -313,7 +345,7 @@ class VLLMRolloutEngine(GeneratorState):
         def submit(j):
             return self.actors[agent][j].load_weights.remote(ref, version=version)
 
-        self._run(agent, submit, lambda j, v: None, range(self.engines_per_agent))
+        self._run(agent, submit, lambda j, v: None, range(self.engines_per_agent), "load_weights")
 
     def generate(self, agent: int, prompt_ids, *, num_samples: int, max_new_tokens: int,
                  temperature: float, top_p: float) -> Rollout:
@@ -343,7 +375,7 @@ class VLLMRolloutEngine(GeneratorState):
         def on_result(j, value):
             results[j] = value
 
-        self._run(agent, submit, on_result, range(len(bounds)))
+        self._run(agent, submit, on_result, range(len(bounds)), "generate")
         samples = [x for part in results for x in part]
         if len(samples) != N:
             raise RuntimeError(f"vLLM engines of agent {agent} returned {len(samples)} samples, "
@@ -369,7 +401,10 @@ class VLLMRolloutEngine(GeneratorState):
                        truncated=trunc)
 
     def stats(self) -> dict:
-        return {"restarts": [list(r) for r in self.restarts], "versions": list(self._version)}
+        """Per agent and engine: restarts (deaths and timeouts) and calls that timed out
+        (rollout.call_timeout_s); per agent: the weights version."""
+        return {"restarts": [list(r) for r in self.restarts],
+                "timeouts": [list(r) for r in self.timeouts], "versions": list(self._version)}
 
     def _check_open(self) -> None:
         if self._closed:

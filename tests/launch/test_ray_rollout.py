@@ -173,6 +173,7 @@ def test_train_two_agents_ray_equals_local(setup, tmp_path):
     assert [r["step"] for r in r_ray] == [0, 1]
     assert _strip_times(r_ray) == _strip_times(r_loc)
     assert all(r["rollout/restarts"] == 0 and r["rollout/retried_calls"] == 0 for r in r_ray)
+    assert all(r["rollout/timeouts"] == 0 for r in r_ray)     # rollout.call_timeout_s: 1800 s
     assert s_ray["after"] == s_loc["after"] and s_ray["before"] == s_loc["before"]
     s_res, r_res = runs["ray-resumed"]
     assert _strip_times(r_res) == _strip_times(r_ray) and s_res["after"] == s_ray["after"]

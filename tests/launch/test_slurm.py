@@ -125,6 +125,8 @@ def test_dry_run_extra_options(tmp_path, capsys):
     (["--set", "rollout.group_size=0"], "group_size"),
     (["--cpus-per-node", "1"], "needs 3 Ray CPUs"),      # tiny3: 3 agents x 1 actor x 1 CPU
     (["--nodes", "0"], "--nodes must be >= 1"),
+    (["--wait-timeout", "60"], "--wait-timeout needs --wait"),
+    (["--wait", "--wait-timeout", "-1"], "--wait-timeout must be > 0 seconds, got -1"),
 ])
 def test_bad_input_fails_before_submitting(tmp_path, capsys, monkeypatch, args, message):
     """Each is a clear error, exit 2, and nothing submitted (a fake sbatch records calls)."""
@@ -311,3 +313,38 @@ def _failed_job(r, out):
     time.sleep(1)
     assert not processes_mentioning(f"hacpo-slurm-ray-{job}")
     return job, log
+
+
+@pytest.mark.slurm
+def test_slurm_wait_timeout_cancels_the_job(local_slurm, tmp_path):
+    """A run far longer than --wait-timeout 35: the job gets SIGTERM (scancel --full
+    --signal=TERM), its script ends the driver and its Ray steps and removes their temp dir;
+    --wait exits 124 naming the job, the elapsed time and its logs; nothing is left running."""
+    out = tmp_path / "run"
+    args = tiny_run_args(out, tmp_path)
+    args[args.index("steps=2")] = "steps=1000"
+    t0 = time.time()
+    r = hacpo(["launch", "slurm", "--nodes", "2", "--cpus-per-node", "2",
+               "--object-store-mb", "200", "--ray-port", str(free_port("127.0.0.2")),
+               "--ray-timeout", "240", "--wait", "--poll", "1", "--wait-timeout", "35", *args],
+              env={**local_slurm, **INHERITED_RAY_ENV}, timeout=300)
+    took = time.time() - t0
+    job = _job_id(r.stdout)
+    assert r.returncode == 124, r.stdout + r.stderr
+    m = re.search(rf"hacpo launch: error: job {job} did not finish within --wait-timeout 35s "
+                  rf"\(job {job} still RUNNING after 35s; (\d+)s since submission\): sent SIGTERM "
+                  rf"to its script, driver and Ray steps \(scancel --full --signal=TERM\); final "
+                  rf"state FAILED\. Job output: (\S+); Ray logs: (\S+)/", r.stderr)
+    assert m, r.stderr
+    assert 35 <= int(m.group(1)) < 35 + 15 and took < 35 + 60, (m.group(1), took)
+    assert Path(m.group(2)) == out / "slurm" / f"slurm-{job}.out"
+    assert Path(m.group(3)) == out / "slurm" / f"job-{job}"
+    log = Path(m.group(2)).read_text()
+    assert "driver:" in log, log             # the driver was running when the time was up
+    assert "job cancelled or timed out (signal)" in log and "ending the Ray srun steps" in log
+    assert "job exits with" in log, log      # the job's cleanup ran to its end
+    assert not (out / "metrics.jsonl").exists() or \
+        (out / "metrics.jsonl").read_text().count("\n") < 1000
+    assert not processes_mentioning(f"hacpo-slurm-ray-{job}")
+    assert not processes_mentioning(str(out)), "the driver was left running"
+    assert not Path(f"/tmp/hacpo-slurm-ray-{job}").exists()

@@ -35,7 +35,7 @@ def test_train_two_steps_with_vllm_rollouts(tmp_path, monkeypatch):
     engine, = engines
     assert type(engine).__name__ == "VLLMRolloutEngine"
     # one sync before step 0, one after each agent's update in each of the 2 steps
-    assert engine.stats() == {"restarts": [[0], [0]], "versions": [3, 3]}
+    assert engine.stats() == {"restarts": [[0], [0]], "timeouts": [[0], [0]], "versions": [3, 3]}
     assert engine._closed and ray.is_initialized() == connected   # its private cluster is gone
     assert summary["steps"] == 2 and summary["agents"] == [c.name for c in configs]
     with open(os.path.join(cfg.out_dir, "metrics.jsonl")) as f:

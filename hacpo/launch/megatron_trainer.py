@@ -1,0 +1,753 @@
+"""Megatron-core trainer groups as Ray actors: ``agents.N.trainer = "megatron"`` (with
+``trainer_backend = "ray"``).
+
+Per agent one placement group of ``tp * pp * dp`` bundles and one :class:`MegatronRank` actor per
+bundle. The ranks form a ``torch.distributed`` world of their own (gloo on CPU, nccl with
+``parallel.device = "cuda"``; rank 0 opens the rendezvous store on an OS-picked port), run
+``trainer_setup_hook`` first (a site hook, e.g. the CPU tests' CUDA->CPU patches of megatron-core),
+then :func:`~hacpo.models.megatron.build.init_parallel`, build their shard with
+:meth:`MegatronPolicy.from_hf` from the driver's HF policy and megatron's DDP + optimizer (AdamW,
+eps 1e-8, the agent's lr / betas / weight decay for every parameter, as the torch trainer's
+``torch.optim.AdamW``). The driver keeps its HF :class:`~hacpo.models.policy.Policy` as the CPU
+copy that tokenizes, evaluates and feeds every rollout engine: :meth:`MegatronAgents.pull_weights`
+gathers the shards back to HF names (``megatron_to_hf``) into it after each update.
+
+One update is :func:`hacpo.engine.update.update_learner`'s, split over the ranks:
+
+- the driver cuts the learner's view into the M minibatches (``split_minibatches`` with the
+  run's shuffle generator, which therefore advances exactly as in-process) and sends them;
+- in every minibatch the self rows and the cross rows (each ordered by prompt, as in-process)
+  are cut into ``dp`` contiguous shares, one per DP rank, and those into micro-batches of one
+  shape ``[b, S]`` (pad rows carry no loss); megatron-core's schedule runs them (1F1B at PP>1)
+  with the minibatch's *global* divisor in :func:`~hacpo.engine.algorithm.learner_loss`, so the
+  summed gradient is the whole minibatch's; per-token log-probs come from the vocab-parallel
+  logits (``hacpo.kernels.token_logprobs`` with the TP group; full logits are never gathered);
+- the minibatch loss is summed over DP; with megatron's global grad norm every rank decides the
+  same: a non-finite update is skipped (and the ranks stop at ``max_nonfinite`` in a row, where
+  the driver raises :class:`~hacpo.engine.update.NonFiniteUpdateError`), otherwise gradients are
+  clipped to ``grad_clip`` (coefficient ``grad_clip / (norm + 1e-6)``, as
+  ``clip_grad_norm_``) and the optimizer steps;
+- the driver computes the loss metrics per minibatch from the ranks' detached per-sample
+  log-probs with update.py's own ``_minibatch_metrics``: same keys and meaning as in-process.
+
+Old log-probs (the ratio's denominator) come from the same megatron shards, so the ratio is 1 at
+m = 0 up to float rounding. Held-out evaluation runs on the driver's HF copy (same weights).
+The KL term (``loss.kl_coef > 0``) is rejected by the config: no reference policy on the ranks.
+
+Stage times (``time/<stage>/<agent>``) are the reporting rank's (DP 0, TP 0, last PP stage):
+``score_self`` / ``score_cross``: its forward + log-prob + loss time of self / cross
+micro-batches; ``backward_self`` / ``backward_cross``: the rest of megatron's
+forward-backward schedule (backward, pipeline communication, the DP gradient all-reduce), which
+is not separable per part, apportioned to the parts in proportion to their forward times;
+``optimizer``: loss all-reduce, grad norm, clip and step. ``score_prompt`` /
+``backward_prompt`` stay 0 (no prompt sharing here).
+
+Agents with ``trainer = "torch"`` may share the run: each trains in a
+:class:`~hacpo.launch.ray_trainer.TrainerActor`, called exactly as ``RayAgents`` calls it.
+
+Actors are not restarted: a dead rank is a clear error naming its agent and rank, and the run
+continues from its last checkpoint with ``--resume``. A checkpoint holds the full HF-named
+weights and every rank's optimizer state with the layout (tp, pp, dp, transformer_impl) they
+belong to; loading it into another layout is an error.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import os
+import time
+from collections import defaultdict
+from datetime import timedelta
+from typing import Any
+
+from .ray_cluster import RayCluster, connect  # first: its environment must precede `import ray`
+
+import ray  # noqa: E402
+import torch
+from ray.exceptions import RayActorError
+from ray.util.placement_group import remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from hacpo.engine.algorithm import learner_loss, split_minibatches
+from hacpo.engine.agents import score_temperature
+from hacpo.engine.evaluate import evaluate_policy
+from hacpo.engine.pool import LearnerView, StepPool, scored_lengths
+from hacpo.engine.update import NonFiniteUpdateError, _minibatch_metrics, _pad
+from hacpo.models.policy import Policy
+
+from .ray_trainer import TrainerActor, rollout_cpus
+
+log = logging.getLogger("hacpo")
+
+
+def run_setup_hook(spec: str) -> None:
+    """Import ``module`` and call ``function()`` for a ``"module:function"`` spec."""
+    mod, _, fn = spec.partition(":")
+    try:
+        f = getattr(importlib.import_module(mod), fn)
+    except (ImportError, AttributeError) as e:
+        raise RuntimeError(f"trainer_setup_hook {spec!r} cannot be loaded in the trainer rank "
+                           f"process: {type(e).__name__}: {e}") from e
+    f()
+
+
+def _pack(prompts: list[list[int]], resps: list[list[int]], b: int, S: int):
+    """Rows prompt+response right-padded into ``ids`` / ``targets`` (ids shifted by one) [b, S],
+    plus the positions ``pos`` [b, T] predicting each response token and their mask [b, T]
+    (rows past ``len(prompts)`` are padding)."""
+    T = max([len(r) for r in resps] + [1])
+    ids = torch.zeros(b, S, dtype=torch.long)
+    targets = torch.zeros(b, S, dtype=torch.long)
+    pos = torch.zeros(b, T, dtype=torch.long)
+    mask = torch.zeros(b, T, dtype=torch.bool)
+    for i, (p, r) in enumerate(zip(prompts, resps)):
+        seq = torch.tensor(list(p) + list(r), dtype=torch.long)
+        ids[i, :len(seq)] = seq
+        targets[i, :len(seq) - 1] = seq[1:]
+        pos[i, :len(r)] = torch.arange(len(p) - 1, len(p) - 1 + len(r))
+        mask[i, :len(r)] = True
+    return ids, targets, pos, mask
+
+
+class MegatronRank:
+    """One rank of an agent's megatron trainer group: its shard of the policy and optimizer."""
+
+    def __init__(self, agent: str, rank: int, world: int, threads: int, setup_hook: str):
+        torch.set_num_threads(threads)
+        self.agent, self.rank, self.world = agent, rank, world
+        if setup_hook:
+            run_setup_hook(setup_hook)
+        self.pol = None
+
+    def ready(self) -> int:
+        return os.getpid()
+
+    def rendezvous(self, timeout_s: float) -> tuple[str, int]:
+        """Rank 0: open the group's TCP store on a port the OS picks (no race for a free
+        port); returns (this node's address, that port)."""
+        import torch.distributed as dist
+
+        host = ray.util.get_node_ip_address()
+        self._store = dist.TCPStore(host, 0, self.world, is_master=True,
+                                    timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        return host, self._store.port
+
+    def setup(self, addr: tuple[str, int], policy: Policy, par: dict, optim: dict, seed: int,
+              timeout_s: float) -> dict:
+        """Join the group, build this rank's shard and its optimizer; returns its layout."""
+        import torch.distributed as dist
+
+        from hacpo.models.megatron import MegatronPolicy, init_parallel
+
+        self.device = torch.device(par["device"])
+        if self.device.type == "cuda":
+            torch.cuda.set_device(0)          # Ray shows each rank its own GPU
+        timeout = timedelta(seconds=timeout_s)
+        store = self._store if self.rank == 0 else dist.TCPStore(
+            addr[0], addr[1], self.world, is_master=False, timeout=timeout)
+        dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", store=store,
+                                rank=self.rank, world_size=self.world, timeout=timeout)
+        p = init_parallel(par["tp"], par["pp"], par["dp"], seed=seed)
+        self.par = p
+        dtype = next(policy.model.parameters()).dtype
+        self.pol = MegatronPolicy.from_hf(policy.model, p, transformer_impl=par["transformer_impl"],
+                                          params_dtype=dtype)
+        if self.device.type == "cuda":
+            self.pol.model.cuda()
+        self.opt = self.pol.build_optimizer(lr=optim["lr"], weight_decay=optim["weight_decay"],
+                                            adam_beta1=optim["beta1"], adam_beta2=optim["beta2"],
+                                            adam_eps=1e-8, clip_grad=0.0)
+        self.grad_clip = optim["grad_clip"]
+        self.reporter = p.last_stage and p.tp_rank == 0      # holds per-sample results
+        return {"rank": self.rank, "tp_rank": p.tp_rank, "pp_rank": p.pp_rank,
+                "dp_rank": p.dp_rank, "pid": os.getpid()}
+
+    # -- old log-probs --------------------------------------------------------------------------
+    def old_logprobs(self, prompts: list[list[int]], responses: list[list[int]],
+                     micro_batch: int, temperature: float):
+        """Token log-probs of this DP rank's contiguous share of the rows (responses already cut
+        to their scored part, none empty): (first row, [token_logp of each row], seconds) from
+        the TP 0 / PP 0 rank of each DP replica, None elsewhere."""
+        t = time.perf_counter()
+        p, n = self.par, len(prompts)
+        lo, hi = p.dp_rank * n // p.dp, (p.dp_rank + 1) * n // p.dp
+        toks: list[torch.Tensor] = []
+        for s in range(lo, hi, micro_batch):
+            ps_, rs = prompts[s:min(s + micro_batch, hi)], responses[s:min(s + micro_batch, hi)]
+            S = max(len(a) + len(b) for a, b in zip(ps_, rs))
+            ids, targets, pos, mask = _pack(ps_, rs, len(ps_), S)
+            lp = self.pol.token_logprobs(ids.to(self.device), targets.to(self.device),
+                                         temperature=temperature).cpu()
+            tl = lp.gather(1, pos)
+            toks += [tl[i, :len(r)].clone() for i, r in enumerate(rs)]
+        if p.tp_rank != 0 or p.pp_rank != 0:
+            return None
+        return lo, toks, time.perf_counter() - t
+
+    # -- one learner update ---------------------------------------------------------------------
+    def update(self, req: dict) -> list[dict] | dict:
+        """The minibatch updates of ``req`` (see the module docstring). Returns per minibatch
+        {"finite", "loss", "grad_norm", "new_lp": {row: mean log-prob}, "tl": {row: token
+        log-probs}} (samples only on the reporting ranks) and the stage seconds."""
+        import torch.distributed as dist
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        algo, view, p = req["algo"], req["view"], self.par
+        is_self = view.is_self.tolist()
+        streak, out = req["streak"], []
+        times = defaultdict(float)
+        fb = get_forward_backward_func()
+
+        def key(j):
+            return (len(view.prompt_ids[j]), tuple(view.prompt_ids[j]), len(view.response_ids[j]))
+
+        for m, mb_list in enumerate(req["minibatches"]):
+            if algo.token_level:
+                divisor = sum(len(view.response_ids[j]) for j in mb_list)
+            else:
+                divisor = len(mb_list)
+            parts = {part: sorted((j for j in mb_list if is_self[j] == (part == "self")),
+                                  key=key) for part in ("self", "cross")}
+            shares = {part: [rows[d * len(rows) // p.dp:(d + 1) * len(rows) // p.dp]
+                             for d in range(p.dp)] for part, rows in parts.items()}
+            b = max(1, min(req["micro_batch"],
+                           max(len(s) for sh in shares.values() for s in sh)))
+            S = max(len(view.prompt_ids[j]) + len(view.response_ids[j]) for j in mb_list)
+            micro = []
+            for part in ("self", "cross"):
+                mine = shares[part][p.dp_rank]
+                for s in range(0, len(mine), b):
+                    js = mine[s:s + b]
+                    micro.append((part, js, _pack([view.prompt_ids[j] for j in js],
+                                                  [view.response_ids[j] for j in js], b, S)))
+            if not micro:                     # no rows here: one pad micro-batch keeps the
+                micro.append(("self", [], _pack([], [], b, S)))   # schedule and DP in step
+            ctx = {"total": torch.zeros((), device=self.device), "fwd": defaultdict(float),
+                   "new_lp": {}, "tl": {}}
+
+            def forward_step(data_iterator, model, m=m, divisor=divisor, ctx=ctx):
+                part, js, (ids, targets, pos, mask) = next(data_iterator)
+                t0 = time.perf_counter()
+                ids, targets = ids.to(self.device), targets.to(self.device)
+                bb, ss = ids.shape
+                position_ids = torch.arange(ss, device=self.device).expand(bb, ss)
+                output = model(ids, position_ids, attention_mask=None)
+                ctx["fwd"][part] += time.perf_counter() - t0
+
+                def loss_func(logits):
+                    t1 = time.perf_counter()
+                    loss = self._loss(logits, targets, pos, mask, part, js, m, divisor, req, ctx)
+                    ctx["fwd"][part] += time.perf_counter() - t1
+                    return loss, torch.ones((), dtype=torch.int), {}
+                return output, loss_func
+
+            self.pol.model.train()
+            self.pol.model.zero_grad_buffer()
+            self.opt.zero_grad()
+            t0 = time.perf_counter()
+            fb(forward_step_func=forward_step, data_iterator=iter(micro), model=[self.pol.model],
+               num_microbatches=len(micro), seq_length=S, micro_batch_size=b,
+               forward_only=False)
+            sched = time.perf_counter() - t0
+            self.pol.model.eval()
+            t0 = time.perf_counter()
+            total = ctx["total"].detach().float().reshape(1).clone()
+            if p.last_stage and p.dp > 1:
+                dist.all_reduce(total, group=p.dp_group)
+            if p.pp > 1:
+                dist.broadcast(total, src=dist.get_global_rank(p.pp_group, p.pp - 1),
+                               group=p.pp_group)
+            loss = float(total.item())
+            self.opt.prepare_grads()          # main_grad -> grad (DP-reduced by the schedule)
+            gnorm = float(self.opt.get_grad_norm())
+            finite = math.isfinite(loss) and math.isfinite(gnorm)
+            if finite:
+                coef = self.grad_clip / (gnorm + 1e-6)     # as clip_grad_norm_ (and megatron's
+                if self.grad_clip > 0 and coef < 1:         # CUDA-only clip_grad_by_total_norm)
+                    with torch.no_grad():
+                        for o in getattr(self.opt, "chained_optimizers", [self.opt]):
+                            for prm in o.get_parameters():
+                                if prm.grad is not None:
+                                    prm.grad.mul_(coef)
+                self.opt.step_with_ready_grads()
+            times["optimizer"] += time.perf_counter() - t0
+            fwd = ctx["fwd"]
+            back = max(0.0, sched - fwd["self"] - fwd["cross"])
+            f_all = fwd["self"] + fwd["cross"]
+            for part in ("self", "cross"):
+                times[f"score_{part}"] += fwd[part]
+                times[f"backward_{part}"] += back * (fwd[part] / f_all if f_all > 0 else 0.5)
+            out.append({"finite": finite, "loss": loss, "grad_norm": gnorm,
+                        "new_lp": ctx["new_lp"] if self.reporter else {},
+                        "tl": ctx["tl"] if self.reporter else {}})
+            if finite:
+                streak = 0
+            else:
+                self.opt.zero_grad()
+                streak += 1
+                if streak >= req["max_nonfinite"]:
+                    break
+        return {"minibatches": out, "times": dict(times),
+                "dp_rank": p.dp_rank, "reporter": self.reporter}
+
+    def _loss(self, logits, targets, pos, mask, part, js, m, divisor, req, ctx):
+        """learner_loss of a micro-batch's real rows (the first ``len(js)``) with the
+        minibatch's global divisor; detached per-sample values go to ``ctx``."""
+        from hacpo.kernels import token_logprobs
+
+        b, s = targets.shape
+        lp = token_logprobs(logits.reshape(b * s, -1), targets.reshape(-1),
+                            temperature=req["temperature"], tp_group=self.par.tp_group,
+                            backend=self.pol.logprob_backend, validate=False).view(b, s)
+        r = len(js)
+        if r == 0:
+            return lp.sum() * 0.0
+        algo, view = req["algo"], req["view"]
+        msk = mask[:r].to(lp.device)
+        tl = lp.gather(1, pos[:r].to(lp.device)) * msk
+        new_lp = tl.sum(-1) / msk.sum(-1)
+        pool_idx = view.idx[js]
+        kwargs = {}
+        if algo.token_level:
+            kwargs = dict(token_logp=tl, mask=msk, old_token_logp=_pad(
+                [req["old_token_logp"][i] for i in pool_idx.tolist()], tl.shape[1]).to(lp.device))
+        dev = lp.device
+        loss, _ = learner_loss(algo, new_lp=new_lp, old_lp=req["lp_old"][pool_idx].to(dev),
+                               advantages=view.advantages[js].to(dev),
+                               is_self=view.is_self[js].to(dev), omega=view.omega[js].to(dev),
+                               minibatch_index=m, divisor=divisor, **kwargs)
+        ctx["total"] = ctx["total"] + loss.detach()
+        for i, j in enumerate(js):
+            ctx["new_lp"][j] = new_lp[i].detach().cpu()
+            if algo.token_level:
+                ctx["tl"][j] = tl[i, :len(view.response_ids[j])].detach().cpu()
+        return loss
+
+    # -- weights and checkpoints ----------------------------------------------------------------
+    def hf_weights(self) -> dict[str, torch.Tensor] | None:
+        """The full HF-named weights (a collective of the group): on rank 0, None elsewhere."""
+        sd = self.pol.hf_state_dict()
+        return {k: v.detach().cpu().clone() for k, v in sd.items()} if self.rank == 0 else None
+
+    def optim_state(self) -> dict:
+        return self.opt.state_dict()
+
+    def load(self, hf: dict[str, torch.Tensor], optim_state: dict) -> int:
+        """Load full HF-named weights (this rank's shard of them) and this rank's optimizer
+        state."""
+        from hacpo.models.megatron import hf_to_megatron, load_megatron_state
+
+        p, pol = self.par, self.pol
+        state = hf_to_megatron(hf, pol.arch, tp=p.tp, tp_rank=p.tp_rank, pp=p.pp,
+                               pp_rank=p.pp_rank, transformer_impl=pol.transformer_impl)
+        with torch.no_grad():
+            load_megatron_state(pol.module, {k: v.to(self.device) for k, v in state.items()})
+        self.opt.load_state_dict(optim_state)
+        return os.getpid()
+
+    def close(self) -> int:
+        import torch.distributed as dist
+        if self.pol is not None:
+            from megatron.core import parallel_state
+            parallel_state.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return os.getpid()
+
+
+class _Group:
+    """Driver-side handle of one agent's ranks (``par`` None: a trainer=torch agent, whose one
+    "rank" is a :class:`~hacpo.launch.ray_trainer.TrainerActor`)."""
+
+    def __init__(self, name: str, par, pg, ranks: list):
+        self.name, self.par, self.pg, self.ranks = name, par, pg, ranks
+        self.layout: list[dict] = []
+
+    @property
+    def torch(self) -> bool:
+        return self.par is None
+
+
+class MegatronAgents:
+    """The agent group over megatron trainer groups (see the module docstring); the same
+    methods as :class:`hacpo.engine.agents.LocalAgents`. Agents with ``trainer = "torch"`` in
+    the same run train in a :class:`~hacpo.launch.ray_trainer.TrainerActor` each, called as
+    :class:`~hacpo.launch.ray_trainer.RayAgents` calls it.
+
+    Args:
+        cfg: the TrainConfig (``trainer_backend = "ray"``).
+        policies: the driver's HF policies (warm-started): the ranks' initial weights, kept as
+            the driver's CPU copy.
+        timeout_s: how long to wait for the cluster and the placement groups.
+        start_timeout_s: how long the rank actors may take to start and build their shards.
+    """
+
+    def __init__(self, cfg, policies: list[Policy], *, timeout_s: float = 60.0,
+                 start_timeout_s: float = 300.0):
+        from hacpo.models.megatron.build import ArchSpec
+
+        self.cfg = cfg
+        self.policies = list(policies)
+        self.names = [p.name for p in policies]
+        self.threads = cfg.threads if cfg.threads > 0 else 1
+        for a, pol in zip(cfg.agents, policies):
+            if a.trainer != "megatron":
+                if pol.output_weight.device.type != "cpu":
+                    raise ValueError(f"trainer_backend=ray trains trainer=torch agents on CPU "
+                                     f"actors, but policy {pol.name!r} is on "
+                                     f"{pol.output_weight.device}")
+                continue
+            if pol.kind != "hf" or pol.output_weight.device.type != "cpu":
+                raise ValueError(f"agent {pol.name!r} (trainer=megatron) needs an HF policy "
+                                 f"held on the driver's CPU, got kind={pol.kind!r} on "
+                                 f"{pol.output_weight.device}")
+            try:
+                ArchSpec.from_hf(pol.model.config).check_parallel(a.parallel.tp, a.parallel.pp)
+            except ValueError as e:
+                raise ValueError(f"agent {pol.name!r} (trainer=megatron, tokenizer "
+                                 f"{pol.tokenizer.name!r}): {e}") from None
+        self._groups: list[_Group] = []
+        self._closed = False
+        self.cluster: RayCluster | None = None
+        worlds = [a.parallel.world if a.trainer == "megatron" else 1 for a in cfg.agents]
+        need = sum(worlds) * self.threads
+        self.cluster = connect(cfg.rollout.ray_address, timeout_s=timeout_s,
+                               num_cpus=max(need + rollout_cpus(cfg), os.cpu_count() or 1))
+        try:
+            have = self.cluster.num_cpus()
+            if need > have:
+                raise RuntimeError(
+                    f"the megatron trainer groups need {need} CPUs ({'+'.join(map(str, worlds))} "
+                    f"ranks x {self.threads} CPU each, threads={cfg.threads}) but the Ray cluster "
+                    f"at {self.cluster.address} has {have:g}; lower threads, tp/pp/dp, or add "
+                    f"nodes")
+            self._start(timeout_s, start_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, timeout_s: float, start_timeout_s: float) -> None:
+        cfg = self.cfg
+        remote_cls = ray.remote(MegatronRank)
+        for k, (a, pol) in enumerate(zip(cfg.agents, self.policies)):
+            if a.trainer != "megatron":           # as RayAgents: one TrainerActor
+                pg = self.cluster.reserve(
+                    [{"CPU": self.threads}], timeout_s=timeout_s,
+                    what=f"agent {pol.name!r}: the placement group for its trainer actor",
+                    hint="lower threads or free resources")
+                actor = ray.remote(TrainerActor).options(
+                    num_cpus=self.threads, max_restarts=0, max_task_retries=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=pg, placement_group_bundle_index=0),
+                ).remote(ray.put(pol), cfg, k, self.threads)
+                self._groups.append(_Group(pol.name, None, pg, [actor]))
+                continue
+            par = a.parallel
+            bundle = {"CPU": self.threads, **({"GPU": 1} if par.device == "cuda" else {})}
+            pg = self.cluster.reserve(
+                [bundle] * par.world, timeout_s=timeout_s,
+                what=f"agent {pol.name!r}: the placement group for its {par.world} megatron "
+                     f"trainer ranks (tp={par.tp} x pp={par.pp} x dp={par.dp}) x {bundle}",
+                hint="lower threads or tp/pp/dp, or free resources")
+            ranks = [remote_cls.options(
+                num_cpus=self.threads, num_gpus=1 if par.device == "cuda" else 0,
+                max_restarts=0, max_task_retries=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=r),
+            ).remote(pol.name, r, par.world, self.threads, cfg.trainer_setup_hook)
+                for r in range(par.world)]
+            self._groups.append(_Group(pol.name, par, pg, ranks))
+        for g in self._groups:
+            for r, a in enumerate(g.ranks):
+                what = (f"the trainer actor of agent {g.name!r}" if g.torch else
+                        f"megatron trainer rank {r} of agent {g.name!r}")
+                self.cluster.wait_started(a.ready.remote(), timeout_s=start_timeout_s, what=what)
+        refs = []
+        for k, g in enumerate(self._groups):
+            if g.torch:
+                refs.append([])
+                continue
+            a = cfg.agents[k]
+            addr = self._gather(k, [g.ranks[0].rendezvous.remote(start_timeout_s)],
+                                timeout_s=start_timeout_s)[0]
+            pol_ref = ray.put(self.policies[k])
+            par = {"tp": g.par.tp, "pp": g.par.pp, "dp": g.par.dp, "device": g.par.device,
+                   "transformer_impl": g.par.transformer_impl}
+            optim = {"lr": a.optim.lr, "weight_decay": a.optim.weight_decay,
+                     "beta1": a.optim.beta1, "beta2": a.optim.beta2,
+                     "grad_clip": a.optim.grad_clip}
+            refs.append([r.setup.remote(addr, pol_ref, par, optim, cfg.seed, start_timeout_s)
+                         for r in g.ranks])
+        for k, g in enumerate(self._groups):
+            g.layout = self._gather(k, refs[k], timeout_s=start_timeout_s)
+        log.info("megatron trainer groups: %s on %s",
+                 ", ".join(f"{g.name} " + ("torch" if g.torch else
+                                          f"tp{g.par.tp} pp{g.par.pp} dp{g.par.dp}")
+                           for g in self._groups), self.cluster.address)
+
+    def rank_actor(self, k: int, r: int):
+        """Agent k's rank r actor handle (for inspection and fault-injection tests)."""
+        return self._groups[k].ranks[r]
+
+    def _gather(self, k: int, refs: list, timeout_s: float | None = None) -> list:
+        """ray.get of one call on agent k's ranks. A dead rank is a clear error naming agent
+        and rank (not a hang of the ranks waiting for it in a collective); so is a call not
+        answered within ``trainer_call_timeout_s`` (the group is killed)."""
+        g = self._groups[k]
+        if timeout_s is None:
+            timeout_s = getattr(self.cfg, "trainer_call_timeout_s", 0) or None
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        pending = list(refs)
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            if not ready:
+                for a in g.ranks:
+                    ray.kill(a, no_restart=True)
+                raise RuntimeError(
+                    f"the trainer actor(s) of agent {g.name!r} did not answer a call "
+                    f"within {timeout_s:g} s (hung) and were killed; resume the run from its "
+                    f"last checkpoint with --resume")
+            try:
+                ray.get(ready[0])
+            except Exception as first:
+                raise self._failure(k, refs, first) from first
+        return ray.get(refs)
+
+    def _failure(self, k: int, refs: list, first: Exception) -> RuntimeError:
+        """The error for a failed call: names the dead rank(s) if any died (the others then
+        fail or block in a collective), else the first rank's error."""
+        g = self._groups[k]
+        ray.wait(refs, num_returns=len(refs), timeout=5.0)
+        dead = []
+        for r, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=0)
+            except RayActorError:
+                dead.append(r)
+            except Exception:
+                pass
+        if (dead or isinstance(first, RayActorError)) and g.torch:
+            return RuntimeError(
+                f"the trainer actor of agent {g.name!r} died; its policy and optimizer state "
+                f"cannot be recovered mid-step: resume the run from its last checkpoint with "
+                f"--resume")
+        if dead or isinstance(first, RayActorError):
+            which = ", ".join(str(r) for r in dead) or "?"
+            return RuntimeError(
+                f"megatron trainer rank {which} of agent {g.name!r} died; the group's "
+                f"policy shards and optimizer state cannot be recovered mid-step: resume the run "
+                f"from its last checkpoint with --resume")
+        hint = ""
+        if (not g.torch and "CUDA" in str(first) and g.par.device == "cpu"
+                and not self.cfg.trainer_setup_hook):
+            hint = ("\n(megatron-core makes CUDA calls; running it on CPU needs a "
+                    "trainer_setup_hook that maps them to CPU, as the tests' "
+                    "tests/launch/_megatron_cpu.py does, or parallel.device=cuda)")
+        what = "trainer actor" if g.torch else "megatron trainer rank"
+        return RuntimeError(f"a {what} of agent {g.name!r} failed: "
+                            f"{type(first).__name__}: {first}{hint}")
+
+    # -- the agent group ------------------------------------------------------------------------
+    def old_logprobs(self, pool: StepPool, prompt_ids, micro_batch: int, temperature: float,
+                     sw) -> None:
+        """As pool.compute_old_logprobs (score_responses: the final EOS is not scored, rows with
+        nothing to score get NaN), every generator's ranks at once."""
+        lp = torch.full((pool.num_samples,), float("nan"))
+        toks: list[torch.Tensor] = [torch.empty(0)] * pool.num_samples
+        jobs = []
+        for k, g in enumerate(self._groups):
+            idx = (pool.agent == k).nonzero().flatten().tolist()
+            if g.torch:
+                jobs.append((idx, [g.ranks[0].old_logprobs.remote(
+                    [prompt_ids[k][int(pool.prompt[i])] for i in idx],
+                    [pool.response_ids[i] for i in idx], micro_batch, temperature)]))
+                continue
+            lens = scored_lengths([pool.response_ids[i] for i in idx],
+                                  self.policies[k].tokenizer.eos_id)
+            keep = [(i, n) for i, n in zip(idx, lens) if n > 0]
+            prompts = [prompt_ids[k][int(pool.prompt[i])] for i, _ in keep]
+            resps = [pool.response_ids[i][:n] for i, n in keep]
+            jobs.append((keep, [r.old_logprobs.remote(prompts, resps, micro_batch, temperature)
+                                for r in g.ranks]))
+        for k, (keep, refs) in enumerate(jobs):
+            seconds = 0.0
+            if self._groups[k].torch:          # as RayAgents.old_logprobs
+                seq, tl, seconds = self._gather(k, refs)[0]
+                lp[keep] = seq
+                for j, i in enumerate(keep):
+                    toks[i] = tl[j]
+                key = f"time/old_logprobs/{self.names[k]}"
+                sw[key] = sw.get(key, 0.0) + seconds
+                continue
+            for res in self._gather(k, refs):
+                if res is None:
+                    continue
+                lo, tl, sec = res
+                seconds = max(seconds, sec)
+                for j, t in enumerate(tl):
+                    i = keep[lo + j][0]
+                    toks[i] = t
+                    lp[i] = t.mean()
+            key = f"time/old_logprobs/{self.names[k]}"
+            sw[key] = sw.get(key, 0.0) + seconds
+        pool.lp_old, pool.old_token_logp = lp, toks
+
+    def update(self, k: int, view: LearnerView, pool: StepPool, *, generator: torch.Generator,
+               nonfinite: dict, ratio_log: dict | None, sw) -> dict[str, float]:
+        """update_learner's M minibatch updates on agent k's ranks (module docstring)."""
+        cfg, algo = self.cfg, self.cfg.algorithm
+        if self._groups[k].torch:
+            return self._update_torch(k, view, pool, generator, nonfinite, ratio_log, sw)
+        n = view.idx.numel()
+        if n == 0:
+            return {"trained_samples": 0.0}
+        M = algo.num_minibatches * algo.minibatch_factor
+        mbs = [mb.tolist() for mb in split_minibatches(
+            pool.prompt[view.idx], view.is_self, M, algo.minibatch_order, generator)]
+        req = {"algo": algo, "view": view, "lp_old": pool.lp_old,
+               "old_token_logp": pool.old_token_logp if algo.token_level else [],
+               "minibatches": mbs, "micro_batch": cfg.micro_batch,
+               "temperature": score_temperature(cfg), "streak": nonfinite["streak"],
+               "max_nonfinite": cfg.max_nonfinite}
+        results = self._gather(k, [r.update.remote(req) for r in self._groups[k].ranks])
+        rep = next(r for r in results if r["reporter"] and r["dp_rank"] == 0)
+        for stage, v in rep["times"].items():
+            key = f"time/{stage}/{self.names[k]}"
+            sw[key] = sw.get(key, 0.0) + v
+        sums: dict[str, float] = defaultdict(float)
+        is_self = view.is_self.tolist()
+        for m, res in enumerate(rep["minibatches"]):
+            new_lp_of, tl_of = {}, {}
+            for r in results:
+                if r["reporter"]:
+                    new_lp_of.update(r["minibatches"][m]["new_lp"])
+                    tl_of.update(r["minibatches"][m]["tl"])
+            mb_list = mbs[m]
+            if ratio_log is not None:
+                for part in ("self", "cross"):
+                    js = [j for j in mb_list if is_self[j] == (part == "self")]
+                    if js:
+                        new = torch.stack([new_lp_of[j] for j in js])
+                        ratio_log.setdefault(part, []).append(
+                            (new - pool.lp_old[view.idx[js]]).clamp(-10, 10))
+            if not res["finite"]:
+                nonfinite["streak"] += 1
+                nonfinite["total"] += 1
+                sums["skipped_updates"] += 1
+                if nonfinite["streak"] >= cfg.max_nonfinite:
+                    raise NonFiniteUpdateError(
+                        f"{nonfinite['streak']} non-finite updates in a row for policy "
+                        f"{self.names[k]!r} (loss={res['loss']}, grad norm={res['grad_norm']}); "
+                        f"stopping (max_nonfinite={cfg.max_nonfinite})")
+                continue
+            nonfinite["streak"] = 0
+            divisor = (sum(len(view.response_ids[j]) for j in mb_list) if algo.token_level
+                       else len(mb_list))
+            met = _minibatch_metrics(algo, view, mb_list, new_lp_of, tl_of, pool.lp_old,
+                                     pool.old_token_logp, m, divisor)
+            sums["loss"] += res["loss"] / len(mbs)
+            sums["grad_norm"] += res["grad_norm"] / len(mbs)
+            for key, v in met.items():
+                sums[key] += float(v) / len(mbs)
+        sums["trained_samples"] = float(n)
+        sums["trained_self"] = float(view.is_self.sum())
+        sums["trained_cross"] = float((~view.is_self).sum())
+        return dict(sums)
+
+    def _update_torch(self, k, view, pool, generator, nonfinite, ratio_log, sw):
+        """A trainer=torch agent: RayAgents.update's call of its TrainerActor."""
+        m, state, nf, rl, times = self._gather(k, [self._groups[k].ranks[0].update.remote(
+            view, pool.lp_old, pool.old_token_logp, pool.prompt, generator.get_state(),
+            dict(nonfinite), ratio_log is not None)])[0]
+        generator.set_state(state)
+        nonfinite.update(nf)
+        if ratio_log is not None and rl:
+            ratio_log.update(rl)
+        for key, v in times.items():
+            sw[key] = sw.get(key, 0.0) + v
+        return m
+
+    def _weights(self, k: int) -> dict[str, torch.Tensor]:
+        g = self._groups[k]
+        return self._gather(k, [r.hf_weights.remote() for r in g.ranks])[0]
+
+    def pull_weights(self, k: int) -> None:
+        """Gather agent k's trained shards as HF weights into the driver's policy (what every
+        rollout engine reads)."""
+        if self._groups[k].torch:
+            self.policies[k].load_state_dict(
+                self._gather(k, [self._groups[k].ranks[0].weights.remote()])[0])
+            return
+        model = self.policies[k].model
+        hf = self._weights(k)
+        missing, unexpected = model.load_state_dict(hf, strict=False)
+        tied = getattr(model.config, "tie_word_embeddings", False)
+        if unexpected or [m for m in missing if not (tied and m == "lm_head.weight")]:
+            raise RuntimeError(f"agent {self.names[k]!r}: megatron weights do not match the HF "
+                               f"model: missing {missing}, unexpected {unexpected}")
+
+    def _layout(self, k: int) -> dict:
+        par = self._groups[k].par
+        return {"tp": par.tp, "pp": par.pp, "dp": par.dp,
+                "transformer_impl": par.transformer_impl}
+
+    def state_dict(self, k: int) -> dict[str, Any]:
+        """Full HF-named weights (as the torch trainer's ``model``) and every rank's optimizer
+        state with the layout it belongs to."""
+        g = self._groups[k]
+        if g.torch:
+            return self._gather(k, [g.ranks[0].state_dict.remote()])[0]
+        self.pull_weights(k)
+        optim = self._gather(k, [r.optim_state.remote() for r in g.ranks])
+        return {"model": self.policies[k].state_dict(),
+                "megatron": {**self._layout(k), "optim": optim}}
+
+    def load_state_dict(self, k: int, sd: dict[str, Any]) -> None:
+        if self._groups[k].torch:
+            self._gather(k, [self._groups[k].ranks[0].load_state_dict.remote(sd)])
+            self.policies[k].load_state_dict(sd["model"])
+            return
+        meg = sd.get("megatron")
+        name, want = self.names[k], self._layout(k)
+        if meg is None:
+            raise ValueError(f"agent {name!r}: the checkpoint holds no megatron trainer state "
+                             f"(written with trainer=torch?); it cannot resume trainer=megatron")
+        have = {key: meg.get(key) for key in want}
+        if have != want:
+            raise ValueError(f"agent {name!r}: the checkpoint's megatron layout {have} differs "
+                             f"from this run's {want}; optimizer state is per rank and is not "
+                             f"resharded: resume with the checkpoint's layout")
+        self.policies[k].load_state_dict(sd["model"])
+        hf = {key: v for key, v in self.policies[k].model.state_dict().items()}
+        g = self._groups[k]
+        self._gather(k, [r.load.remote(hf, meg["optim"][i]) for i, r in enumerate(g.ranks)])
+
+    def evaluate(self, prompt_ids: list[list[list[int]]], golds: list[str], rc,
+                 **kwargs) -> list[dict]:
+        """evaluate_policy on the driver's HF copies (the ranks' weights, pulled after each
+        update)."""
+        return [evaluate_policy(p, prompt_ids[k], golds, rc, **kwargs)
+                for k, p in enumerate(self.policies)]
+
+    def close(self) -> None:
+        """Kill the rank actors, remove the placement groups, stop/leave the cluster.
+        Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if ray.is_initialized():
+            for g in self._groups:
+                for a in g.ranks:
+                    try:
+                        ray.kill(a, no_restart=True)
+                    except Exception as e:
+                        log.debug("ray.kill: %s", e)
+                try:
+                    remove_placement_group(g.pg)
+                except Exception as e:
+                    log.debug("remove_placement_group: %s", e)
+        self._groups = []
+        if self.cluster is not None:
+            self.cluster.shutdown()

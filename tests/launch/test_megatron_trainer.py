@@ -1,0 +1,324 @@
+"""megatron-core trainer groups inside ``hacpo train`` (agents.N.trainer=megatron,
+trainer_backend=ray) against a real local Ray cluster (the module's 4 logical CPUs): two HF Llama
+agents, one at TP=2 (2 rank actors, Llama 3.2 BPE, 562 ids) and one at PP=2 (2 rank actors,
+megatron's 1F1B schedule, the character tokenizer), each rank a Ray actor in its agent's placement
+group, the ranks of a group a gloo world of their own.
+
+- one step equals the same config trained in-process by the torch trainer (metrics and weights);
+- a resumed second step (fresh rank actors, weights and per-rank optimizer state from the
+  checkpoint) equals the torch trainer's uninterrupted two steps;
+- bad configurations are clear errors, and so is a killed rank actor.
+
+The CUDA calls megatron-core makes are patched to CPU in every rank process through
+``trainer_setup_hook`` (tests/launch/_megatron_cpu.py: the test-only patches).
+"""
+import dataclasses
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed "
+                    "(pip install -c requirements/constraints.txt megatron-core==0.16.1)")
+
+from hacpo.engine import checkpoint as ckpt  # noqa: E402
+from hacpo.engine.rewards import register_reward  # noqa: E402
+from hacpo.engine.run_config import ParallelConfig, load_config  # noqa: E402
+from hacpo.engine.trainer import train  # noqa: E402
+from hacpo.launch import megatron_trainer  # noqa: E402
+
+from ._megatron_cpu import HOOK  # noqa: E402
+
+import ray  # noqa: E402
+
+# hidden 32 = 4 heads x 8 (2 kv heads), FFN 64, 2 layers: splits at TP=2 and at PP=2
+HF = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+      "num_attention_heads": 4, "num_key_value_heads": 2}
+AGENTS = (("llama-tp2", "llama3.2", ParallelConfig(tp=2)),
+          ("char-pp2", "char", ParallelConfig(pp=2)))
+NAMES = [a[0] for a in AGENTS]
+
+
+@register_reward("megatron_test_length", in_process=True)
+def length_reward(response: str, gold: str) -> float:
+    """Untrained tiny policies almost never answer right: a reward that varies with the
+    response length gives every group non-zero advantages, so the updates move the weights."""
+    return (len(response) % 5) / 4.0
+
+
+def megatron_cfg(tmp, name: str, trainer: str, agents=AGENTS, **over):
+    """The tiny3 preset with two tiny HF Llama agents (``agents``: name, tokenizer, layout);
+    ``trainer="torch"`` is the in-process reference (trainer_backend=local), ``"megatron"``
+    the rank groups (an agent whose layout is None then trains with trainer=torch in a Ray
+    trainer actor)."""
+    base = {"out_dir": str(tmp / name), "cache_dir": str(tmp / "cache"), "threads": 1,
+            "plots": False, "tensorboard": False, "steps": 1, "prompts_per_step": 2,
+            "data.eval_size": 4, "rollout.max_new_tokens": 8,
+            "reward.name": "megatron_test_length"}
+    cfg = load_config("tiny3", overrides={**base, **over})
+    out = []
+    for (aname, tok, par), a in zip(agents, cfg.agents):
+        pol = dataclasses.replace(a.policy, name=aname, kind="hf", arch="llama", hf_config=HF,
+                                  tokenizer=tok, reduce_vocab=tok != "char")
+        meg = trainer == "megatron" and par is not None
+        out.append(dataclasses.replace(a, policy=pol, trainer="megatron" if meg else "torch",
+                                       parallel=par if meg else ParallelConfig()))
+    return dataclasses.replace(
+        cfg, agents=out, trainer_backend="ray" if trainer == "megatron" else "local",
+        trainer_setup_hook=HOOK if trainer == "megatron" else "")
+
+
+def _rows(tmp, name):
+    return [json.loads(line) for line in open(tmp / name / "metrics.jsonl")]
+
+
+def _weights(tmp, name):
+    return {a["name"]: a["model"] for a in ckpt.load(tmp / name / "checkpoint.pt")["agents"]}
+
+
+def _free_cpus_back(total=4, timeout=30):
+    deadline = time.time() + timeout          # actors killed, placement groups removed
+    while ray.available_resources().get("CPU", 0) < total:
+        assert time.time() < deadline, ray.available_resources()
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+    return tmp_path_factory.mktemp("megatron")
+
+
+@pytest.fixture(scope="module")
+def torch_runs(tmp):
+    """The in-process torch trainer's reference: 1 step and 2 steps."""
+    quiet = dict(echo=lambda *_: None)
+    one = train(megatron_cfg(tmp, "torch1", "torch"), **quiet)
+    two = train(megatron_cfg(tmp, "torch2", "torch", steps=2), **quiet)
+    return one, two
+
+
+@pytest.fixture(scope="module")
+def megatron_step1(cluster, tmp, torch_runs):
+    summary = train(megatron_cfg(tmp, "meg", "megatron"), echo=lambda *_: None)
+    _free_cpus_back()
+    return summary
+
+
+# The two trainers see the same rollouts and advantages; they differ only in float rounding
+# (megatron's fused QKV / vocab-parallel log-softmax vs HF's ops, ~1e-6 in a log-prob), which
+# the 4 AdamW minibatch steps (lr 1e-3) of a step carry into the weights. Seen: weights <= 2.4e-6
+# apart (GRPO at DP=2; 5e-7 elsewhere), metrics <= 1e-5 relative. Deliberate bugs tried: the
+# loss divided by a micro-batch's row count, or by the minibatch's divisor times dp, instead of
+# the minibatch's divisor: the loss metric is off by a factor ~2 and the checks fail; no
+# gradient clipping (grad norms ~1.5 > grad_clip 1): the metrics pass, the weights fail. Each
+# step moves weights by up to ~lr = 1e-3 (checked), 50x the weight tolerance.
+W_ATOL = 2e-5
+M_RTOL, M_ATOL = 1e-4, 1e-6
+
+
+def _check_metrics(meg: dict, ref: dict, names=NAMES) -> int:
+    keys = [k for k in ref if k.startswith("train/")]
+    assert keys and set(keys) == {k for k in meg if k.startswith("train/")}
+    for k in keys:
+        assert meg[k] == pytest.approx(ref[k], rel=M_RTOL, abs=M_ATOL), k
+    moved = [n for n in names if abs(ref[f"train/{n}/loss"]) > 1e-4
+             and ref[f"train/{n}/grad_norm"] > 1e-3]
+    assert moved == list(names), "the check needs non-zero losses and gradients for every agent"
+    return len(keys)
+
+
+def _check_weights(meg: dict, ref: dict, before: dict, names=NAMES) -> None:
+    for name in names:
+        a, b, w0 = meg[name], ref[name], before[name]
+        assert a.keys() == b.keys()
+        biggest = max((b[k] - w0[k]).abs().max().item() for k in b)
+        assert biggest > 5e-4, f"{name}: the torch step did not move the weights"
+        for k in b:
+            torch.testing.assert_close(a[k], b[k], atol=W_ATOL, rtol=0, msg=f"{name} {k}")
+
+
+def test_one_step_equals_torch_trainer(tmp, torch_runs, megatron_step1):
+    """After one HACPO step (M=4 minibatches, self + cross samples) the megatron groups'
+    metrics and pulled HF weights equal the in-process torch trainer's."""
+    meg, ref = _rows(tmp, "meg"), _rows(tmp, "torch1")
+    assert [r["step"] for r in meg] == [0]
+    _check_metrics(meg[0], ref[0])
+    for name in NAMES:
+        for stage in ("score_self", "backward_self", "optimizer", "old_logprobs"):
+            assert meg[0][f"time/{stage}/{name}"] > 0, (stage, name)
+    assert meg[0]["train/llama-tp2/trained_cross"] > 0      # cross samples trained too
+    _check_weights(_weights(tmp, "meg"), _weights(tmp, "torch1"), _initial_weights(tmp))
+    assert megatron_step1["before"] == torch_runs[0]["before"]
+
+
+def _initial_weights(tmp, agents=AGENTS):
+    """The agents' weights before RL (the warm start both runs share)."""
+    from hacpo.engine import build
+    cfg = megatron_cfg(tmp, "torch1", "torch", agents)
+    data = build.load_data(cfg)
+    pols = build.build_policies(cfg, data)
+    build.warm_start(cfg, data, pols, echo=lambda *_: None)
+    return {p.name: p.state_dict() for p in pols}
+
+
+def test_resumed_second_step_equals_torch_two_steps(cluster, tmp, torch_runs, megatron_step1):
+    """Resume the 1-step megatron run to step 2 (fresh rank actors; HF weights and every rank's
+    optimizer state from the checkpoint): both steps' metrics and the final weights equal the
+    torch trainer's uninterrupted 2 steps; a different tp cannot resume it."""
+    with pytest.raises(ValueError, match=r"cannot resume.*agents\.0\.parallel\.tp"):
+        train(megatron_cfg(tmp, "meg", "megatron", steps=2).override(
+            {"agents.0.parallel.tp": 1}), resume=True, echo=lambda *_: None)
+    summary = train(megatron_cfg(tmp, "meg", "megatron", steps=2), resume=True,
+                    echo=lambda *_: None)
+    _free_cpus_back()
+    meg, ref = _rows(tmp, "meg"), _rows(tmp, "torch2")
+    assert [r["step"] for r in meg] == [0, 1]
+    for a, b in zip(meg, ref):
+        _check_metrics(a, b)
+    before = _initial_weights(tmp)
+    _check_weights(_weights(tmp, "meg"), _weights(tmp, "torch2"), before)
+    assert set(summary["after"]) == set(NAMES)
+
+
+DP_AGENTS = (("llama-dp2", "llama3.2", ParallelConfig(dp=2)),
+             ("char-1", "char", ParallelConfig()))
+
+
+@pytest.mark.parametrize("algorithm", ["hacpo", "grpo"])
+def test_dp2_one_step_equals_torch_trainer(cluster, tmp, algorithm):
+    """DP=2 (each rank trains its share of every minibatch; gradients summed by megatron's DDP
+    with the minibatch's global divisor) next to a one-rank group: one step equals the torch
+    trainer's, for HACPO (sequence-level, self + cross samples) and GRPO (token-level loss,
+    divisor = the minibatch's response tokens)."""
+    names = [a[0] for a in DP_AGENTS]
+    over = {"algorithm.name": algorithm}
+    train(megatron_cfg(tmp, f"dp-torch-{algorithm}", "torch", DP_AGENTS, **over),
+          echo=lambda *_: None)
+    train(megatron_cfg(tmp, f"dp-meg-{algorithm}", "megatron", DP_AGENTS, **over),
+          echo=lambda *_: None)
+    _free_cpus_back()
+    meg, ref = _rows(tmp, f"dp-meg-{algorithm}"), _rows(tmp, f"dp-torch-{algorithm}")
+    _check_metrics(meg[0], ref[0], names)
+    assert (meg[0]["train/llama-dp2/trained_cross"] > 0) == (algorithm == "hacpo")
+    _check_weights(_weights(tmp, f"dp-meg-{algorithm}"), _weights(tmp, f"dp-torch-{algorithm}"),
+                   _initial_weights(tmp, DP_AGENTS), names)
+
+
+MIX_AGENTS = (("llama-tp2-mix", "llama3.2", ParallelConfig(tp=2)),
+              ("char-torch-mix", "char", None))
+
+
+def test_megatron_and_torch_agents_in_one_run(cluster, tmp):
+    """A TP=2 megatron agent next to a trainer=torch agent (a Ray TrainerActor, as
+    trainer_backend=ray runs it): one step equals the all-torch in-process run."""
+    names = [a[0] for a in MIX_AGENTS]
+    train(megatron_cfg(tmp, "mix-torch", "torch", MIX_AGENTS), echo=lambda *_: None)
+    cfg = megatron_cfg(tmp, "mix-meg", "megatron", MIX_AGENTS)
+    assert [a.trainer for a in cfg.agents] == ["megatron", "torch"]
+    train(cfg, echo=lambda *_: None)
+    _free_cpus_back()
+    meg, ref = _rows(tmp, "mix-meg"), _rows(tmp, "mix-torch")
+    _check_metrics(meg[0], ref[0], names)
+    _check_weights(_weights(tmp, "mix-meg"), _weights(tmp, "mix-torch"),
+                   _initial_weights(tmp, MIX_AGENTS), names)
+    assert meg[0]["time/score_self/char-torch-mix"] > 0
+
+
+def test_config_errors(cluster, tmp):
+    """Layouts and backends megatron cannot run are clear errors before anything starts."""
+    with pytest.raises(ValueError, match=r"agent 'llama-tp2'.*num_attention_heads=4 is not "
+                                         r"divisible by tensor-parallel size tp=3"):
+        megatron_cfg(tmp, "bad", "megatron").override({"agents.0.parallel.tp": 3})
+    with pytest.raises(ValueError, match=r"num_hidden_layers=2 is not divisible by "
+                                         r"pipeline-parallel size pp=4"):
+        megatron_cfg(tmp, "bad", "megatron").override({"agents.1.parallel.pp": 4})
+    with pytest.raises(ValueError, match=r"trainer=megatron.*set trainer_backend=ray"):
+        megatron_cfg(tmp, "bad", "megatron").override({"trainer_backend": "local"})
+    with pytest.raises(ValueError, match=r"needs an HF policy"):
+        megatron_cfg(tmp, "bad", "megatron").override({"agents.0.policy.kind": "decoder"})
+    with pytest.raises(ValueError, match=r"'llama' or 'qwen2'.*'gpt2'"):
+        megatron_cfg(tmp, "bad", "megatron").override({"agents.0.policy.arch": "gpt2"})
+    with pytest.raises(ValueError, match=r"does not support the KL term"):
+        megatron_cfg(tmp, "bad", "megatron").override({"algorithm.loss.kl_coef": 0.1})
+    with pytest.raises(ValueError, match=r"unknown trainer 'deepspeed'"):
+        megatron_cfg(tmp, "bad", "megatron").override({"agents.1.trainer": "deepspeed"})
+    with pytest.raises(ValueError, match=r"trainer_setup_hook must look like"):
+        megatron_cfg(tmp, "bad", "megatron").override({"trainer_setup_hook": "no-colon"})
+    # the vocabulary is the tokenizer's: checked when the group starts, before any actor
+    odd = megatron_cfg(tmp, "bad", "megatron").override({"agents.1.parallel.tp": 2,
+                                                          "agents.1.parallel.pp": 1})
+    with pytest.raises(ValueError, match=r"agent 'char-pp2'.*tokenizer 'char'.*vocab_size=91 "
+                                         r"is not divisible by tensor-parallel size tp=2"):
+        train(odd, echo=lambda *_: None)
+    _free_cpus_back()
+
+
+def test_checkpoint_from_before_the_trainer_fields_resumes():
+    """A checkpoint written before agents.N.trainer / parallel and trainer_setup_hook existed
+    resumes with them at their defaults, and not as trainer=megatron."""
+    from hacpo.engine.run_config import config_diff, default_fingerprint, fingerprint_dict
+    torch_cfg = megatron_cfg(Path("/nonexistent"), "x", "torch")
+    old = json.loads(json.dumps(fingerprint_dict(torch_cfg)))
+    for a in old["agents"]:
+        del a["trainer"], a["parallel"]
+    assert "trainer_setup_hook" not in fingerprint_dict(torch_cfg)   # site setting
+    assert config_diff(old, fingerprint_dict(torch_cfg),
+                       defaults=default_fingerprint(torch_cfg)) == []
+    meg = megatron_cfg(Path("/nonexistent"), "x", "megatron")
+    diff = config_diff(old, fingerprint_dict(meg), defaults=default_fingerprint(meg))
+    assert {"agents.0.trainer", "agents.0.parallel", "agents.1.trainer"} <= set(diff), diff
+
+
+def test_missing_setup_hook_is_clear_error(cluster, tmp):
+    """Without the CPU patches megatron-core's own CUDA call fails in the rank: the error names
+    the agent and carries megatron's message (no silent CPU fallback in library code)."""
+    cfg = megatron_cfg(tmp, "nohook", "megatron")
+    cfg = dataclasses.replace(cfg, agents=cfg.agents[1:], trainer_setup_hook="")
+    cfg = cfg.override({"agents.0.parallel.pp": 1})
+    with pytest.raises(RuntimeError, match=r"megatron trainer rank of agent 'char-pp2' failed"
+                                           r"(.|\n)*Torch not compiled with CUDA enabled"
+                                           r"(.|\n)*needs a trainer_setup_hook"):
+        train(cfg, echo=lambda *_: None)
+    _free_cpus_back()
+
+
+def test_killed_rank_actor_is_clear_error(cluster, tmp, monkeypatch):
+    """SIGKILL rank 1 of the TP=2 group during a run: train raises promptly, naming the agent
+    and the rank and pointing to --resume; every rank actor is gone afterwards."""
+    groups = []
+    real_init = megatron_trainer.MegatronAgents.__init__
+
+    def init(self, *a, **kw):
+        real_init(self, *a, **kw)
+        groups.append(self)
+    monkeypatch.setattr(megatron_trainer.MegatronAgents, "__init__", init)
+    out = {}
+    metrics = tmp / "killed" / "metrics.jsonl"
+
+    def run():
+        try:
+            out["summary"] = train(megatron_cfg(tmp, "killed", "megatron", steps=40),
+                                   echo=lambda *_: None)
+        except Exception as e:           # handed to the test thread
+            out["err"] = e
+    th = threading.Thread(target=run)
+    t0 = time.time()
+    th.start()
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+        assert time.time() - t0 < 150 and th.is_alive(), ("run never logged a step", out)
+        time.sleep(0.05)
+    pid = ray.get(groups[0].rank_actor(0, 1).ready.remote())
+    os.kill(pid, signal.SIGKILL)
+    th.join(timeout=120)
+    assert not th.is_alive()
+    err = out.get("err")
+    assert isinstance(err, RuntimeError), out
+    assert "megatron trainer rank 1 of agent 'llama-tp2' died" in str(err)
+    assert "--resume" in str(err)
+    _free_cpus_back()                        # the run cleaned up its actors
+    assert 1 <= metrics.read_text().count("\n") < 40
