@@ -189,8 +189,7 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
                 for key, v in view.dropped.items():
                     metrics[f"dropped/{names[k]}/{key}"] = float(v)
             metrics.update(_step_metrics(pool, tracker, ratios, names, rstats, retok))
-            metrics.update({f"rollout/{k}": float(v) for k, v in engine.stats().items()
-                            if isinstance(v, (int, float))})
+            metrics.update(engine_metrics(engine.stats()))
             metrics.update(sw)
             metrics["time/step"] = time.perf_counter() - t_step
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
@@ -249,6 +248,28 @@ def _step_metrics(pool, tracker, ratios, names, rstats, retok) -> dict[str, floa
     out.update({f"reward_fn/{k}": float(v) for k, v in rstats.as_dict().items()
                 if isinstance(v, (int, float))})
     out.update(retok.as_dict())
+    return out
+
+
+def engine_metrics(stats: dict) -> dict[str, float]:
+    """A rollout engine's counters as metrics ``rollout/<key>``: numbers as they are, (nested)
+    lists of numbers summed (e.g. vLLM's restarts per agent and engine); other entries (per-actor
+    mappings) stay in ``engine.stats()`` only."""
+    def total(v):
+        if isinstance(v, bool):
+            return None
+        if isinstance(v, (int, float)):
+            return float(v)
+        if isinstance(v, (list, tuple)):
+            parts = [total(x) for x in v]
+            return None if any(p is None for p in parts) else float(sum(parts))
+        return None
+
+    out = {}
+    for k, v in stats.items():
+        t = total(v)
+        if t is not None:
+            out[f"rollout/{k}"] = t
     return out
 
 

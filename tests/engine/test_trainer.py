@@ -194,3 +194,16 @@ def test_nonfinite_updates_are_skipped_then_stop():
                        prompt_of_sample=torch.tensor([0, 0, 1, 1]),
                        generator=torch.Generator().manual_seed(0), micro_batch=8,
                        grad_clip=1.0, nonfinite=state, max_nonfinite=3)
+
+
+def test_engine_metrics_flattens_counters():
+    """Rollout engine counters reach the metrics whatever their shape: the Ray pool's totals as
+    they are, vLLM's per-agent-and-engine lists summed; per-actor mappings are left out."""
+    from hacpo.engine.trainer import engine_metrics
+
+    ray_like = {"restarts": 2, "restarts_per_actor": {"a": [1, 1]}, "retried_calls": 3}
+    assert engine_metrics(ray_like) == {"rollout/restarts": 2.0, "rollout/retried_calls": 3.0}
+    vllm_like = {"restarts": [[0, 1], [2]], "timeouts": [[0], [1]], "versions": [3, 4]}
+    assert engine_metrics(vllm_like) == {"rollout/restarts": 3.0, "rollout/timeouts": 1.0,
+                                         "rollout/versions": 7.0}
+    assert engine_metrics({"flag": True, "name": "x", "mixed": [1, "a"]}) == {}
