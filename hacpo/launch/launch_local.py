@@ -110,10 +110,12 @@ def launch_local(args) -> int:
     if wall is not None:
         deadline = min(deadline, wall)
 
-    def timed_out(phase: str) -> WaitTimeout:
+    def timed_out(phase: str, at: float | None = None) -> WaitTimeout:
+        """``at``: when the limit was seen to pass (before any cleanup); default now."""
+        elapsed = (time.time() if at is None else at) - t_start
         return WaitTimeout(
             f"the local launch did not finish within --wait-timeout {args.wait_timeout:g}s "
-            f"({phase}; {time.time() - t_start:.0f}s elapsed): "
+            f"({phase}; {elapsed:.0f}s elapsed): "
             + (f"killed the driver's process group {driver.pid} and " if driver else "")
             + f"stopped the Ray cluster; Ray logs: {log_dir}/, run dir: {run_dir}"
             + (" (the driver's output is above)" if driver else ""))
@@ -144,10 +146,11 @@ def launch_local(args) -> int:
         try:
             rc = driver.wait(timeout=None if wall is None else max(0.0, wall - time.time()))
         except subprocess.TimeoutExpired:
+            t_limit = time.time()
             print(f"[hacpo launch] --wait-timeout {args.wait_timeout:g}s passed: ending the "
                   f"driver (process group {driver.pid}) and the Ray cluster", flush=True)
             _kill_group(driver)
-            raise timed_out("the driver was still running") from None
+            raise timed_out("the driver was still running", t_limit) from None
         print(f"[hacpo launch] driver exited with {rc}", flush=True)
         return rc
     except ClusterTimeout as e:

@@ -387,6 +387,7 @@ def _cancel(job_id: str, t0: float, timeout_s: float, why: str, out: Path, ray_l
     driver exits and the job script's own cleanup ends its Ray steps and removes their temp
     dir, which a plain ``scancel`` could cut short after Slurm's KillWait. A job that has not
     ended CANCEL_GRACE_S later, or was not running, is cancelled (``scancel``)."""
+    t_cancel = time.time()
     st = job_state(job_id)
     how, state = [], None
     if st is not None and st[0] in _DONE:         # it ended just now
@@ -402,10 +403,10 @@ def _cancel(job_id: str, t0: float, timeout_s: float, why: str, out: Path, ray_l
         err = _scancel(job_id)
         how.append(err or f"cancelled it (scancel {job_id})")
         state = _ended(job_id, poll_s, CANCEL_GRACE_S)
-    ended = (f"final state {state}" if state is not None else
-             f"it has not ended {CANCEL_GRACE_S:g}s later; check `squeue -j {job_id}`")
+    ended = (f"final state {state} {time.time() - t_cancel:.0f}s later" if state is not None
+             else f"it has not ended {CANCEL_GRACE_S:g}s later; check `squeue -j {job_id}`")
     return (f"job {job_id} did not finish within --wait-timeout {timeout_s:g}s ({why}; "
-            f"{time.time() - t0:.0f}s since submission): {', then '.join(how)}; {ended}. Job "
+            f"{t_cancel - t0:.0f}s since submission): {', then '.join(how)}; {ended}. Job "
             f"output: {out}; Ray logs: {ray_logs}/")
 
 

@@ -74,7 +74,7 @@ def test_hung_engine_is_restarted_then_a_clear_error():
                                                r"already been restarted 1 times "
                                                r"\(rollout.max_engine_restarts=1\)"):
             engine.generate(0, prompts, **kw)
-        assert time.perf_counter() - t0 < 6 + 20
+        assert time.perf_counter() - t0 < 6 + 90
         assert engine.stats()["timeouts"] == [[2]]
         assert _gone_within(pid, 15), "the hung engine process was not killed"
     finally:
