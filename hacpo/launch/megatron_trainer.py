@@ -66,7 +66,6 @@ from .ray_cluster import RayCluster, connect  # first: its environment must prec
 import ray  # noqa: E402
 import torch
 from ray.exceptions import RayActorError
-from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hacpo.engine.algorithm import learner_loss, split_minibatches
@@ -415,13 +414,11 @@ class MegatronAgents:
         self.cluster = connect(cfg.rollout.ray_address, timeout_s=timeout_s,
                                num_cpus=max(need + rollout_cpus(cfg), os.cpu_count() or 1))
         try:
-            have = self.cluster.num_cpus()
-            if need > have:
-                raise RuntimeError(
-                    f"the megatron trainer groups need {need} CPUs ({'+'.join(map(str, worlds))} "
-                    f"ranks x {self.threads} CPU each, threads={cfg.threads}) but the Ray cluster "
-                    f"at {self.cluster.address} has {have:g}; lower threads, tp/pp/dp, or add "
-                    f"nodes")
+            self.cluster.require_cpus(
+                need, what=f"the megatron trainer groups need {need} CPUs "
+                           f"({'+'.join(map(str, worlds))} ranks x {self.threads} CPU each, "
+                           f"threads={cfg.threads})",
+                hint="lower threads, tp/pp/dp, or add nodes")
             self._start(timeout_s, start_timeout_s)
         except BaseException:
             self.close()
@@ -737,17 +734,8 @@ class MegatronAgents:
         if self._closed:
             return
         self._closed = True
-        if ray.is_initialized():
-            for g in self._groups:
-                for a in g.ranks:
-                    try:
-                        ray.kill(a, no_restart=True)
-                    except Exception as e:
-                        log.debug("ray.kill: %s", e)
-                try:
-                    remove_placement_group(g.pg)
-                except Exception as e:
-                    log.debug("remove_placement_group: %s", e)
+        RayCluster.release([a for g in self._groups for a in g.ranks],
+                           [g.pg for g in self._groups])
         self._groups = []
         if self.cluster is not None:
             self.cluster.shutdown()

@@ -57,6 +57,33 @@ class RayCluster:
                 f"{self.address} has {free:g} free CPUs of {self.num_cpus():g}); {hint}") from None
         return pg
 
+    def require_cpus(self, need: float, *, what: str, hint: str) -> None:
+        """An error "``what`` but the Ray cluster at ... has N; ``hint``" when the cluster has
+        fewer than ``need`` CPUs (``what`` says who needs them, e.g. "x needs 4 CPUs (...)")."""
+        have = self.num_cpus()
+        if need > have:
+            raise RuntimeError(f"{what} but the Ray cluster at {self.address} has {have:g}; "
+                               f"{hint}")
+
+    @staticmethod
+    def release(actors, placement_groups) -> None:
+        """Kill ``actors`` (no restart) and remove ``placement_groups``; ones already gone (or
+        a Ray that is down) are fine."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+        if not ray.is_initialized():
+            return
+        for a in actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception as e:  # already gone
+                log.debug("ray.kill: %s", e)
+        for pg in placement_groups:
+            try:
+                remove_placement_group(pg)
+            except Exception as e:
+                log.debug("remove_placement_group: %s", e)
+
     @staticmethod
     def wait_started(ref, *, what: str, timeout_s: float):
         """ray.get of an actor's ready call; a timeout or a dead actor names ``what``."""

@@ -42,7 +42,6 @@ from typing import Any
 import ray
 import torch
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
-from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hacpo.models.generation import Rollout, generate
@@ -173,13 +172,11 @@ class RayRolloutEngine(GeneratorState):
         self.cluster = connect(r.ray_address, timeout_s=timeout_s,
                                num_cpus=max(need, os.cpu_count() or 1))
         try:
-            have = self.cluster.num_cpus()
-            if need > have:
-                raise RuntimeError(
-                    f"rollout.engine=ray needs {need} CPUs ({len(policies)} agents x "
-                    f"rollout.engines_per_agent={r.engines_per_agent} x {self.cpus_per_actor} "
-                    f"CPU each) but the Ray cluster at {self.cluster.address} has {have:g}; "
-                    f"lower rollout.engines_per_agent or add nodes")
+            self.cluster.require_cpus(
+                need, what=f"rollout.engine=ray needs {need} CPUs ({len(policies)} agents x "
+                           f"rollout.engines_per_agent={r.engines_per_agent} x "
+                           f"{self.cpus_per_actor} CPU each)",
+                hint="lower rollout.engines_per_agent or add nodes")
             self._start_actors(policies, timeout_s, start_timeout_s)
         except BaseException:
             self.close()
@@ -410,18 +407,7 @@ class RayRolloutEngine(GeneratorState):
         if self._closed:
             return
         self._closed = True
-        if ray.is_initialized():
-            for actors in self._actors:
-                for a in actors:
-                    try:
-                        ray.kill(a, no_restart=True)
-                    except Exception as e:  # already gone
-                        log.debug("ray.kill: %s", e)
-            for pg in self._pgs:
-                try:
-                    remove_placement_group(pg)
-                except Exception as e:
-                    log.debug("remove_placement_group: %s", e)
+        RayCluster.release([a for actors in self._actors for a in actors], self._pgs)
         self._actors, self._pgs, self._policy_refs = [], [], []
         self._weights = [None] * len(self._weights)
         if self.cluster is not None:

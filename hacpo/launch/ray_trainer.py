@@ -38,7 +38,6 @@ from .ray_cluster import RayCluster, connect  # first: its environment must prec
 import ray  # noqa: E402
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError
-from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hacpo.engine import build
@@ -170,12 +169,10 @@ class RayAgents:
         self.cluster = connect(cfg.rollout.ray_address, timeout_s=timeout_s,
                                num_cpus=max(need + rollout_cpus(cfg), os.cpu_count() or 1))
         try:
-            have = self.cluster.num_cpus()
-            if need > have:
-                raise RuntimeError(
-                    f"trainer_backend=ray needs {need} CPUs ({len(policies)} agents x "
-                    f"{self.threads} CPU each, threads={cfg.threads}) but the Ray cluster at "
-                    f"{self.cluster.address} has {have:g}; lower threads or add nodes")
+            self.cluster.require_cpus(
+                need, what=f"trainer_backend=ray needs {need} CPUs ({len(policies)} agents x "
+                           f"{self.threads} CPU each, threads={cfg.threads})",
+                hint="lower threads or add nodes")
             self._start(timeout_s, start_timeout_s)
         except BaseException:
             self.close()
@@ -291,15 +288,7 @@ class RayAgents:
                     ray.get(a.close.remote(), timeout=30)
                 except Exception as e:   # dead already
                     log.debug("trainer actor close: %s", e)
-                try:
-                    ray.kill(a, no_restart=True)
-                except Exception as e:
-                    log.debug("ray.kill: %s", e)
-            for pg in self._pgs:
-                try:
-                    remove_placement_group(pg)
-                except Exception as e:
-                    log.debug("remove_placement_group: %s", e)
+        RayCluster.release(self._actors, self._pgs)
         self._actors, self._pgs = [], []
         if self.cluster is not None:
             self.cluster.shutdown()

@@ -233,7 +233,8 @@ class Policy(nn.Module):
                               temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token log-probs of each response given prompt ``prompt_of_row[b]`` of
         ``states`` (from :meth:`encode_prompts`): the same (token_logp [B, Tmax], mask [B, Tmax])
-        as :meth:`response_logprobs` on the full sequences, up to float rounding."""
+        as :meth:`response_logprobs` on the full sequences, up to float rounding. A prompt +
+        response longer than the model's positions is an error (``hidden_continued``)."""
         if len(prompt_of_row) != len(response_ids):
             raise ValueError(f"{len(prompt_of_row)} prompt indices but {len(response_ids)} "
                              f"responses")
@@ -241,12 +242,6 @@ class Policy(nn.Module):
         P, B = states.last.shape[0], len(response_ids)
         if B and not all(0 <= int(i) < P for i in prompt_of_row):
             raise ValueError(f"continuation_logprobs: prompt index out of range [0, {P})")
-        lengths = states.lengths.tolist()
-        longest = max((lengths[int(i)] + len(r) for i, r in zip(prompt_of_row, response_ids)),
-                      default=0)
-        if longest > self.max_len:
-            raise ValueError(f"policy {self.name!r}: prompt+response of {longest} tokens "
-                             f"exceeds max_len={self.max_len}")
         Tmax = max((len(r) for r in response_ids), default=0)
         mask = torch.zeros(B, Tmax, dtype=torch.bool)
         if Tmax == 0:

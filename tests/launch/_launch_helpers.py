@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,3 +78,77 @@ def two_agent_cfg(tmp_path: Path, name: str = "run", **over):
             "threads": 1, "plots": False, "tensorboard": False}
     cfg = load_config("tiny3", overrides={**base, **over})
     return dataclasses.replace(cfg, agents=cfg.agents[:2])
+
+
+# -- fault-injection helpers ----------------------------------------------------------------------
+def capture_instances(monkeypatch, cls) -> list:
+    """Every instance of ``cls`` constructed while ``monkeypatch`` holds (appended after its
+    ``__init__`` returns), e.g. to reach a run's agent group from the test."""
+    made = []
+    real_init = cls.__init__
+
+    def init(self, *a, **kw):
+        real_init(self, *a, **kw)
+        made.append(self)
+    monkeypatch.setattr(cls, "__init__", init)
+    return made
+
+
+def run_in_thread(fn) -> tuple[threading.Thread, dict]:
+    """Start ``fn()`` in a thread; the dict receives its "result" or its exception ("err")."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["result"] = fn()
+        except Exception as e:           # handed to the test thread
+            out["err"] = e
+    th = threading.Thread(target=run)
+    th.start()
+    return th, out
+
+
+def wait_for_first_step(metrics: Path, th: threading.Thread, out: dict, timeout_s: float) -> None:
+    """Until the run in ``th`` has logged a step to ``metrics`` (it must stay alive meanwhile)."""
+    t0 = time.time()
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+        assert time.time() - t0 < timeout_s and th.is_alive(), ("run never logged a step", out)
+        time.sleep(0.05)
+
+
+def free_cpus_back(total: int = 4, timeout: float = 30) -> None:
+    """Until the Ray cluster has ``total`` free CPUs again (actors killed, groups removed)."""
+    import ray
+    deadline = time.time() + timeout
+    while ray.available_resources().get("CPU", 0) < total:
+        assert time.time() < deadline, ray.available_resources()
+        time.sleep(0.2)
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.time() + seconds
+    while alive(pid):
+        if time.time() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def reap(pids) -> None:
+    """Test cleanup: a process a test froze (SIGSTOP) must not outlive it."""
+    for pid in pids:
+        if alive(pid):
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass

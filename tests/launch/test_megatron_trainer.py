@@ -16,8 +16,6 @@ import dataclasses
 import json
 import os
 import signal
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -32,6 +30,8 @@ from hacpo.engine.run_config import ParallelConfig, load_config  # noqa: E402
 from hacpo.engine.trainer import train  # noqa: E402
 from hacpo.launch import megatron_trainer  # noqa: E402
 
+from ._launch_helpers import (capture_instances, free_cpus_back, run_in_thread,  # noqa: E402
+                              wait_for_first_step)
 from ._megatron_cpu import HOOK  # noqa: E402
 
 import ray  # noqa: E402
@@ -81,13 +81,6 @@ def _weights(tmp, name):
     return {a["name"]: a["model"] for a in ckpt.load(tmp / name / "checkpoint.pt")["agents"]}
 
 
-def _free_cpus_back(total=4, timeout=30):
-    deadline = time.time() + timeout          # actors killed, placement groups removed
-    while ray.available_resources().get("CPU", 0) < total:
-        assert time.time() < deadline, ray.available_resources()
-        time.sleep(0.2)
-
-
 @pytest.fixture(scope="module")
 def tmp(tmp_path_factory):
     return tmp_path_factory.mktemp("megatron")
@@ -105,7 +98,7 @@ def torch_runs(tmp):
 @pytest.fixture(scope="module")
 def megatron_step1(cluster, tmp, torch_runs):
     summary = train(megatron_cfg(tmp, "meg", "megatron"), echo=lambda *_: None)
-    _free_cpus_back()
+    free_cpus_back()
     return summary
 
 
@@ -175,7 +168,7 @@ def test_resumed_second_step_equals_torch_two_steps(cluster, tmp, torch_runs, me
             {"agents.0.parallel.tp": 1}), resume=True, echo=lambda *_: None)
     summary = train(megatron_cfg(tmp, "meg", "megatron", steps=2), resume=True,
                     echo=lambda *_: None)
-    _free_cpus_back()
+    free_cpus_back()
     meg, ref = _rows(tmp, "meg"), _rows(tmp, "torch2")
     assert [r["step"] for r in meg] == [0, 1]
     for a, b in zip(meg, ref):
@@ -201,7 +194,7 @@ def test_dp2_one_step_equals_torch_trainer(cluster, tmp, algorithm):
           echo=lambda *_: None)
     train(megatron_cfg(tmp, f"dp-meg-{algorithm}", "megatron", DP_AGENTS, **over),
           echo=lambda *_: None)
-    _free_cpus_back()
+    free_cpus_back()
     meg, ref = _rows(tmp, f"dp-meg-{algorithm}"), _rows(tmp, f"dp-torch-{algorithm}")
     _check_metrics(meg[0], ref[0], names)
     assert (meg[0]["train/llama-dp2/trained_cross"] > 0) == (algorithm == "hacpo")
@@ -221,7 +214,7 @@ def test_megatron_and_torch_agents_in_one_run(cluster, tmp):
     cfg = megatron_cfg(tmp, "mix-meg", "megatron", MIX_AGENTS)
     assert [a.trainer for a in cfg.agents] == ["megatron", "torch"]
     train(cfg, echo=lambda *_: None)
-    _free_cpus_back()
+    free_cpus_back()
     meg, ref = _rows(tmp, "mix-meg"), _rows(tmp, "mix-torch")
     _check_metrics(meg[0], ref[0], names)
     _check_weights(_weights(tmp, "mix-meg"), _weights(tmp, "mix-torch"),
@@ -255,7 +248,7 @@ def test_config_errors(cluster, tmp):
     with pytest.raises(ValueError, match=r"agent 'char-pp2'.*tokenizer 'char'.*vocab_size=91 "
                                          r"is not divisible by tensor-parallel size tp=2"):
         train(odd, echo=lambda *_: None)
-    _free_cpus_back()
+    free_cpus_back()
 
 
 def test_checkpoint_from_before_the_trainer_fields_resumes():
@@ -284,34 +277,17 @@ def test_missing_setup_hook_is_clear_error(cluster, tmp):
                                            r"(.|\n)*Torch not compiled with CUDA enabled"
                                            r"(.|\n)*needs a trainer_setup_hook"):
         train(cfg, echo=lambda *_: None)
-    _free_cpus_back()
+    free_cpus_back()
 
 
 def test_killed_rank_actor_is_clear_error(cluster, tmp, monkeypatch):
     """SIGKILL rank 1 of the TP=2 group during a run: train raises promptly, naming the agent
     and the rank and pointing to --resume; every rank actor is gone afterwards."""
-    groups = []
-    real_init = megatron_trainer.MegatronAgents.__init__
-
-    def init(self, *a, **kw):
-        real_init(self, *a, **kw)
-        groups.append(self)
-    monkeypatch.setattr(megatron_trainer.MegatronAgents, "__init__", init)
-    out = {}
+    groups = capture_instances(monkeypatch, megatron_trainer.MegatronAgents)
     metrics = tmp / "killed" / "metrics.jsonl"
-
-    def run():
-        try:
-            out["summary"] = train(megatron_cfg(tmp, "killed", "megatron", steps=40),
-                                   echo=lambda *_: None)
-        except Exception as e:           # handed to the test thread
-            out["err"] = e
-    th = threading.Thread(target=run)
-    t0 = time.time()
-    th.start()
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
-        assert time.time() - t0 < 150 and th.is_alive(), ("run never logged a step", out)
-        time.sleep(0.05)
+    th, out = run_in_thread(lambda: train(megatron_cfg(tmp, "killed", "megatron", steps=40),
+                                          echo=lambda *_: None))
+    wait_for_first_step(metrics, th, out, 150)
     pid = ray.get(groups[0].rank_actor(0, 1).ready.remote())
     os.kill(pid, signal.SIGKILL)
     th.join(timeout=120)
@@ -320,5 +296,5 @@ def test_killed_rank_actor_is_clear_error(cluster, tmp, monkeypatch):
     assert isinstance(err, RuntimeError), out
     assert "megatron trainer rank 1 of agent 'llama-tp2' died" in str(err)
     assert "--resume" in str(err)
-    _free_cpus_back()                        # the run cleaned up its actors
+    free_cpus_back()                        # the run cleaned up its actors
     assert 1 <= metrics.read_text().count("\n") < 40

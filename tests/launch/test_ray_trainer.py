@@ -5,8 +5,6 @@ resume), and a killed trainer actor is a clear error naming its agent."""
 import json
 import os
 import signal
-import threading
-import time
 
 import pytest
 
@@ -14,7 +12,8 @@ from hacpo.engine.run_config import load_config
 from hacpo.engine.trainer import train
 from hacpo.launch import ray_trainer
 
-from ._launch_helpers import two_agent_cfg
+from ._launch_helpers import (capture_instances, free_cpus_back, run_in_thread, two_agent_cfg,
+                              wait_for_first_step)
 
 import ray
 
@@ -45,13 +44,6 @@ def local_run(cache):
     return _run(cache, "local", steps=2)
 
 
-def _free_cpus_back(total=4, timeout=30):
-    deadline = time.time() + timeout          # actors killed, placement groups removed
-    while ray.available_resources().get("CPU", 0) < total:
-        assert time.time() < deadline, ray.available_resources()
-        time.sleep(0.2)
-
-
 @pytest.mark.parametrize("rollout", ["local", "ray"])
 def test_ray_trainer_equals_local(cluster, cache, local_run, rollout):
     """2 agents x 2 steps with every agent's policy, optimizer and updates in a Ray actor:
@@ -70,7 +62,7 @@ def test_ray_trainer_equals_local(cluster, cache, local_run, rollout):
         assert r_ray[-1][f"time/old_logprobs/{name}"] > 0
         assert r_ray[-1][f"train/{name}/trained_self"] > 0
     assert ray.is_initialized()              # the module's cluster is left running
-    _free_cpus_back()
+    free_cpus_back()
 
 
 def test_ray_trainer_resume_equals_uninterrupted(cluster, cache, local_run):
@@ -82,34 +74,17 @@ def test_ray_trainer_resume_equals_uninterrupted(cluster, cache, local_run):
     assert [r["step"] for r in r_res] == [0, 1]
     assert _strip_times(r_res) == _strip_times(r_loc)
     assert s_res["after"] == s_loc["after"] and s_res["before"] == s_loc["before"]
-    _free_cpus_back()
+    free_cpus_back()
 
 
 def test_killed_trainer_actor_is_clear_error(cluster, cache, monkeypatch):
     """SIGKILL agent qwen3's trainer actor during a run: train raises promptly, naming the
     agent and pointing to --resume; the run then resumes from its last checkpoint."""
-    groups = []
-    real_init = ray_trainer.RayAgents.__init__
-
-    def init(self, *a, **kw):
-        real_init(self, *a, **kw)
-        groups.append(self)
-    monkeypatch.setattr(ray_trainer.RayAgents, "__init__", init)
-    out = {}
+    groups = capture_instances(monkeypatch, ray_trainer.RayAgents)
     tmp = cache
     metrics = tmp / "killed" / "metrics.jsonl"
-
-    def run():
-        try:
-            out["summary"] = _run(tmp, "killed", steps=40, trainer_backend="ray")
-        except Exception as e:           # handed to the test thread
-            out["err"] = e
-    th = threading.Thread(target=run)
-    t0 = time.time()
-    th.start()
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
-        assert time.time() - t0 < 120 and th.is_alive(), ("run never logged a step", out)
-        time.sleep(0.05)
+    th, out = run_in_thread(lambda: _run(tmp, "killed", steps=40, trainer_backend="ray"))
+    wait_for_first_step(metrics, th, out, 120)
     pid = ray.get(groups[0].actor(1).ready.remote())
     os.kill(pid, signal.SIGKILL)
     th.join(timeout=120)
@@ -118,14 +93,14 @@ def test_killed_trainer_actor_is_clear_error(cluster, cache, monkeypatch):
     assert isinstance(err, RuntimeError), out
     assert "the trainer actor of agent 'qwen3' died" in str(err)
     assert "--resume" in str(err)
-    _free_cpus_back()                        # the run cleaned up its actors
+    free_cpus_back()                        # the run cleaned up its actors
     done = metrics.read_text().count("\n")
     assert 1 <= done < 40
     # what the message promises: --resume continues from the last checkpoint
     monkeypatch.undo()
     _, rows = _run(tmp, "killed", resume=True, steps=done + 1, trainer_backend="ray")
     assert [r["step"] for r in rows] == list(range(done + 1))
-    _free_cpus_back()
+    free_cpus_back()
 
 
 def test_unknown_trainer_backend_is_clear_error():

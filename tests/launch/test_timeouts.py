@@ -12,7 +12,6 @@ private local cluster for the module) and a real `hacpo launch local`:
 import os
 import re
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -27,47 +26,13 @@ from hacpo.launch.cli import main
 from hacpo.launch.ray_cluster import call_deadline, next_ready
 from hacpo.launch.ray_rollout import RayRolloutEngine
 
-from ._launch_helpers import hacpo, processes_mentioning, tiny_run_args, two_agent_cfg
+from ._launch_helpers import (alive, capture_instances, free_cpus_back, gone_within, hacpo,
+                              processes_mentioning, reap, run_in_thread, tiny_run_args,
+                              two_agent_cfg, wait_for_first_step)
 
 import ray
 
 GEN = dict(num_samples=3, max_new_tokens=12, temperature=1.0, top_p=0.9)
-
-
-def _alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _gone_within(pid: int, seconds: float) -> bool:
-    deadline = time.time() + seconds
-    while _alive(pid):
-        if time.time() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
-def _reap(pids) -> None:
-    """Test cleanup: a process this test froze must not outlive it."""
-    for pid in pids:
-        if _alive(pid):
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-
-
-def _free_cpus_back(total=4, timeout=30):
-    deadline = time.time() + timeout          # actors killed, placement groups removed
-    while ray.available_resources().get("CPU", 0) < total:
-        assert time.time() < deadline, ray.available_resources()
-        time.sleep(0.2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -162,7 +127,7 @@ def test_hung_rollout_actor_is_restarted_and_the_call_retried(setup, tmp_path):
         assert got == want
         assert 6 <= took < 6 + 120, took                    # waited 6 s, not 600
         hung_pid = int(marker.read_text())
-        assert _gone_within(hung_pid, 10), "the hung actor process was not killed"
+        assert gone_within(hung_pid, 10), "the hung actor process was not killed"
         st = eng.stats()
         assert st["timeouts"] == 1 and st["timeouts_per_actor"] == {pol.name: [0, 1]}
         assert st["restarts"] == 1 and st["restarts_per_actor"] == {pol.name: [0, 1]}
@@ -175,7 +140,7 @@ def test_hung_rollout_actor_is_restarted_and_the_call_retried(setup, tmp_path):
         os.kill(pid, signal.SIGSTOP)
         frozen.append(pid)
         eng.sync_weights(0)
-        assert _gone_within(pid, 10)
+        assert gone_within(pid, 10)
         st = eng.stats()
         assert st["timeouts_per_actor"] == {pol.name: [0, 2]}
         assert st["restarts_per_actor"] == {pol.name: [0, 2]}
@@ -200,12 +165,12 @@ def test_hung_rollout_actor_is_restarted_and_the_call_retried(setup, tmp_path):
         assert f"rollout actor 1 of agent '{pol.name}' did not answer a generate call within " \
                f"rollout.call_timeout_s=6 s" in msg, msg
         assert "rollout.max_engine_restarts=2 is exhausted" in msg, msg
-        assert _gone_within(int(marker.read_text()), 10)
+        assert gone_within(int(marker.read_text()), 10)
         assert eng.stats()["timeouts"] == 3
     finally:
         eng.close()
-        _reap(frozen)
-    _free_cpus_back()
+        reap(frozen)
+    free_cpus_back()
 
 
 # --------------------------------------------------------------------------------------------
@@ -215,30 +180,14 @@ def test_hung_trainer_actor_is_a_clear_error(cluster, tmp_path, monkeypatch):
     """Freeze (SIGSTOP) agent qwen3's trainer actor during a run with
     trainer_call_timeout_s=15: train raises within the limit (not a hang), naming the agent,
     the timeout and --resume; the frozen actor is killed."""
-    groups = []
-    real_init = ray_trainer.RayAgents.__init__
-
-    def init(self, *a, **kw):
-        real_init(self, *a, **kw)
-        groups.append(self)
-    monkeypatch.setattr(ray_trainer.RayAgents, "__init__", init)
-    out = {}
+    groups = capture_instances(monkeypatch, ray_trainer.RayAgents)
     metrics = tmp_path / "hung" / "metrics.jsonl"
-
-    def run():
-        try:
-            train(two_agent_cfg(tmp_path, "hung", steps=40, trainer_backend="ray",
-                                trainer_call_timeout_s=15), echo=lambda *_: None)
-        except Exception as e:           # handed to the test thread
-            out["err"] = e
-    th = threading.Thread(target=run)
-    t0 = time.time()
-    th.start()
+    th, out = run_in_thread(lambda: train(two_agent_cfg(
+        tmp_path, "hung", steps=40, trainer_backend="ray", trainer_call_timeout_s=15),
+        echo=lambda *_: None))
     pid = None
     try:
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
-            assert time.time() - t0 < 120 and th.is_alive(), ("run never logged a step", out)
-            time.sleep(0.05)
+        wait_for_first_step(metrics, th, out, 120)
         pid = ray.get(groups[0].actor(1).ready.remote())
         os.kill(pid, signal.SIGSTOP)
         t_stop = time.time()
@@ -251,12 +200,12 @@ def test_hung_trainer_actor_is_a_clear_error(cluster, tmp_path, monkeypatch):
                "trainer_call_timeout_s=15 s" in str(err), err
         assert "was killed" in str(err) and "--resume" in str(err)
         assert took < 15 + 120, took         # the limit, the kill and the run's cleanup
-        assert _gone_within(pid, 10), "the hung trainer actor was not killed"
+        assert gone_within(pid, 10), "the hung trainer actor was not killed"
         assert metrics.read_text().count("\n") < 40
     finally:
         if pid is not None:
-            _reap([pid])
-    _free_cpus_back()
+            reap([pid])
+    free_cpus_back()
 
 
 # --------------------------------------------------------------------------------------------
@@ -283,7 +232,7 @@ def test_launch_local_wait_timeout_ends_everything(tmp_path):
     assert 40 <= int(m.group(1)) < 40 + 45
     assert Path(m.group(3)) == out / "launch-local" and Path(m.group(4)) == out
     assert took < 40 + 150, took
-    assert not _alive(int(m.group(2)))
+    assert not alive(int(m.group(2)))
     tmp = re.search(r"temp dir (\S+),", r.stdout).group(1)
     assert not Path(tmp).exists()
     assert not processes_mentioning(tmp), "Ray processes left running"

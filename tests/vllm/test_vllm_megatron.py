@@ -33,6 +33,8 @@ from hacpo.engine.trainer import train
 from hacpo.launch import megatron_trainer
 from hacpo.launch.vllm_rollout import hf_weights
 
+from tests.launch._launch_helpers import capture_instances
+
 from .conftest import expected_logprobs, max_abs_diff
 
 pytestmark = pytest.mark.slow
@@ -110,15 +112,10 @@ def test_megatron_weights_reach_the_vllm_engines(tmp_path, monkeypatch):
 
     cfg = megatron_vllm_cfg(tmp_path)
     data = build.load_data(cfg)
-    groups, engines, probes = [], [], {}
+    engines, probes = [], {}
     checks: dict = {}
 
-    real_init = megatron_trainer.MegatronAgents.__init__
-
-    def init(self, *a, **kw):
-        real_init(self, *a, **kw)
-        groups.append(self)
-    monkeypatch.setattr(megatron_trainer.MegatronAgents, "__init__", init)
+    groups = capture_instances(monkeypatch, megatron_trainer.MegatronAgents)
 
     def check_before_close(engine):
         """What the engines serve at the end of the run, while ranks and engines still live."""

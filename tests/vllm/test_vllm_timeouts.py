@@ -10,27 +10,12 @@ import pytest
 
 from hacpo.launch.vllm_rollout import VLLMRolloutEngine
 
+from tests.launch._launch_helpers import alive, gone_within
+
 from .conftest import QUESTIONS, build_policies, max_abs_diff, tiny_policy_configs, vllm_config
 
 pytestmark = pytest.mark.slow
 TOL = 2e-3   # as test_vllm_engine.py: float32 on both sides
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _gone_within(pid: int, seconds: float) -> bool:
-    deadline = time.time() + seconds
-    while _alive(pid):
-        if time.time() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 def test_hung_engine_is_restarted_then_a_clear_error():
@@ -64,7 +49,7 @@ def test_hung_engine_is_restarted_then_a_clear_error():
         assert after.response_ids == before.response_ids  # same seeds: no sample lost or new
         assert max_abs_diff(after.sampler_logprobs, before.sampler_logprobs) < TOL
         assert engine.stats()["timeouts"] == [[1]] and engine.stats()["restarts"] == [[1]]
-        assert _gone_within(pid, 15), "the hung engine process was not killed"
+        assert gone_within(pid, 15), "the hung engine process was not killed"
 
         pid = freeze()                                     # budget (1 restart) used up
         t0 = time.perf_counter()
@@ -76,9 +61,9 @@ def test_hung_engine_is_restarted_then_a_clear_error():
             engine.generate(0, prompts, **kw)
         assert time.perf_counter() - t0 < 6 + 90
         assert engine.stats()["timeouts"] == [[2]]
-        assert _gone_within(pid, 15), "the hung engine process was not killed"
+        assert gone_within(pid, 15), "the hung engine process was not killed"
     finally:
         engine.close()
         for pid in frozen:                                 # never outlive the test
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
