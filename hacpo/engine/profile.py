@@ -15,8 +15,8 @@ Reported (per agent a, means over measured steps):
                             + reward / n                      (the shared verifier, split evenly)
     extra over GSPO       = T_hacpo(a) / T_gspo(a) - 1       (everything HACPO adds)
     cross scoring         = (retokenize + score_cross)_hacpo / T_gspo(a)   (target <= 25%):
-                            the learner's forward pass over the other agents' responses (on
-                            the plain decoder each prompt is forwarded once per micro-batch
+                            the learner's forward pass over the other agents' responses
+                            (with prompt states each prompt is forwarded once per micro-batch
                             block for self and cross samples together, score_prompt, so this
                             is what the cross samples add; GSPO runs the same prompt pass)
     cross backward        = backward_cross_hacpo / T_gspo(a): learning from them (its cost is
@@ -179,7 +179,7 @@ class CostModel:
     samples_per_agent: float     # measured generated samples per agent and step (B x G)
     n_agents: int
     cross_measured: bool = False  # cross costs measured on HACPO (else: self costs assumed)
-    # prompt states (plain decoder): prompts trained once per block, samples per response
+    # prompt states (decoder, HF llama/qwen2/gpt2): prompts trained once per block, samples per response
     # token; else (whole sequences) samples per prompt + response token and no prompt term
     shared_prompts: bool = False
     train_prompt_per_token: float = 0.0  # fwd + bwd per prompt token forwarded

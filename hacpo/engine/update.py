@@ -41,7 +41,7 @@ def update_learner(algo: AlgorithmConfig, policy, optimizer, view: LearnerView, 
     Self and cross samples are forwarded in separate passes so their costs are accounted
     apart: ``timer(key)`` is entered for "score_self", "score_cross" (forward + loss),
     "backward_self", "backward_cross" and "optimizer" (clip, host sync, step). A policy with
-    prompt states (the plain decoder, ``share_prompts``) forwards each micro-batch's prompts once
+    prompt states (the plain decoder, HF llama/qwen2/gpt2; ``share_prompts``) forwards each micro-batch's prompts once
     for both parts ("score_prompt") and backpropagates through them once ("backward_prompt"), so
     cross samples cost only their responses; other policies run self and cross micro-batches
     of whole sequences. The loss is a sum over samples divided by the minibatch's global count,

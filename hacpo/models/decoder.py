@@ -161,9 +161,10 @@ class Block(nn.Module):
 @dataclass
 class PrefixStates:
     """What continuations of P shared prefixes need: per layer the prefixes' keys and values
-    ``kv[i] = (k, v)`` [P, H, Lp, Dh] (rotary applied), the final-norm hidden state of each
-    prefix's last real token ``last`` [P, D] (it predicts a continuation's first token), the
-    prefix mask [P, Lp] and lengths [P]."""
+    ``kv[i] = (k, v)`` [P, H, Lp, Dh] (rotary applied; for HF models whatever their cache
+    holds, e.g. [P, kv_heads, Lp, head_dim], see :mod:`hacpo.models.hf_states`), the
+    final-norm hidden state of each prefix's last real token ``last`` [P, D] (it predicts a
+    continuation's first token), the prefix mask [P, Lp] and lengths [P]."""
     kv: list[tuple[torch.Tensor, torch.Tensor]]
     last: torch.Tensor
     mask: torch.Tensor
@@ -306,7 +307,9 @@ class Decoder(nn.Module):
         attention_mask = attention_mask.bool()
         Lp = states.mask.shape[1]
         pos = states.lengths.index_select(0, prefix_of_row)[:, None] + torch.arange(Lr, device=dev)
-        if int(pos.max() if N and Lr else 0) >= self.cfg.max_len:
+        # real tokens only: a short row's padding next to a long row may run past max_len
+        # (rotary positions are computed, not looked up, so those slots are harmless)
+        if int(pos.masked_fill(~attention_mask, 0).max() if N and Lr else 0) >= self.cfg.max_len:
             raise ValueError(f"prefix + continuation exceeds max_len={self.cfg.max_len}")
         x = self.embed(input_ids)
         rope = rope_cos_sin(pos, self.cfg.d_model // self.cfg.n_heads, self.cfg.rope_theta,

@@ -73,9 +73,10 @@ class Policy(nn.Module):
         name: agent name (logs, metrics).
     """
 
-    # Rows of one call that share a prompt have it forwarded once (plain decoder only): the
-    # G samples of a prompt, and a learner's self and cross samples of it, in training and
-    # old-log-prob scoring. Same values and gradients as one full sequence per row.
+    # Rows of one call that share a prompt have it forwarded once (policies with prompt
+    # states: the plain decoder, HF llama/qwen2/gpt2): the G samples of a prompt, and a
+    # learner's self and cross samples of it, in training and old-log-prob scoring. Same
+    # values and gradients as one full sequence per row.
     share_prompts: bool = True
 
     def __init__(self, model: nn.Module, tokenizer: Tokenizer, name: str):
@@ -156,7 +157,7 @@ class Policy(nn.Module):
             raise ValueError(f"policy {self.name!r}: prompt+response of {max(lengths)} tokens "
                              f"exceeds max_len={self.max_len}")
         Tmax = max((len(r) for r in response_ids), default=0)
-        if self.kind == "decoder" and self.share_prompts and Tmax > 0:
+        if self.share_prompts and self.supports_prompt_states and Tmax > 0:
             keys = [tuple(p) for p in prompt_ids]
             if len(set(keys)) < B:       # some rows share a prompt: compute each prompt once
                 return self._response_logprobs_shared(keys, response_ids, temperature)
@@ -192,7 +193,7 @@ class Policy(nn.Module):
         return token_logp.masked_scatter(mask, lp), mask
 
     def _response_logprobs_shared(self, keys: list[tuple], response_ids, temperature: float):
-        """response_logprobs with each distinct prompt forwarded once (Decoder only)."""
+        """response_logprobs with each distinct prompt forwarded once (prompt states)."""
         uniq: dict[tuple, int] = {}
         prefix_of_row = [uniq.setdefault(k, len(uniq)) for k in keys]
         states = self.encode_prompts(list(uniq))
@@ -202,17 +203,25 @@ class Policy(nn.Module):
     # -- shared prompts across calls ------------------------------------------------------------
     @property
     def supports_prompt_states(self) -> bool:
-        """Whether :meth:`encode_prompts` / :meth:`continuation_logprobs` are available (the
-        plain decoder; HF models forward whole sequences)."""
-        return self.kind == "decoder"
+        """Whether :meth:`encode_prompts` / :meth:`continuation_logprobs` are available: the
+        plain decoder, and HF models of a tested architecture (llama, qwen2, gpt2) with full
+        attention in every layer (:func:`hacpo.models.hf_states.prompt_states_unsupported`)."""
+        return self._prompt_states_unsupported() is None
+
+    def _prompt_states_unsupported(self) -> str | None:
+        if self.kind == "decoder":
+            return None
+        from hacpo.models.hf_states import prompt_states_unsupported
+        return prompt_states_unsupported(self.model)
 
     def encode_prompts(self, prompt_ids: Sequence[Sequence[int]]) -> PrefixStates:
         """Forward P prompts once -> their :class:`PrefixStates` (keys/values per layer and the
         last token's hidden state), differentiable w.r.t. the parameters; responses are then
         scored on them by :meth:`continuation_logprobs`, in one call or several."""
-        if not self.supports_prompt_states:
-            raise NotImplementedError(f"policy {self.name!r} ({self.kind}): prompt states need "
-                                      f"the plain decoder")
+        why = self._prompt_states_unsupported()
+        if why is not None:
+            raise NotImplementedError(f"policy {self.name!r} ({self.kind}): no prompt states "
+                                      f"for this model: {why}")
         if any(len(p) == 0 for p in prompt_ids):
             raise ValueError("encode_prompts: every prompt needs at least one token")
         dev = self.output_weight.device
@@ -226,7 +235,10 @@ class Policy(nn.Module):
         for i, p in enumerate(prompt_ids):
             p_ids[i, :len(p)] = torch.tensor(list(p), dtype=torch.long)
             p_mask[i, :len(p)] = True
-        return self.model.encode_prefix(p_ids.to(dev), p_mask.to(dev))
+        if self.kind == "decoder":
+            return self.model.encode_prefix(p_ids.to(dev), p_mask.to(dev))
+        from hacpo.models.hf_states import encode_prefix
+        return encode_prefix(self.model, p_ids.to(dev), p_mask.to(dev))
 
     def continuation_logprobs(self, states: PrefixStates, prompt_of_row: Sequence[int],
                               response_ids: Sequence[Sequence[int]], *,
@@ -234,7 +246,7 @@ class Policy(nn.Module):
         """Per-token log-probs of each response given prompt ``prompt_of_row[b]`` of
         ``states`` (from :meth:`encode_prompts`): the same (token_logp [B, Tmax], mask [B, Tmax])
         as :meth:`response_logprobs` on the full sequences, up to float rounding. A prompt +
-        response longer than the model's positions is an error (``hidden_continued``)."""
+        response longer than the model's positions is an error."""
         if len(prompt_of_row) != len(response_ids):
             raise ValueError(f"{len(prompt_of_row)} prompt indices but {len(response_ids)} "
                              f"responses")
@@ -256,7 +268,20 @@ class Policy(nn.Module):
                 src += [P + b * Tmax + j for j in range(len(r) - 1)]
                 targets += r
         pidx = torch.tensor([int(i) for i in prompt_of_row], dtype=torch.long, device=dev)
-        hr = self.model.hidden_continued(states, r_ids.to(dev), mask.to(dev), pidx)
+        if self.kind == "decoder":    # checks max_len itself
+            hr = self.model.hidden_continued(states, r_ids.to(dev), mask.to(dev), pidx)
+        else:
+            from hacpo.models.hf_states import hidden_continued
+            # positions beyond the model's table (gpt2: an index error, a device assert on
+            # CUDA) are refused; the bound Lp + Tmax needs no host sync, the exact one does
+            if states.mask.shape[1] + Tmax > self.max_len:
+                longest = int((states.lengths.index_select(0, pidx)
+                               + mask.sum(-1).to(dev)).max())
+                if longest > self.max_len:
+                    raise ValueError(f"policy {self.name!r}: prompt+response of {longest} "
+                                     f"tokens exceeds max_len={self.max_len}")
+            hr = hidden_continued(self.model, states, r_ids.to(dev), mask.to(dev), pidx,
+                                  max_positions=self.max_len)
         h = torch.cat([states.last, hr.reshape(B * Tmax, hr.shape[-1])])
         h = h.index_select(0, torch.tensor(src, dtype=torch.long, device=dev))
         return self._scatter_logprobs(h, targets, mask.to(dev), temperature)

@@ -97,6 +97,34 @@ def test_shared_prompt_forward_equals_one_sequence_per_row():
     assert max(g.abs().max() for g in g_full) > 1e-2      # the comparison is not vacuous
 
 
+def test_shared_prompts_near_max_len():
+    """Prompt states at the position limit: a row that exactly fills max_len next to a short
+    row (whose padding runs past max_len) gives the whole-sequence log-probs; one token more is
+    an error naming the limit, on both paths."""
+    policy = build_policy(PolicyConfig(name="d", kind="decoder", seed=1, max_len=24))
+    g = torch.Generator().manual_seed(2)
+    V = policy.tokenizer.vocab_size
+    long_p, short_p = torch.randint(4, V, (20,), generator=g).tolist(), [5, 6, 7]
+    P = [long_p, long_p, short_p, short_p]
+    R = [torch.randint(4, V, (n,), generator=g).tolist() for n in (4, 2, 5, 3)]
+
+    def run(share, R=R):
+        policy.share_prompts = share
+        return policy.response_logprobs(P, R)
+
+    try:
+        full, mask = run(False)
+        shared, mask_s = run(True)
+        torch.testing.assert_close(shared, full, atol=1e-5, rtol=1e-5)
+        assert torch.equal(mask, mask_s) and mask.sum(-1).tolist() == [4, 2, 5, 3]
+        too_long = [R[0] + [9]] + R[1:]
+        for share in (False, True):
+            with pytest.raises(ValueError, match=r"exceeds max_len=24"):
+                run(share, too_long)
+    finally:
+        policy.share_prompts = True
+
+
 def test_empty_response_row_is_all_masked(policy):
     prompts, responses = _batch(policy)
     lp, mask = policy.response_logprobs(prompts[:2], [responses[0], []])
