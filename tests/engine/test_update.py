@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from hacpo.engine import preset
-from hacpo.engine.pool import LearnerView, score_responses
+from hacpo.engine.pool import LearnerView
 from hacpo.engine.timing import Stopwatch
 from hacpo.engine.update import update_learner
 from hacpo.models.policy import PolicyConfig, build_policy
+from tests.engine._cases import learner_case
 
 
 @pytest.fixture
@@ -19,26 +20,7 @@ def setup():
     torch.manual_seed(0)
     pol = build_policy(PolicyConfig(name="p", kind="decoder", tokenizer="char", d_model=32,
                                     n_layers=1, n_heads=2, max_len=64, seed=3))
-    tok = pol.tokenizer
-    g = torch.Generator().manual_seed(1)
-    prompts = [tok.prompt_ids(f"{a}+{b}=") for a, b in [(1, 2), (3, 4), (5, 6)]]
-    # 3 prompts x (3 self + 2 cross) samples, responses of different lengths
-    p_of, p_ids, r_ids, is_self = [], [], [], []
-    for p in range(3):
-        for s in range(5):
-            L = 1 + int(torch.randint(0, 6, (1,), generator=g))
-            p_of.append(p)
-            p_ids.append(prompts[p])
-            r_ids.append(torch.randint(4, tok.vocab_size, (L,), generator=g).tolist())
-            is_self.append(s < 3)
-    n = len(r_ids)
-    lp_now, _ = score_responses(pol, p_ids, r_ids, micro_batch=64)
-    is_self = torch.tensor(is_self)
-    # old log-probs: self samples at the current policy (ratio 1), cross 0.1 nats lower
-    lp_old = lp_now - 0.1 * (~is_self).float()
-    adv = torch.linspace(-1, 1, n)
-    view = LearnerView(torch.arange(n), adv, torch.full((n,), 0.7), is_self, p_ids, r_ids, {})
-    return pol, view, lp_old, torch.tensor(p_of)
+    return (pol, *learner_case(pol))
 
 
 def _run(pol, view, lp_old, p_of, micro_batch, timer=None, algo="hacpo"):

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from hacpo.engine import preset
-from hacpo.engine.pool import LearnerView, score_responses
 from hacpo.engine.update import update_learner
 from hacpo.models.policy import PolicyConfig, build_policy
+from tests.engine._cases import learner_case
 
 ARCHS = ["llama", "qwen2", "gpt2"]
 QUESTIONS = ["What is 2+3?", "Tom has 12 apples and eats 5. How many are left?", "7*8=?"]
@@ -197,25 +197,8 @@ def test_sliding_window_model_has_no_prompt_states():
 # -- update_learner: shared prompt states vs whole sequences --------------------------------------
 def _learner_setup(arch):
     pol = build_policy(PolicyConfig(name=f"u-{arch}", kind="hf", arch=arch, seed=3))
-    tok = pol.tokenizer
-    g = torch.Generator().manual_seed(1)
-    prompts = [tok.prompt_ids(f"{a}+{b}=") for a, b in [(1, 2), (33, 4), (5, 666)]]
-    # 3 prompts (different lengths) x (3 self + 2 cross) samples, responses of 1..6 tokens
-    p_of, p_ids, r_ids, is_self = [], [], [], []
-    for p in range(3):
-        for s in range(5):
-            L = 1 + int(torch.randint(0, 6, (1,), generator=g))
-            p_of.append(p)
-            p_ids.append(prompts[p])
-            r_ids.append(torch.randint(4, tok.vocab_size, (L,), generator=g).tolist())
-            is_self.append(s < 3)
-    n = len(r_ids)
-    lp_now, _ = score_responses(pol, p_ids, r_ids, micro_batch=64)
-    is_self = torch.tensor(is_self)
-    lp_old = lp_now - 0.1 * (~is_self).float()
-    view = LearnerView(torch.arange(n), torch.linspace(-1, 1, n), torch.full((n,), 0.7),
-                       is_self, p_ids, r_ids, {})
-    return pol, view, lp_old, torch.tensor(p_of)
+    # 3 prompts of different lengths
+    return (pol, *learner_case(pol, ((1, 2), (33, 4), (5, 666))))
 
 
 def _update(pol, view, lp_old, p_of, micro_batch):
