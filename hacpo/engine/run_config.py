@@ -48,9 +48,12 @@ class ParallelConfig:
     dp: int = 1
     transformer_impl: str = "local"    # local | transformer_engine (CUDA only)
     device: str = "cpu"
+    # the vocabulary is padded to a multiple of tp * this (Megatron-LM uses 128 on GPUs; 1 pads
+    # the fewest rows); hacpo/models/megatron/build.py explains the padding
+    make_vocab_size_divisible_by: int = 1
 
     def __post_init__(self):
-        for k in ("tp", "pp", "dp"):
+        for k in ("tp", "pp", "dp", "make_vocab_size_divisible_by"):
             v = getattr(self, k)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"parallel.{k} must be an integer >= 1, got {v!r}")
@@ -84,8 +87,9 @@ class AgentConfig:
 
 def _check_megatron_agent(a: AgentConfig) -> None:
     """What can be checked before the policy is built: an HF Llama/Qwen2 policy whose heads,
-    kv heads, FFN size and layers split over tp/pp (the vocabulary is the tokenizer's: checked
-    when the trainer group starts)."""
+    kv heads, FFN size and layers split over tp/pp. The vocabulary size is the tokenizer's, not
+    known here: the placeholder below always pads to full shards; the real one is checked
+    (padded, every TP shard holding a real token id) when the trainer group starts."""
     from hacpo.models.megatron.build import ArchSpec
     p, par = a.policy, a.parallel
     where = f"agent {p.name!r} (trainer=megatron)"
@@ -97,7 +101,7 @@ def _check_megatron_agent(a: AgentConfig) -> None:
             raise ValueError(f"{where}: megatron-core trains policy.arch 'llama' or 'qwen2' "
                              f"(ArchSpec), got {p.arch!r}")
         hf = {**TINY_DEFAULTS[p.arch], **p.hf_config, "model_type": p.arch,
-              "vocab_size": par.tp}    # placeholder: the tokenizer's size is checked later
+              "vocab_size": par.tp}    # placeholder (see the docstring)
         try:
             ArchSpec.from_hf(hf).check_parallel(par.tp, par.pp)
         except ValueError as e:
@@ -213,10 +217,6 @@ class TrainConfig(ConfigMixin):
         if megatron and self.trainer_backend != "ray":
             raise ValueError(f"agents {megatron} use trainer=megatron, which runs as Ray rank "
                              f"actors: set trainer_backend=ray (got {self.trainer_backend!r})")
-        if megatron and self.algorithm.loss.kl_coef > 0:
-            raise ValueError(f"trainer=megatron (agents {megatron}) does not support the KL "
-                             f"term yet (no reference policy on the ranks): set "
-                             f"algorithm.loss.kl_coef=0, got {self.algorithm.loss.kl_coef}")
         if self.trainer_setup_hook and not _is_hook(self.trainer_setup_hook):
             raise ValueError(f"trainer_setup_hook must look like 'package.module:function', "
                              f"got {self.trainer_setup_hook!r}")

@@ -32,7 +32,12 @@ One update is :func:`hacpo.engine.update.update_learner`'s, split over the ranks
 
 Old log-probs (the ratio's denominator) come from the same megatron shards, so the ratio is 1 at
 m = 0 up to float rounding. Held-out evaluation runs on the driver's HF copy (same weights).
-The KL term (``loss.kl_coef > 0``) is rejected by the config: no reference policy on the ranks.
+The KL term (``loss.kl_coef > 0``, self samples only, as in-process): every rank also holds a
+frozen shard of the initial (warm-started) weights, the reference policy; its token log-probs of
+the agent's own samples are computed with the old log-probs (``time/ref_logprobs/<agent>``),
+once per step, and the ranks add ``kl_coef * low_var_kl / divisor`` to the self rows' loss.
+Checkpoints carry the reference's HF weights (``megatron.ref_hf``); a resumed run reloads them.
+The reference doubles the ranks' parameter memory (no offload).
 
 Stage times (``time/<stage>/<agent>``) are the reporting rank's (DP 0, TP 0, last PP stage):
 ``score_self`` / ``score_cross``: its forward + log-prob + loss time of self / cross
@@ -52,6 +57,7 @@ belong to; loading it into another layout is an error.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import math
@@ -71,6 +77,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from hacpo.engine.algorithm import learner_loss, split_minibatches
 from hacpo.engine.agents import score_temperature
 from hacpo.engine.evaluate import evaluate_policy
+from hacpo.engine.losses import low_var_kl
 from hacpo.engine.pool import LearnerView, StepPool, scored_lengths
 from hacpo.engine.update import NonFiniteUpdateError, _minibatch_metrics, _pad
 from hacpo.models.policy import Policy
@@ -133,8 +140,10 @@ class MegatronRank:
         return host, self._store.port
 
     def setup(self, addr: tuple[str, int], policy: Policy, par: dict, optim: dict, seed: int,
-              timeout_s: float) -> dict:
-        """Join the group, build this rank's shard and its optimizer; returns its layout."""
+              timeout_s: float, reference: bool = False) -> dict:
+        """Join the group, build this rank's shard and its optimizer (and, with ``reference``,
+        a frozen shard of the same initial weights: the KL term's reference policy); returns
+        its layout."""
         import torch.distributed as dist
 
         from hacpo.models.megatron import MegatronPolicy, init_parallel
@@ -150,10 +159,18 @@ class MegatronRank:
         p = init_parallel(par["tp"], par["pp"], par["dp"], seed=seed)
         self.par = p
         dtype = next(policy.model.parameters()).dtype
-        self.pol = MegatronPolicy.from_hf(policy.model, p, transformer_impl=par["transformer_impl"],
-                                          params_dtype=dtype)
+        build = dict(transformer_impl=par["transformer_impl"], params_dtype=dtype,
+                     make_vocab_size_divisible_by=par["make_vocab_size_divisible_by"])
+        self.pol = MegatronPolicy.from_hf(policy.model, p, **build)
+        self.ref = None
+        if reference:
+            self.ref = MegatronPolicy.from_hf(policy.model, p, **build)
+            self.ref.module.requires_grad_(False)
+            self.ref.model.eval()
         if self.device.type == "cuda":
             self.pol.model.cuda()
+            if self.ref is not None:
+                self.ref.model.cuda()
         self.opt = self.pol.build_optimizer(lr=optim["lr"], weight_decay=optim["weight_decay"],
                                             adam_beta1=optim["beta1"], adam_beta2=optim["beta2"],
                                             adam_eps=1e-8, clip_grad=0.0)
@@ -164,31 +181,41 @@ class MegatronRank:
 
     # -- old log-probs --------------------------------------------------------------------------
     def old_logprobs(self, prompts: list[list[int]], responses: list[list[int]],
-                     micro_batch: int, temperature: float):
+                     micro_batch: int, temperature: float) -> dict | None:
         """Token log-probs of this DP rank's contiguous share of the rows (responses already cut
-        to their scored part, none empty): (first row, [token_logp of each row], seconds) from
-        the TP 0 / PP 0 rank of each DP replica, None elsewhere."""
-        t = time.perf_counter()
+        to their scored part, none empty), from the TP 0 / PP 0 rank of each DP replica (None
+        elsewhere): {"lo": first row, "toks": [token_logp of each row], "seconds"}, plus with
+        a reference shard the reference policy's ("ref_toks", "ref_seconds"): the rows are the
+        agent's own samples, exactly the ones the KL term covers, and the reference is
+        frozen, so they are computed once per step here."""
         p, n = self.par, len(prompts)
         lo, hi = p.dp_rank * n // p.dp, (p.dp_rank + 1) * n // p.dp
-        toks: list[torch.Tensor] = []
-        for s in range(lo, hi, micro_batch):
-            ps_, rs = prompts[s:min(s + micro_batch, hi)], responses[s:min(s + micro_batch, hi)]
-            S = max(len(a) + len(b) for a, b in zip(ps_, rs))
-            ids, targets, pos, mask = _pack(ps_, rs, len(ps_), S)
-            lp = self.pol.token_logprobs(ids.to(self.device), targets.to(self.device),
-                                         temperature=temperature).cpu()
-            tl = lp.gather(1, pos)
-            toks += [tl[i, :len(r)].clone() for i, r in enumerate(rs)]
+        out = {"lo": lo}
+        for key, pol in (("", self.pol), ("ref_", self.ref)):
+            if pol is None:
+                continue
+            t = time.perf_counter()
+            toks: list[torch.Tensor] = []
+            for s in range(lo, hi, micro_batch):
+                ps_ = prompts[s:min(s + micro_batch, hi)]
+                rs = responses[s:min(s + micro_batch, hi)]
+                S = max(len(a) + len(b) for a, b in zip(ps_, rs))
+                ids, targets, pos, mask = _pack(ps_, rs, len(ps_), S)
+                lp = pol.token_logprobs(ids.to(self.device), targets.to(self.device),
+                                        temperature=temperature).cpu()
+                tl = lp.gather(1, pos)
+                toks += [tl[i, :len(r)].clone() for i, r in enumerate(rs)]
+            out[f"{key}toks"], out[f"{key}seconds"] = toks, time.perf_counter() - t
         if p.tp_rank != 0 or p.pp_rank != 0:
             return None
-        return lo, toks, time.perf_counter() - t
+        return out
 
     # -- one learner update ---------------------------------------------------------------------
     def update(self, req: dict) -> list[dict] | dict:
         """The minibatch updates of ``req`` (see the module docstring). Returns per minibatch
         {"finite", "loss", "grad_norm", "new_lp": {row: mean log-prob}, "tl": {row: token
-        log-probs}} (samples only on the reporting ranks) and the stage seconds."""
+        log-probs}, "kl": {self row: KL}} (samples only on the reporting ranks) and the stage
+        seconds."""
         import torch.distributed as dist
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -223,7 +250,7 @@ class MegatronRank:
             if not micro:                     # no rows here: one pad micro-batch keeps the
                 micro.append(("self", [], _pack([], [], b, S)))   # schedule and DP in step
             ctx = {"total": torch.zeros((), device=self.device), "fwd": defaultdict(float),
-                   "new_lp": {}, "tl": {}}
+                   "new_lp": {}, "tl": {}, "kl": {}}
 
             def forward_step(data_iterator, model, m=m, divisor=divisor, ctx=ctx):
                 part, js, (ids, targets, pos, mask) = next(data_iterator)
@@ -278,8 +305,8 @@ class MegatronRank:
                 times[f"score_{part}"] += fwd[part]
                 times[f"backward_{part}"] += back * (fwd[part] / f_all if f_all > 0 else 0.5)
             out.append({"finite": finite, "loss": loss, "grad_norm": gnorm,
-                        "new_lp": ctx["new_lp"] if self.reporter else {},
-                        "tl": ctx["tl"] if self.reporter else {}})
+                        **{key: ctx[key] if self.reporter else {}
+                           for key in ("new_lp", "tl", "kl")}})
             if finite:
                 streak = 0
             else:
@@ -293,12 +320,7 @@ class MegatronRank:
     def _loss(self, logits, targets, pos, mask, part, js, m, divisor, req, ctx):
         """learner_loss of a micro-batch's real rows (the first ``len(js)``) with the
         minibatch's global divisor; detached per-sample values go to ``ctx``."""
-        from hacpo.kernels import token_logprobs
-
-        b, s = targets.shape
-        lp = token_logprobs(logits.reshape(b * s, -1), targets.reshape(-1),
-                            temperature=req["temperature"], tp_group=self.par.tp_group,
-                            backend=self.pol.logprob_backend, validate=False).view(b, s)
+        lp = self.pol.logprobs_from_logits(logits, targets, req["temperature"])   # [b, s]
         r = len(js)
         if r == 0:
             return lp.sum() * 0.0
@@ -316,6 +338,13 @@ class MegatronRank:
                                advantages=view.advantages[js].to(dev),
                                is_self=view.is_self[js].to(dev), omega=view.omega[js].to(dev),
                                minibatch_index=m, divisor=divisor, **kwargs)
+        if part == "self" and req["kl_coef"] > 0:       # update_learner's KL term
+            ref = _pad([req["ref_token_logp"][i] for i in pool_idx.tolist()],
+                       tl.shape[1]).to(dev)
+            kl = low_var_kl(tl, ref, msk)
+            loss = loss + req["kl_coef"] * kl.sum() / divisor
+            for i, j in enumerate(js):
+                ctx["kl"][j] = kl[i].detach().cpu()
         ctx["total"] = ctx["total"] + loss.detach()
         for i, j in enumerate(js):
             ctx["new_lp"][j] = new_lp[i].detach().cpu()
@@ -324,24 +353,35 @@ class MegatronRank:
         return loss
 
     # -- weights and checkpoints ----------------------------------------------------------------
-    def hf_weights(self) -> dict[str, torch.Tensor] | None:
-        """The full HF-named weights (a collective of the group): on rank 0, None elsewhere."""
-        sd = self.pol.hf_state_dict()
-        return {k: v.detach().cpu().clone() for k, v in sd.items()} if self.rank == 0 else None
+    def hf_weights(self, reference: bool = False) -> dict[str, torch.Tensor] | None:
+        """The full HF-named weights of the policy (``reference``: of the KL reference), a
+        collective of the group: on rank 0, None elsewhere (no other rank holds more than its
+        shard)."""
+        pol = self.ref if reference else self.pol
+        if pol is None:
+            raise RuntimeError(f"agent {self.agent!r}: this group has no reference policy")
+        sd = pol.hf_state_dict(everywhere=False)
+        return {k: v.detach().cpu().clone() for k, v in sd.items()} if sd is not None else None
 
     def optim_state(self) -> dict:
         return self.opt.state_dict()
 
-    def load(self, hf: dict[str, torch.Tensor], optim_state: dict) -> int:
-        """Load full HF-named weights (this rank's shard of them) and this rank's optimizer
-        state."""
+    def load(self, hf: dict[str, torch.Tensor], optim_state: dict,
+             ref_hf: dict[str, torch.Tensor] | None = None) -> int:
+        """Load full HF-named weights (this rank's shard of them), this rank's optimizer state
+        and, with a reference shard, the reference's HF-named weights."""
         from hacpo.models.megatron import hf_to_megatron, load_megatron_state
 
-        p, pol = self.par, self.pol
-        state = hf_to_megatron(hf, pol.arch, tp=p.tp, tp_rank=p.tp_rank, pp=p.pp,
-                               pp_rank=p.pp_rank, transformer_impl=pol.transformer_impl)
-        with torch.no_grad():
-            load_megatron_state(pol.module, {k: v.to(self.device) for k, v in state.items()})
+        p = self.par
+        for pol, weights in ((self.pol, hf), (self.ref, ref_hf)):
+            if pol is None:
+                continue
+            if weights is None:
+                raise ValueError(f"agent {self.agent!r}: no reference weights to load")
+            state = hf_to_megatron(weights, pol.arch, tp=p.tp, tp_rank=p.tp_rank, pp=p.pp,
+                                   pp_rank=p.pp_rank, transformer_impl=pol.transformer_impl)
+            with torch.no_grad():
+                load_megatron_state(pol.module, {k: v.to(self.device) for k, v in state.items()})
         self.opt.load_state_dict(optim_state)
         return os.getpid()
 
@@ -402,12 +442,18 @@ class MegatronAgents:
                                  f"held on the driver's CPU, got kind={pol.kind!r} on "
                                  f"{pol.output_weight.device}")
             try:
-                ArchSpec.from_hf(pol.model.config).check_parallel(a.parallel.tp, a.parallel.pp)
+                ArchSpec.from_hf(pol.model.config, make_vocab_size_divisible_by=a.parallel
+                                 .make_vocab_size_divisible_by).check_parallel(a.parallel.tp,
+                                                                               a.parallel.pp)
             except ValueError as e:
                 raise ValueError(f"agent {pol.name!r} (trainer=megatron, tokenizer "
                                  f"{pol.tokenizer.name!r}): {e}") from None
         self._groups: list[_Group] = []
         self._closed = False
+        # the KL term: each group holds a frozen reference shard; its token log-probs of the
+        # agent's own samples come with the old log-probs, once per step
+        self.kl = cfg.algorithm.loss.kl_coef > 0
+        self._ref_tl: list[dict[int, torch.Tensor]] = [{} for _ in policies]
         self.cluster: RayCluster | None = None
         worlds = [a.parallel.world if a.trainer == "megatron" else 1 for a in cfg.agents]
         need = sum(worlds) * self.threads
@@ -469,12 +515,12 @@ class MegatronAgents:
             addr = self._gather(k, [g.ranks[0].rendezvous.remote(start_timeout_s)],
                                 timeout_s=start_timeout_s)[0]
             pol_ref = ray.put(self.policies[k])
-            par = {"tp": g.par.tp, "pp": g.par.pp, "dp": g.par.dp, "device": g.par.device,
-                   "transformer_impl": g.par.transformer_impl}
+            par = dataclasses.asdict(g.par)
             optim = {"lr": a.optim.lr, "weight_decay": a.optim.weight_decay,
                      "beta1": a.optim.beta1, "beta2": a.optim.beta2,
                      "grad_clip": a.optim.grad_clip}
-            refs.append([r.setup.remote(addr, pol_ref, par, optim, cfg.seed, start_timeout_s)
+            refs.append([r.setup.remote(addr, pol_ref, par, optim, cfg.seed, start_timeout_s,
+                                        self.kl)
                          for r in g.ranks])
         for k, g in enumerate(self._groups):
             g.layout = self._gather(k, refs[k], timeout_s=start_timeout_s)
@@ -578,17 +624,24 @@ class MegatronAgents:
                 key = f"time/old_logprobs/{self.names[k]}"
                 sw[key] = sw.get(key, 0.0) + seconds
                 continue
+            ref_seconds, self._ref_tl[k] = 0.0, {}
             for res in self._gather(k, refs):
                 if res is None:
                     continue
-                lo, tl, sec = res
-                seconds = max(seconds, sec)
-                for j, t in enumerate(tl):
-                    i = keep[lo + j][0]
+                seconds = max(seconds, res["seconds"])
+                for j, t in enumerate(res["toks"]):
+                    i = keep[res["lo"] + j][0]
                     toks[i] = t
                     lp[i] = t.mean()
+                if "ref_toks" in res:
+                    ref_seconds = max(ref_seconds, res["ref_seconds"])
+                    for j, t in enumerate(res["ref_toks"]):
+                        self._ref_tl[k][keep[res["lo"] + j][0]] = t
             key = f"time/old_logprobs/{self.names[k]}"
             sw[key] = sw.get(key, 0.0) + seconds
+            if self.kl:
+                key = f"time/ref_logprobs/{self.names[k]}"
+                sw[key] = sw.get(key, 0.0) + ref_seconds
         pool.lp_old, pool.old_token_logp = lp, toks
 
     def update(self, k: int, view: LearnerView, pool: StepPool, *, generator: torch.Generator,
@@ -603,7 +656,17 @@ class MegatronAgents:
         M = algo.num_minibatches * algo.minibatch_factor
         mbs = [mb.tolist() for mb in split_minibatches(
             pool.prompt[view.idx], view.is_self, M, algo.minibatch_order, generator)]
+        is_self = view.is_self.tolist()
+        ref_tl = {}
+        if self.kl:                 # the reference's token log-probs of the self rows
+            for j in (j for j in range(n) if is_self[j]):
+                i = int(view.idx[j])
+                if i not in self._ref_tl[k]:
+                    raise RuntimeError(f"agent {self.names[k]!r}: no reference log-probs for "
+                                       f"its sample {i} (old_logprobs not run this step?)")
+                ref_tl[i] = self._ref_tl[k][i]
         req = {"algo": algo, "view": view, "lp_old": pool.lp_old,
+               "kl_coef": algo.loss.kl_coef, "ref_token_logp": ref_tl,
                "old_token_logp": pool.old_token_logp if algo.token_level else [],
                "minibatches": mbs, "micro_batch": cfg.micro_batch,
                "temperature": score_temperature(cfg), "streak": nonfinite["streak"],
@@ -614,13 +677,13 @@ class MegatronAgents:
             key = f"time/{stage}/{self.names[k]}"
             sw[key] = sw.get(key, 0.0) + v
         sums: dict[str, float] = defaultdict(float)
-        is_self = view.is_self.tolist()
         for m, res in enumerate(rep["minibatches"]):
-            new_lp_of, tl_of = {}, {}
+            new_lp_of, tl_of, kl_of = {}, {}, {}
             for r in results:
                 if r["reporter"]:
                     new_lp_of.update(r["minibatches"][m]["new_lp"])
                     tl_of.update(r["minibatches"][m]["tl"])
+                    kl_of.update(r["minibatches"][m]["kl"])
             mb_list = mbs[m]
             if ratio_log is not None:
                 for part in ("self", "cross"):
@@ -644,6 +707,9 @@ class MegatronAgents:
                        else len(mb_list))
             met = _minibatch_metrics(algo, view, mb_list, new_lp_of, tl_of, pool.lp_old,
                                      pool.old_token_logp, m, divisor)
+            n_self = sum(is_self[j] for j in mb_list)
+            if self.kl and n_self:                  # as update_learner: mean over self rows
+                met["kl"] = sum(float(kl_of[j]) for j in mb_list if is_self[j]) / n_self
             sums["loss"] += res["loss"] / len(mbs)
             sums["grad_norm"] += res["grad_norm"] / len(mbs)
             for key, v in met.items():
@@ -666,9 +732,9 @@ class MegatronAgents:
             sw[key] = sw.get(key, 0.0) + v
         return m
 
-    def _weights(self, k: int) -> dict[str, torch.Tensor]:
+    def _weights(self, k: int, reference: bool = False) -> dict[str, torch.Tensor]:
         g = self._groups[k]
-        return self._gather(k, [r.hf_weights.remote() for r in g.ranks])[0]
+        return self._gather(k, [r.hf_weights.remote(reference) for r in g.ranks])[0]
 
     def pull_weights(self, k: int) -> None:
         """Gather agent k's trained shards as HF weights into the driver's policy (what every
@@ -688,7 +754,8 @@ class MegatronAgents:
     def _layout(self, k: int) -> dict:
         par = self._groups[k].par
         return {"tp": par.tp, "pp": par.pp, "dp": par.dp,
-                "transformer_impl": par.transformer_impl}
+                "transformer_impl": par.transformer_impl,
+                "make_vocab_size_divisible_by": par.make_vocab_size_divisible_by}
 
     def state_dict(self, k: int) -> dict[str, Any]:
         """Full HF-named weights (as the torch trainer's ``model``) and every rank's optimizer
@@ -698,8 +765,10 @@ class MegatronAgents:
             return self._gather(k, [g.ranks[0].state_dict.remote()])[0]
         self.pull_weights(k)
         optim = self._gather(k, [r.optim_state.remote() for r in g.ranks])
-        return {"model": self.policies[k].state_dict(),
-                "megatron": {**self._layout(k), "optim": optim}}
+        meg = {**self._layout(k), "optim": optim}
+        if self.kl:                          # the KL reference (HF names), as ref_model is
+            meg["ref_hf"] = self._weights(k, reference=True)
+        return {"model": self.policies[k].state_dict(), "megatron": meg}
 
     def load_state_dict(self, k: int, sd: dict[str, Any]) -> None:
         if self._groups[k].torch:
@@ -711,15 +780,24 @@ class MegatronAgents:
         if meg is None:
             raise ValueError(f"agent {name!r}: the checkpoint holds no megatron trainer state "
                              f"(written with trainer=torch?); it cannot resume trainer=megatron")
-        have = {key: meg.get(key) for key in want}
+        # a checkpoint from before vocabulary padding existed: its layout had no padding
+        have = {key: meg.get(key, 1 if key == "make_vocab_size_divisible_by" else None)
+                for key in want}
         if have != want:
             raise ValueError(f"agent {name!r}: the checkpoint's megatron layout {have} differs "
                              f"from this run's {want}; optimizer state is per rank and is not "
                              f"resharded: resume with the checkpoint's layout")
+        ref_hf = meg.get("ref_hf")
+        if self.kl and ref_hf is None:
+            raise ValueError(f"agent {name!r}: the checkpoint holds no KL reference weights "
+                             f"(written with algorithm.loss.kl_coef=0?); it cannot resume a run "
+                             f"with the KL term")
         self.policies[k].load_state_dict(sd["model"])
         hf = {key: v for key, v in self.policies[k].model.state_dict().items()}
         g = self._groups[k]
-        self._gather(k, [r.load.remote(hf, meg["optim"][i]) for i, r in enumerate(g.ranks)])
+        hf_ref, ref_ref = ray.put(hf), ray.put(ref_hf) if self.kl else None   # one copy each
+        self._gather(k, [r.load.remote(hf_ref, meg["optim"][i], ref_ref)
+                         for i, r in enumerate(g.ranks)])
 
     def evaluate(self, prompt_ids: list[list[list[int]]], golds: list[str], rc,
                  **kwargs) -> list[dict]:

@@ -178,14 +178,52 @@ def test_resumed_second_step_equals_torch_two_steps(cluster, tmp, torch_runs, me
     assert set(summary["after"]) == set(NAMES)
 
 
+KL = {"algorithm.loss.kl_coef": 1.0}
+
+
+def test_kl_term_one_step_and_resume_equal_torch_trainer(cluster, tmp, torch_runs):
+    """loss.kl_coef > 0 (a frozen reference shard on every rank, its log-probs computed with
+    the old log-probs): one step, and a resumed second step (the reference reloaded from the
+    checkpoint, not rebuilt from the resumed weights), equal the torch trainer's two steps with
+    the same KL term; the term moves the weights well beyond the tolerance (against the no-KL
+    torch run), so leaving it out, or a wrong reference at step 2, fails."""
+    ref_run = train(megatron_cfg(tmp, "kl-torch", "torch", steps=2, **KL), echo=lambda *_: None)
+    train(megatron_cfg(tmp, "kl-meg", "megatron", **KL), echo=lambda *_: None)
+    free_cpus_back()
+    summary = train(megatron_cfg(tmp, "kl-meg", "megatron", steps=2, **KL), resume=True,
+                    echo=lambda *_: None)
+    free_cpus_back()
+    meg, ref = _rows(tmp, "kl-meg"), _rows(tmp, "kl-torch")
+    assert [r["step"] for r in meg] == [0, 1]
+    for a, b in zip(meg, ref):
+        _check_metrics(a, b)
+        for name in NAMES:
+            assert b[f"train/{name}/kl"] > 1e-6, name         # the reference is not the policy
+            assert a[f"time/ref_logprobs/{name}"] > 0
+    before = _initial_weights(tmp)
+    _check_weights(_weights(tmp, "kl-meg"), _weights(tmp, "kl-torch"), before)
+    no_kl, with_kl = _weights(tmp, "torch2"), _weights(tmp, "kl-torch")
+    for name in NAMES:
+        gap = max((with_kl[name][k] - no_kl[name][k]).abs().max().item() for k in no_kl[name])
+        assert gap > 10 * W_ATOL, f"{name}: the KL term barely moved the weights ({gap:.1e})"
+    ck = ckpt.load(tmp / "kl-meg" / "checkpoint.pt")["agents"]
+    for a in ck:                   # the reference is the warm start: unchanged by training
+        w0 = before[a["name"]]
+        assert all(torch.equal(a["megatron"]["ref_hf"][k], w0[f"model.{k}"])
+                   for k in a["megatron"]["ref_hf"]), a["name"]
+    assert set(summary["after"]) == set(NAMES) and ref_run["before"] == summary["before"]
+
+
+# char-tp2: the character tokenizer's 91 ids at TP=2, padded to a multiple of 2*8: 96 rows
 DP_AGENTS = (("llama-dp2", "llama3.2", ParallelConfig(dp=2)),
-             ("char-1", "char", ParallelConfig()))
+             ("char-tp2", "char", ParallelConfig(tp=2, make_vocab_size_divisible_by=8)))
 
 
 @pytest.mark.parametrize("algorithm", ["hacpo", "grpo"])
 def test_dp2_one_step_equals_torch_trainer(cluster, tmp, algorithm):
     """DP=2 (each rank trains its share of every minibatch; gradients summed by megatron's DDP
-    with the minibatch's global divisor) next to a one-rank group: one step equals the torch
+    with the minibatch's global divisor) next to a TP=2 group whose vocabulary (the character
+    tokenizer's 91 ids) megatron pads to 96 rows: one step equals the torch
     trainer's, for HACPO (sequence-level, self + cross samples) and GRPO (token-level loss,
     divisor = the minibatch's response tokens)."""
     names = [a[0] for a in DP_AGENTS]
@@ -236,18 +274,22 @@ def test_config_errors(cluster, tmp):
         megatron_cfg(tmp, "bad", "megatron").override({"agents.0.policy.kind": "decoder"})
     with pytest.raises(ValueError, match=r"'llama' or 'qwen2'.*'gpt2'"):
         megatron_cfg(tmp, "bad", "megatron").override({"agents.0.policy.arch": "gpt2"})
-    with pytest.raises(ValueError, match=r"does not support the KL term"):
-        megatron_cfg(tmp, "bad", "megatron").override({"algorithm.loss.kl_coef": 0.1})
     with pytest.raises(ValueError, match=r"unknown trainer 'deepspeed'"):
         megatron_cfg(tmp, "bad", "megatron").override({"agents.1.trainer": "deepspeed"})
     with pytest.raises(ValueError, match=r"trainer_setup_hook must look like"):
         megatron_cfg(tmp, "bad", "megatron").override({"trainer_setup_hook": "no-colon"})
-    # the vocabulary is the tokenizer's: checked when the group starts, before any actor
-    odd = megatron_cfg(tmp, "bad", "megatron").override({"agents.1.parallel.tp": 2,
-                                                          "agents.1.parallel.pp": 1})
+    with pytest.raises(ValueError, match=r"parallel.make_vocab_size_divisible_by must be an "
+                                         r"integer >= 1, got 0"):
+        megatron_cfg(tmp, "bad", "megatron").override(
+            {"agents.1.parallel.make_vocab_size_divisible_by": 0})
+    # the vocabulary is the tokenizer's (91 ids): padded to 2*128 = 256 rows, TP rank 1's 128
+    # rows would all be padding; checked when the group starts, before any actor
+    pad = megatron_cfg(tmp, "bad", "megatron").override(
+        {"agents.1.parallel.tp": 2, "agents.1.parallel.pp": 1,
+         "agents.1.parallel.make_vocab_size_divisible_by": 128})
     with pytest.raises(ValueError, match=r"agent 'char-pp2'.*tokenizer 'char'.*vocab_size=91 "
-                                         r"is not divisible by tensor-parallel size tp=2"):
-        train(odd, echo=lambda *_: None)
+                                         r"padded to 256.*rank 1 .*would hold only padding"):
+        train(pad, echo=lambda *_: None)
     free_cpus_back()
 
 

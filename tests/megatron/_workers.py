@@ -9,9 +9,10 @@ ARCHS = ("llama", "qwen2", "qwen3")
 B, S = 4, 8           # batch rows and sequence length of the log-prob checks
 
 
-def tiny_hf(arch: str, *, tie: bool = True, seed: int = 0, layers: int = 2):
+def tiny_hf(arch: str, *, tie: bool = True, seed: int = 0, layers: int = 2, vocab: int = 96):
     """A random tiny HF causal LM (fp32, eval), with weights scaled up and norm weights away
-    from 1 so that a wrong mapping moves log-probs by far more than any tolerance used."""
+    from 1 so that a wrong mapping moves log-probs by far more than any tolerance used.
+    An odd ``vocab`` makes megatron pad the vocabulary at TP > 1."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
@@ -19,7 +20,7 @@ def tiny_hf(arch: str, *, tie: bool = True, seed: int = 0, layers: int = 2):
     # the Qwens their real rope theta, so that both mappings are exercised.
     cfg = cls(hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
               num_attention_heads=4, num_key_value_heads=2,
-              head_dim=32 if arch == "qwen3" else 16, vocab_size=96,
+              head_dim=32 if arch == "qwen3" else 16, vocab_size=vocab,
               max_position_embeddings=64, tie_word_embeddings=tie, rms_norm_eps=1e-6,
               rope_theta=10000.0 if arch == "llama" else 1e6)
     cfg._attn_implementation = "eager"
@@ -51,11 +52,17 @@ def hf_logprobs(model, ids, targets):
     return torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
 
 
-def _policy(arch, tie, tp, pp, dp=None, layers=2):
+def case_model(case):
+    """A test case (arch, tie) or (arch, tie, vocab) -> its tiny HF model."""
+    arch, tie, *vocab = case
+    return tiny_hf(arch, tie=tie, **({"vocab": vocab[0]} if vocab else {}))
+
+
+def _policy(case, tp, pp, dp=None):
     from hacpo.models.megatron import MegatronPolicy, init_parallel
 
     par = init_parallel(tp, pp, dp)
-    hf = tiny_hf(arch, tie=tie, layers=layers)
+    hf = case_model(case)
     return hf, MegatronPolicy.from_hf(hf, par)
 
 
@@ -68,14 +75,14 @@ def logprobs_worker(rank, world, tp, pp, out_path, cases):
     from hacpo.models.megatron import hf_state_dict
 
     results = {}
-    for arch, tie in cases:
-        hf, pol = _policy(arch, tie, tp, pp)
+    for case in cases:
+        hf, pol = _policy(case, tp, pp)
         ids, targets = batch(pol.arch.vocab_size)
         lp = pol.token_logprobs(ids, targets, micro_batch_size=B // 2)
         ref = hf_state_dict(hf)
         back = pol.hf_state_dict()
         same = back.keys() == ref.keys() and all(torch.equal(back[k], ref[k]) for k in ref)
-        results[(arch, tie)] = (lp, same, hf_logprobs(hf, ids, targets))
+        results[case] = (lp, same, hf_logprobs(hf, ids, targets))
         ps.destroy_model_parallel()
     if rank == 0:
         torch.save(results, out_path)
@@ -95,7 +102,7 @@ def train_worker(rank, world, arch, micro_rows, optimizers, out_path):
 
     results = {}
     for name in optimizers:
-        hf, pol = _policy(arch, True, 1, 1)
+        hf, pol = _policy((arch, True), 1, 1)
         opt = pol.build_optimizer(lr=0.5, optimizer=name)
         ids, targets = batch(pol.arch.vocab_size)
         g = torch.Generator().manual_seed(2)
@@ -164,22 +171,44 @@ def _gather_hf(pol, local: dict) -> dict | None:
     return megatron_to_hf(shards, pol.arch)
 
 
+def _padding_rows(pol) -> tuple[int, float, float]:
+    """Over every rank: (number of padded vocabulary rows held, their largest |main_grad|,
+    their largest |weight|) in the embedding and output layer shards (megatron_to_hf drops
+    these rows, so the HF-named comparisons cannot see them)."""
+    import torch.distributed as dist
+
+    n_real = pol.arch.real_vocab_of_rank(pol.par.tp, pol.par.tp_rank)
+    rows, grad, weight = 0, 0.0, 0.0
+    for k, p in pol.module.named_parameters():
+        if k in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            rows += p.shape[0] - n_real
+            grad = max(grad, p.main_grad[n_real:].abs().max().item() if n_real < p.shape[0]
+                       else 0.0)
+            weight = max(weight, p.detach()[n_real:].abs().max().item() if n_real < p.shape[0]
+                         else 0.0)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (rows, grad, weight))
+    return (sum(r for r, _, _ in everyone), max(g for _, g, _ in everyone),
+            max(w for _, _, w in everyone))
+
+
 def parallel_step_worker(rank, world, tp, pp, micro_rows, cases, optimizers, out_path):
     """At TP=tp, PP=pp, DP=world/(tp*pp), for each (arch, tie) and optimizer name: token
     log-probs (2 micro-batches) and the gathered weights, then one ``train_step`` on this DP
-    rank's rows of :func:`step_batch` (micro-batches of ``micro_rows``). Rank 0 saves
-    {(arch, tie): {"lp", "same", "before", "grads": {opt: HF-named gradients (megatron's
-    main_grad after the step: summed over micro-batches, DP, tied copies)}, "after": {opt: HF
-    weights after the step}}}."""
+    rank's rows of :func:`step_batch` (micro-batches of ``micro_rows``). Each case is (arch,
+    tie) or (arch, tie, vocab). Rank 0 saves {case: {"lp", "same", "before", "grads": {opt:
+    HF-named gradients (megatron's main_grad after the step: summed over micro-batches, DP, tied
+    copies)}, "after": {opt: HF weights after the step}, "padding": {opt: :func:`_padding_rows`
+    after the step}}}."""
     from megatron.core import parallel_state as ps
 
     from hacpo.models.megatron import hf_state_dict
 
     results = {}
-    for arch, tie in cases:
-        res = {"grads": {}, "after": {}}
+    for case in cases:
+        res = {"grads": {}, "after": {}, "padding": {}}
         for name in optimizers:
-            hf, pol = _policy(arch, tie, tp, pp)
+            hf, pol = _policy(case, tp, pp)
             if "lp" not in res:
                 ids, targets = batch(pol.arch.vocab_size)
                 res["lp"] = pol.token_logprobs(ids, targets, micro_batch_size=B // 2)
@@ -187,6 +216,13 @@ def parallel_step_worker(rank, world, tp, pp, micro_rows, cases, optimizers, out
                 back = pol.hf_state_dict()
                 res["same"] = back.keys() == ref.keys() and all(
                     torch.equal(back[k], ref[k]) for k in ref)
+                # the trainer's weight pull: the full weights on global rank 0 only
+                first = pol.hf_state_dict(everywhere=False)
+                if rank != 0:
+                    assert first is None, f"rank {rank} got weights from everywhere=False"
+                else:
+                    res["same_first"] = first.keys() == ref.keys() and all(
+                        torch.equal(first[k], ref[k]) for k in ref)
                 res["before"] = ref
             opt = pol.build_optimizer(lr=0.5, optimizer=name)
             dp, dp_rank = pol.par.dp, pol.par.dp_rank
@@ -198,7 +234,8 @@ def parallel_step_worker(rank, world, tp, pp, micro_rows, cases, optimizers, out
                      for k, p in pol.module.named_parameters()}
             res["grads"][name] = _gather_hf(pol, grads)
             res["after"][name] = pol.hf_state_dict()
+            res["padding"][name] = _padding_rows(pol)
             ps.destroy_model_parallel()
-        results[(arch, tie)] = res
+        results[case] = res
     if rank == 0:
         torch.save(results, out_path)

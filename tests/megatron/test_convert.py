@@ -30,6 +30,51 @@ def test_roundtrip_exact(arch_name, tie, tp, pp):
         assert torch.equal(back[k], sd[k]), k
 
 
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("tp,pp,multiple,vp", [(2, 1, 1, 92), (2, 2, 1, 92), (1, 2, 1, 91),
+                                               (2, 1, 8, 96), (1, 1, 8, 96)])
+def test_odd_vocab_padded_and_stripped(tie, tp, pp, multiple, vp):
+    """V=91: the megatron vocabulary rows are padded with zeros to Vp (the smallest multiple
+    of tp * make_vocab_size_divisible_by), each rank holding Vp/tp rows, the real ones equal to
+    the HF rows; megatron_to_hf strips them (exact round trip, HF names and shapes)."""
+    model = tiny_hf("qwen2", tie=tie, vocab=91)
+    arch = ArchSpec.from_hf(model.config, make_vocab_size_divisible_by=multiple)
+    assert arch.padded_vocab_size(tp) == vp
+    sd = hf_state_dict(model)
+    shards = _shards(sd, arch, tp, pp)
+    rows = vp // tp
+    for name, hf_name, stage in [("embedding.word_embeddings.weight", "model.embed_tokens.weight",
+                                  0),
+                                 ("output_layer.weight", "model.embed_tokens.weight" if tie
+                                  else "lm_head.weight", pp - 1)]:
+        if name == "output_layer.weight" and tie and pp == 1:
+            assert all(name not in sh for sh in shards[stage])
+            continue
+        for r in range(tp):
+            t, n = shards[stage][r][name], arch.real_vocab_of_rank(tp, r)
+            assert t.shape == (rows, 64) and n == min(rows, 91 - r * rows) > 0
+            assert torch.equal(t[:n], sd[hf_name][r * rows:r * rows + n]), (name, r)
+            assert not t[n:].any(), (name, r)
+    back = megatron_to_hf(shards, arch)
+    assert back.keys() == sd.keys()
+    for k in sd:
+        assert back[k].shape == sd[k].shape and torch.equal(back[k], sd[k]), k
+    # shards of another padding are refused, naming the sizes
+    other = ArchSpec.from_hf(model.config, make_vocab_size_divisible_by=64)   # Vp=128
+    with pytest.raises(ValueError, match=rf"embedding.word_embeddings.weight: {vp} rows over "
+                                         rf"tp={tp}, expected the padded vocabulary Vp="
+                                         rf"{other.padded_vocab_size(tp)} \(vocab_size=91\)"):
+        megatron_to_hf(shards, other)
+
+
+def test_vocab_rows_must_match_the_config():
+    arch = ArchSpec.from_hf(tiny_hf("llama").config)
+    sd = hf_state_dict(tiny_hf("llama", vocab=91))
+    with pytest.raises(ValueError, match="vocabulary weight has 91 rows, the config's "
+                                         "vocab_size is 96"):
+        hf_to_megatron(sd, arch, tp=2)
+
+
 def test_roundtrip_transformer_engine_names():
     model = tiny_hf("qwen3", tie=False)
     arch = ArchSpec.from_hf(model.config)
@@ -83,7 +128,10 @@ def _arch(**kw):
      "num_attention_heads=6 is not divisible by tensor-parallel size tp=4"),
     (dict(num_attention_heads=8, num_key_value_heads=2), 4, 1,
      "num_key_value_heads=2 is not divisible by tensor-parallel size tp=4"),
-    (dict(vocab_size=97), 2, 1, "vocab_size=97 is not divisible by tensor-parallel size tp=2"),
+    # a vocabulary is padded (V=5 -> 8 at tp=4), but no shard may hold only padding
+    (dict(vocab_size=5, num_key_value_heads=4), 4, 1,
+     r"vocab_size=5 padded to 8 \(a multiple of tp\*make_vocab_size_divisible_by = 4\*1\) "
+     r"gives tensor-parallel shards of 2 rows: rank 3 \(rows 6..7\) would hold only padding"),
     (dict(num_hidden_layers=3), 1, 2,
      "num_hidden_layers=3 is not divisible by pipeline-parallel size pp=2"),
 ])
@@ -93,6 +141,26 @@ def test_divisibility_errors_name_the_numbers(kw, tp, pp, msg):
         arch.check_parallel(tp, pp)
     with pytest.raises(ValueError, match=msg):   # the converter checks too
         hf_to_megatron({}, arch, tp=tp, pp=pp)
+
+
+def test_vocab_padding_layouts():
+    assert _arch(vocab_size=97).padded_vocab_size(2) == 98
+    _arch(vocab_size=97).check_parallel(2, 1)               # no longer an error
+    _arch(vocab_size=7, num_key_value_heads=4).check_parallel(4, 1)   # 7 -> 8: 2,2,2,1 real
+    assert [_arch(vocab_size=7).real_vocab_of_rank(4, r) for r in range(4)] == [2, 2, 2, 1]
+    assert _arch(vocab_size=96).padded_vocab_size(2) == 96  # divisible: no padding
+    big = ArchSpec.from_hf({**dict(model_type="llama", num_hidden_layers=2, hidden_size=64,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=96, vocab_size=60)},
+                           make_vocab_size_divisible_by=64)
+    assert big.padded_vocab_size(1) == 64
+    with pytest.raises(ValueError, match=r"vocab_size=60 padded to 128 \(a multiple of "
+                                         r"tp\*make_vocab_size_divisible_by = 2\*64\) gives "
+                                         r"tensor-parallel shards of 64 rows: rank 1"):
+        big.check_parallel(2, 1)
+    with pytest.raises(ValueError, match="make_vocab_size_divisible_by must be an integer >= 1, "
+                                         "got 0"):
+        ArchSpec.from_hf(tiny_hf("llama").config, make_vocab_size_divisible_by=0)
 
 
 def test_world_size_errors():

@@ -2,7 +2,10 @@
 per-token log-probs equal TP=1/PP=1, the gradients of a token-level loss (gathered back to HF
 names through ``megatron_to_hf``) equal the HF model's autograd gradients, and one
 ``train_step`` with megatron-core's optimizer gives the same weights as at TP=1/PP=1; the same
-step at PP=2 alone (2 ranks, megatron's 1F1B schedule over 2 micro-batches).
+step at PP=2 alone (2 ranks, megatron's 1F1B schedule over 2 micro-batches). The vocabularies
+are odd, so at TP=2 megatron pads them by one row (build.py): the padded rows must stay out of
+the log-probs, get zero gradient and stay zero, and HF weights come back unpadded; the same
+at TP=2 alone for the tied model (its output layer is the padded embedding itself).
 
 (TP=2 and PP=2 log-probs alone and DP=2 training are in test_megatron_policy.py.)
 The CUDA calls megatron-core makes are patched in ``_cpu_megatron`` (test helper only).
@@ -18,8 +21,9 @@ from tests.megatron._cpu_megatron import run_single, spawn  # noqa: E402
 
 # qwen3 tied: qk-norm (megatron all-reduces its grads over TP), head_dim != hidden/heads, the
 # tied embedding kept in sync between the first and last PP stage; qwen2 untied: qkv bias and a
-# separate output layer.
-CASES = [("qwen3", True), ("qwen2", False)]
+# separate output layer. Both vocabularies are odd (padded to 102 / 92 rows at TP=2); the even
+# one (no padding) is checked at TP=2 in test_megatron_policy.py.
+CASES = [("qwen3", True, 101), ("qwen2", False, 91)]
 OPTS = ("sgd", "adam")
 LR = 0.5          # W.parallel_step_worker's learning rate
 MICRO = W.B // 2  # 2 micro-batches per step (1F1B has a warm-up and a steady phase at PP=2)
@@ -36,7 +40,7 @@ def single(tmp_path_factory):
 @pytest.fixture(scope="module")
 def hf_grads():
     """HF autograd gradients of the same loss over the whole batch (the reference)."""
-    return {case: W.hf_grads(W.tiny_hf(case[0], tie=case[1])) for case in CASES}
+    return {case: W.hf_grads(W.case_model(case)) for case in CASES}
 
 
 def _check_grads(grads, ref, case):
@@ -51,6 +55,16 @@ def _check_grads(grads, ref, case):
         assert scale > 0, f"{case} {k}: zero reference gradient"
         torch.testing.assert_close(grads[k], ref[k], atol=1e-5 * scale, rtol=0,
                                    msg=f"{case} {k}")
+
+
+def _check_padding(par, case, tp):
+    """The padded vocabulary rows (embedding and, untied or at PP>1, output layer) got zero
+    gradient and are still zero after the SGD and Adam steps."""
+    for name in OPTS:
+        rows, grad, weight = par["padding"][name]
+        assert rows > 0 if tp > 1 else rows == 0, f"{case} {name}: {rows} padded rows"
+        assert grad == 0.0 and weight == 0.0, f"{case} {name}: padded rows grad {grad} / " \
+                                              f"weight {weight}"
 
 
 def _check_step(par, one, case):
@@ -91,6 +105,7 @@ def test_tp2_pp2_logprobs_gradients_and_step(single, hf_grads, tmp_path):
     for case in CASES:
         one, res = single[case], par[case]
         assert one["same"] and res["same"], f"{case}: gathered weights differ from the HF ones"
+        assert one["same_first"] and res["same_first"], f"{case}: rank 0's weights differ"
         # vocab-parallel log-softmax, row-parallel all-reduces and fp32 stage-to-stage sends only
         # reorder fp32 sums (seen: 9.5e-7); 1e-5 is the requirement
         torch.testing.assert_close(res["lp"], one["lp"], atol=1e-5, rtol=0, msg=str(case))
@@ -98,6 +113,25 @@ def test_tp2_pp2_logprobs_gradients_and_step(single, hf_grads, tmp_path):
             _check_grads(one["grads"][name], hf_grads[case], case)   # the TP=1 path itself
             _check_grads(res["grads"][name], hf_grads[case], case)
         _check_step(res, one, case)
+        _check_padding(res, case, 2)
+        _check_padding(one, case, 1)
+
+
+@pytest.mark.multiprocess
+def test_tp2_odd_vocab_step_equals_tp1(single, hf_grads, tmp_path):
+    """TP=2 alone (PP=1) with the tied qwen3 (V=101 padded to 102): the output layer is the
+    padded embedding itself, so its padded row sees both the lookup and the logits' gradient."""
+    path = tmp_path / "tp2.pt"
+    case = CASES[0]
+    spawn(W.parallel_step_worker, 2, 2, 1, MICRO, [case], OPTS, str(path))
+    one, res = single[case], torch.load(path)[case]
+    assert res["same"] and res["same_first"], f"{case}: TP-gathered weights differ"
+    # as at TP=2 x PP=2 (seen: ~1e-6)
+    torch.testing.assert_close(res["lp"], one["lp"], atol=1e-5, rtol=0, msg=str(case))
+    for name in OPTS:
+        _check_grads(res["grads"][name], hf_grads[case], case)
+    _check_step(res, one, case)
+    _check_padding(res, case, 2)
 
 
 @pytest.mark.multiprocess
@@ -108,6 +142,7 @@ def test_pp2_step_equals_pp1(single, hf_grads, tmp_path):
     for case in CASES:
         one, res = single[case], par[case]
         assert res["same"], f"{case}: PP-gathered weights differ from the HF ones"
+        assert res["same_first"], f"{case}: PP-gathered weights on rank 0 differ"
         torch.testing.assert_close(res["lp"], one["lp"], atol=1e-6, rtol=0, msg=str(case))
         for name in OPTS:
             _check_grads(res["grads"][name], hf_grads[case], case)

@@ -94,8 +94,8 @@ def _rank_logprobs(agents, k, world, prompts, responses):
     refs = [agents.rank_actor(k, r).old_logprobs.remote(prompts, responses, 4, 1.0)
             for r in range(world)]
     got = [x for x in ray.get(refs, timeout=120) if x is not None]
-    assert len(got) == 1 and got[0][0] == 0, got
-    return [t.tolist() for t in got[0][1]]
+    assert len(got) == 1 and got[0]["lo"] == 0, got
+    return [t.tolist() for t in got[0]["toks"]]
 
 
 def _rank_weights(agents, k, world):

@@ -8,6 +8,16 @@
 SwiGLU ffn, RMSNorm eps, rope theta, vocab, tied embeddings, qkv bias (Qwen2), qk-norm (Qwen3)).
 The same record drives the weight mapping in :mod:`hacpo.models.megatron.convert`.
 
+Vocabulary padding (Megatron-LM's convention): the GPTModel is built with
+``Vp = arch.padded_vocab_size(tp)`` rows, the smallest multiple of
+``tp * make_vocab_size_divisible_by`` that is >= V (default multiple 1: the smallest multiple of
+tp, so the padding is < tp rows and TP=1 never pads; Megatron-LM pads further, to a multiple of
+128 * tp by default, for GPU GEMM efficiency: pass ``make_vocab_size_divisible_by`` to
+:meth:`ArchSpec.from_hf` for that). The padded rows (ids V..Vp-1, at the end of the last TP
+shard(s)) are zero in the embedding and output layer (:mod:`~hacpo.models.megatron.convert`),
+their logits are masked to -inf (:meth:`MegatronPolicy.logprobs_from_logits`), so they get zero
+gradient and stay zero; HF names and shapes never see them.
+
 megatron-core is imported inside the functions that need it, so ``import hacpo.models`` (and
 this module) never imports megatron.
 """
@@ -52,10 +62,19 @@ class ArchSpec:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    make_vocab_size_divisible_by: int = 1   # Vp is a multiple of this times tp (module doc)
+
+    def __post_init__(self):
+        m = self.make_vocab_size_divisible_by
+        if not isinstance(m, int) or m < 1:
+            raise ValueError(f"make_vocab_size_divisible_by must be an integer >= 1, got {m!r}")
+        if self.vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
 
     @classmethod
-    def from_hf(cls, config: Any) -> "ArchSpec":
-        """From a transformers ``PretrainedConfig`` or its ``to_dict()``."""
+    def from_hf(cls, config: Any, *, make_vocab_size_divisible_by: int = 1) -> "ArchSpec":
+        """From a transformers ``PretrainedConfig`` or its ``to_dict()``.
+        ``make_vocab_size_divisible_by``: see the module docstring (vocabulary padding)."""
         cfg = config if isinstance(config, dict) else config.to_dict()
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -90,16 +109,38 @@ class ArchSpec:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2",
             qk_norm=model_type == "qwen3",
+            make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         )
+
+    def padded_vocab_size(self, tp: int) -> int:
+        """Vp: rows of the megatron embedding / output layer, the smallest multiple of
+        ``tp * make_vocab_size_divisible_by`` >= vocab_size (each TP rank holds Vp/tp rows)."""
+        m = tp * self.make_vocab_size_divisible_by
+        return -(-self.vocab_size // m) * m
+
+    def real_vocab_of_rank(self, tp: int, tp_rank: int) -> int:
+        """How many of TP rank ``tp_rank``'s Vp/tp vocabulary rows are real token ids (< V);
+        the rest, at the end of the shard, are padding."""
+        shard = self.padded_vocab_size(tp) // tp
+        return max(0, min(shard, self.vocab_size - tp_rank * shard))
 
     def check_parallel(self, tp: int, pp: int) -> None:
         """Clear errors for a TP/PP split this architecture cannot take."""
         for what, n in (("num_attention_heads", self.num_heads),
                         ("num_key_value_heads", self.num_kv_heads),
-                        ("vocab_size", self.vocab_size),
                         ("intermediate_size", self.ffn_hidden_size)):
             if n % tp:
                 raise ValueError(f"{what}={n} is not divisible by tensor-parallel size tp={tp}")
+        # the vocabulary is padded to Vp (module doc); every shard must keep a real token id
+        vp = self.padded_vocab_size(tp)
+        if self.real_vocab_of_rank(tp, tp - 1) < 1:
+            shard = vp // tp
+            raise ValueError(
+                f"vocab_size={self.vocab_size} padded to {vp} (a multiple of tp*"
+                f"make_vocab_size_divisible_by = {tp}*{self.make_vocab_size_divisible_by}) "
+                f"gives tensor-parallel shards of {shard} rows: rank {tp - 1} (rows "
+                f"{(tp - 1) * shard}..{vp - 1}) would hold only padding; use a smaller tp or "
+                f"make_vocab_size_divisible_by")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_kv_heads}")
@@ -225,8 +266,10 @@ def build_gpt_model(arch: ArchSpec, par: Parallel, *, transformer_impl: Transfor
                     params_dtype=torch.float32, max_sequence_length: int | None = None):
     """This rank's ``GPTModel`` shard (its TP slice of its PP stage), in eval mode.
 
-    Call :func:`init_parallel` first. Returns vocab-parallel logits [B, S, V/tp] from
-    ``model(input_ids, position_ids, attention_mask=None)`` on the last stage.
+    Call :func:`init_parallel` first. Returns vocab-parallel logits [B, S, Vp/tp] from
+    ``model(input_ids, position_ids, attention_mask=None)`` on the last stage, where
+    ``Vp = arch.padded_vocab_size(tp)`` (see the module docstring; mask the padded columns with
+    :meth:`~hacpo.models.megatron.policy.MegatronPolicy.logprobs_from_logits`).
     """
     require_megatron()
     arch.check_parallel(par.tp, par.pp)
@@ -235,7 +278,7 @@ def build_gpt_model(arch: ArchSpec, par: Parallel, *, transformer_impl: Transfor
 
     cfg = transformer_config(arch, par, params_dtype=params_dtype, transformer_impl=impl)
     model = GPTModel(config=cfg, transformer_layer_spec=layer_spec(arch, impl),
-                     vocab_size=arch.vocab_size,
+                     vocab_size=arch.padded_vocab_size(par.tp),
                      max_sequence_length=max_sequence_length or arch.max_position_embeddings,
                      pre_process=par.first_stage, post_process=par.last_stage,
                      parallel_output=True,

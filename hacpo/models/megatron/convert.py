@@ -14,7 +14,10 @@ Megatron layouts (per layer ``i``; ``ng`` kv heads, ``nq`` query heads, head dim
 - ``mlp.linear_fc1.weight`` [2*F/tp, H] per rank: ``[gate rows of rank r; up rows of rank r]``
   (megatron's SwiGLU chunks the fc1 output in two halves *after* the TP split).
 - ``self_attention.linear_proj`` / ``mlp.linear_fc2``: row-parallel, split along dim 1.
-- ``embedding.word_embeddings`` / ``output_layer``: vocab-parallel, contiguous row blocks.
+- ``embedding.word_embeddings`` / ``output_layer``: vocab-parallel, contiguous row blocks of the
+  vocabulary padded to ``Vp = arch.padded_vocab_size(tp)`` rows: :func:`hf_to_megatron` appends
+  ``Vp - V`` zero rows before sharding, :func:`megatron_to_hf` drops them (HF names and shapes
+  are the original ones; see :mod:`hacpo.models.megatron.build` on the padding).
 - norms (and Qwen3's per-head q/k norms) are replicated.
 
 Layers are split evenly into PP stages; a stage numbers its layers from 0. The embedding lives
@@ -69,6 +72,28 @@ def _chunk(t: Tensor, tp: int, rank: int, dim: int = 0) -> Tensor:
     return t.chunk(tp, dim)[rank].clone()
 
 
+def _vocab_shard(t: Tensor, arch: ArchSpec, tp: int, rank: int) -> Tensor:
+    """Rows of the [V, H] embedding / output layer padded with zeros to Vp, then rank's block
+    (only the block is materialized)."""
+    if t.shape[0] != arch.vocab_size:
+        raise ValueError(f"vocabulary weight has {t.shape[0]} rows, the config's vocab_size is "
+                         f"{arch.vocab_size}")
+    shard = arch.padded_vocab_size(tp) // tp
+    lo, n = rank * shard, arch.real_vocab_of_rank(tp, rank)
+    out = t.new_zeros((shard, *t.shape[1:]))
+    out[:n] = t[lo:lo + n]
+    return out
+
+
+def _unpad_vocab(full: Tensor, arch: ArchSpec, tp: int, name: str) -> Tensor:
+    """Gathered [Vp, H] megatron rows -> the HF [V, H] (the padding rows dropped)."""
+    vp = arch.padded_vocab_size(tp)
+    if full.shape[0] != vp:
+        raise ValueError(f"{name}: {full.shape[0]} rows over tp={tp}, expected the padded "
+                         f"vocabulary Vp={vp} (vocab_size={arch.vocab_size})")
+    return full[:arch.vocab_size]
+
+
 # -- HF -> Megatron -------------------------------------------------------------------------------
 def hf_to_megatron(hf: Mapping[str, Tensor], arch: ArchSpec, *, tp: int = 1, tp_rank: int = 0,
                    pp: int = 1, pp_rank: int = 0,
@@ -82,7 +107,7 @@ def hf_to_megatron(hf: Mapping[str, Tensor], arch: ArchSpec, *, tp: int = 1, tp_
     out: dict[str, Tensor] = {}
     embed = hf["model.embed_tokens.weight"]
     if pp_rank == 0:
-        out["embedding.word_embeddings.weight"] = _chunk(embed, tp, tp_rank)
+        out["embedding.word_embeddings.weight"] = _vocab_shard(embed, arch, tp, tp_rank)
     for local, i in enumerate(arch.layers_of_stage(pp, pp_rank)):
         h, m = f"model.layers.{i}.", f"decoder.layers.{local}."
         a = h + "self_attn."
@@ -106,9 +131,9 @@ def hf_to_megatron(hf: Mapping[str, Tensor], arch: ArchSpec, *, tp: int = 1, tp_
     if pp_rank == pp - 1:
         out["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone()
         if not arch.tie_word_embeddings:
-            out["output_layer.weight"] = _chunk(hf["lm_head.weight"], tp, tp_rank)
+            out["output_layer.weight"] = _vocab_shard(hf["lm_head.weight"], arch, tp, tp_rank)
         elif pp > 1:   # the last stage's own copy of the tied embedding
-            out["output_layer.weight"] = _chunk(embed, tp, tp_rank)
+            out["output_layer.weight"] = _vocab_shard(embed, arch, tp, tp_rank)
     return out
 
 
@@ -126,7 +151,8 @@ def iter_hf_weights(shards: Sequence[Sequence[Mapping[str, Tensor]]], arch: Arch
     def cat(stage: int, name: str, dim: int = 0) -> Tensor:
         return torch.cat([shards[stage][r][name] for r in range(tp)], dim)
 
-    yield "model.embed_tokens.weight", cat(0, "embedding.word_embeddings.weight")
+    yield "model.embed_tokens.weight", _unpad_vocab(cat(0, "embedding.word_embeddings.weight"),
+                                                    arch, tp, "embedding.word_embeddings.weight")
     for stage in range(pp):
         first = shards[stage][0]
         for local, i in enumerate(arch.layers_of_stage(pp, stage)):
@@ -153,7 +179,8 @@ def iter_hf_weights(shards: Sequence[Sequence[Mapping[str, Tensor]]], arch: Arch
             yield h + "mlp.down_proj.weight", cat(stage, m + "mlp.linear_fc2.weight", 1)
     yield "model.norm.weight", shards[pp - 1][0]["decoder.final_layernorm.weight"]
     if not arch.tie_word_embeddings:
-        yield "lm_head.weight", cat(pp - 1, "output_layer.weight")
+        yield "lm_head.weight", _unpad_vocab(cat(pp - 1, "output_layer.weight"), arch, tp,
+                                             "output_layer.weight")
 
 
 def megatron_to_hf(shards: Sequence[Sequence[Mapping[str, Tensor]]], arch: ArchSpec, *,

@@ -7,7 +7,10 @@
     metrics = pol.train_step(opt, microbatches, loss_fn)   # loss_fn(lp, mb) -> (loss, metrics)
 
 Log-probs come from ``hacpo.kernels.token_logprobs(logits, targets, tp_group=...)`` on the
-vocab-parallel logits [b*S, V/tp] of each rank: full logits are never gathered. Micro-batches run
+vocab-parallel logits [b*S, Vp/tp] of each rank: full logits are never gathered. A vocabulary
+padded for TP (Vp > V, see :mod:`hacpo.models.megatron.build`) has its padded logit columns set
+to -inf first (:meth:`MegatronPolicy.logprobs_from_logits`): the log-probs are those of the real
+V-way softmax. Micro-batches run
 through megatron-core's own schedule (``get_forward_backward_func``: no pipelining at PP=1,
 1F1B at PP>1).
 
@@ -55,9 +58,12 @@ class MegatronPolicy:
 
     @classmethod
     def from_hf(cls, hf_model, par: Parallel, *, transformer_impl: str = "local",
-                params_dtype=torch.float32, logprob_backend: str = "auto") -> "MegatronPolicy":
-        """Build this rank's GPTModel from an HF model's config and load its weights shard."""
-        arch = ArchSpec.from_hf(hf_model.config)
+                params_dtype=torch.float32, logprob_backend: str = "auto",
+                make_vocab_size_divisible_by: int = 1) -> "MegatronPolicy":
+        """Build this rank's GPTModel from an HF model's config and load its weights shard
+        (``make_vocab_size_divisible_by``: the vocabulary padding, see ``ArchSpec``)."""
+        arch = ArchSpec.from_hf(hf_model.config,
+                                make_vocab_size_divisible_by=make_vocab_size_divisible_by)
         model = build_gpt_model(arch, par, transformer_impl=transformer_impl,
                                 params_dtype=params_dtype)
         state = hf_to_megatron(hf_model.state_dict(), arch, tp=par.tp, tp_rank=par.tp_rank,
@@ -75,39 +81,81 @@ class MegatronPolicy:
         return {k: v.detach() for k, v in self.module.state_dict().items()
                 if isinstance(v, torch.Tensor)}
 
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full HF-named weights on every rank: all-gather TP shards (tensor collectives), then
-        the PP stages (object collective; fine for weight sync of small models, a streaming
-        per-tensor broadcast is the follow-up for large ones)."""
-        local = self.local_state()
-        if self.par.tp > 1:
-            tp_shards = [dict() for _ in range(self.par.tp)]
+    def hf_state_dict(self, *, everywhere: bool = True) -> dict[str, torch.Tensor] | None:
+        """Full HF-named weights (a collective of every rank): the TP shards are gathered with
+        tensor collectives, then the PP stages with an object collective.
+
+        ``everywhere=True``: on every rank (all-gathers; each rank then holds a full copy).
+        ``everywhere=False``: only on global rank 0 (TP 0, PP 0, DP 0), None elsewhere: the
+        TP shards go to TP rank 0 and the stages to PP rank 0 of DP replica 0 only (the other
+        replicas hold the same weights and send nothing), so no other rank ever holds more
+        than its shard. A per-tensor streaming broadcast is the follow-up for models too large
+        for one host's memory."""
+        local, p = self.local_state(), self.par
+        if not everywhere and p.dp_rank != 0:
+            return None                     # the other replicas' weights are replica 0's
+        if p.tp > 1:
+            tp_shards: list[dict] = [dict() for _ in range(p.tp)]
+            dst = dist.get_global_rank(p.tp_group, 0)
             for name, t in local.items():
-                parts = [torch.empty_like(t) for _ in range(self.par.tp)]
-                dist.all_gather(parts, t.contiguous(), group=self.par.tp_group)
-                for r in range(self.par.tp):
+                if everywhere:
+                    parts = [torch.empty_like(t) for _ in range(p.tp)]
+                    dist.all_gather(parts, t.contiguous(), group=p.tp_group)
+                else:
+                    parts = ([torch.empty_like(t) for _ in range(p.tp)] if p.tp_rank == 0
+                             else None)
+                    dist.gather(t.contiguous(), parts, dst=dst, group=p.tp_group)
+                for r in (range(p.tp) if parts is not None else ()):
                     tp_shards[r][name] = parts[r]
+            if not everywhere and p.tp_rank != 0:
+                return None
         else:
             tp_shards = [local]
-        if self.par.pp > 1:
-            stages: list[Any] = [None] * self.par.pp
-            dist.all_gather_object(stages, tp_shards, group=self.par.pp_group)
+        if p.pp > 1:
+            if everywhere:
+                stages: list[Any] = [None] * p.pp
+                dist.all_gather_object(stages, tp_shards, group=p.pp_group)
+            else:
+                stages = [None] * p.pp if p.pp_rank == 0 else None
+                dist.gather_object(tp_shards, stages, dst=dist.get_global_rank(p.pp_group, 0),
+                                   group=p.pp_group)
+                if p.pp_rank != 0:
+                    return None
         else:
             stages = [tp_shards]
         return megatron_to_hf(stages, self.arch, transformer_impl=self.transformer_impl)
 
     # -- forward --------------------------------------------------------------------------------
+    def logprobs_from_logits(self, logits: torch.Tensor, targets: torch.Tensor,
+                             temperature: float = 1.0) -> torch.Tensor:
+        """This rank's vocab-parallel logits [b, s, Vp/tp] (the last stage's model output) and
+        global target ids [b, s] -> log p(targets) [b, s] float32 under the real V-way softmax.
+
+        Padded vocabulary columns (ids >= V, only on the last TP rank(s)) are set to -inf *in
+        place* (the logits are the model's fresh output; a masked copy would double the shard's
+        memory): they get probability 0 and zero gradient, so the padded output-layer rows keep
+        a zero gradient. Every caller turning logits into log-probs goes through here."""
+        b, s = targets.shape
+        shard = self.arch.padded_vocab_size(self.par.tp) // self.par.tp
+        if logits.shape[-1] != shard:
+            raise ValueError(f"logits have {logits.shape[-1]} vocabulary columns, this rank's "
+                             f"shard of the padded vocabulary has {shard}")
+        n_real = self.arch.real_vocab_of_rank(self.par.tp, self.par.tp_rank)
+        if n_real < logits.shape[-1]:
+            logits[..., n_real:] = float("-inf")
+        return token_logprobs(logits.reshape(b * s, -1), targets.reshape(-1),
+                              temperature=temperature, tp_group=self.par.tp_group,
+                              backend=self.logprob_backend, validate=False).view(b, s)
+
     def _forward_step(self, temperature: float, loss_fn: LossFn | None, data_iterator, model):
         mb = next(data_iterator)
         ids, targets = mb["input_ids"], mb["targets"]
         b, s = ids.shape
         pos = torch.arange(s, device=ids.device).expand(b, s)
-        out = model(ids, pos, attention_mask=None)          # last stage: [b, s, V/tp] logits
+        out = model(ids, pos, attention_mask=None)          # last stage: [b, s, Vp/tp] logits
 
         def loss_func(logits):
-            lp = token_logprobs(logits.reshape(b * s, -1), targets.reshape(-1),
-                                temperature=temperature, tp_group=self.par.tp_group,
-                                backend=self.logprob_backend, validate=False).view(b, s)
+            lp = self.logprobs_from_logits(logits, targets, temperature)
             if loss_fn is None:
                 return lp.sum() * 0.0, torch.ones((), dtype=torch.int), {"logprobs": lp.detach()}
             loss, metrics = loss_fn(lp, mb)
