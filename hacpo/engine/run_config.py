@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,12 +52,19 @@ class ParallelConfig:
     # the vocabulary is padded to a multiple of tp * this (Megatron-LM uses 128 on GPUs; 1 pads
     # the fewest rows); hacpo/models/megatron/build.py explains the padding
     make_vocab_size_divisible_by: int = 1
+    # after each update the weights stream from the ranks to the driver in buckets of at most
+    # this many MiB (a layer, the embedding or the output layer is never split): rank 0 and the
+    # driver hold one bucket at a time besides their own weights
+    weight_bucket_mb: float = 1024.0
 
     def __post_init__(self):
         for k in ("tp", "pp", "dp", "make_vocab_size_divisible_by"):
             v = getattr(self, k)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"parallel.{k} must be an integer >= 1, got {v!r}")
+        b = self.weight_bucket_mb
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b < math.inf:
+            raise ValueError(f"parallel.weight_bucket_mb must be a number > 0, got {b!r}")
         if self.transformer_impl not in ("local", "transformer_engine"):
             raise ValueError(f"parallel.transformer_impl must be 'local' or "
                              f"'transformer_engine', got {self.transformer_impl!r}")
@@ -234,10 +242,17 @@ RESUMABLE_KEYS = {"steps", "out_dir", "cache_dir", "progress", "plots", "tensorb
 RESUMABLE_NESTED_KEYS = {("rollout", "call_timeout_s")}
 
 
+# Per-agent keys that may change on resumption ("section.key" under agents.N).
+RESUMABLE_AGENT_KEYS = {("parallel", "weight_bucket_mb")}   # how weights move, not what
+
+
 def fingerprint_dict(cfg: TrainConfig) -> dict[str, Any]:
     d = {k: v for k, v in cfg.to_dict().items() if k not in RESUMABLE_KEYS}
     for section, key in RESUMABLE_NESTED_KEYS:
         d.get(section, {}).pop(key, None)
+    for a in d.get("agents", []):
+        for section, key in RESUMABLE_AGENT_KEYS:
+            a.get(section, {}).pop(key, None)
     return d
 
 

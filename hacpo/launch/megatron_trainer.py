@@ -10,7 +10,9 @@ then :func:`~hacpo.models.megatron.build.init_parallel`, build their shard with
 eps 1e-8, the agent's lr / betas / weight decay for every parameter, as the torch trainer's
 ``torch.optim.AdamW``). The driver keeps its HF :class:`~hacpo.models.policy.Policy` as the CPU
 copy that tokenizes, evaluates and feeds every rollout engine: :meth:`MegatronAgents.pull_weights`
-gathers the shards back to HF names (``megatron_to_hf``) into it after each update.
+streams the shards back to HF names into it after each update, ``parallel.weight_bucket_mb`` at a
+time (``MegatronPolicy.hf_state_of_units``: rank 0 and the driver hold one bucket besides their
+own weights).
 
 One update is :func:`hacpo.engine.update.update_learner`'s, split over the ranks:
 
@@ -353,14 +355,18 @@ class MegatronRank:
         return loss
 
     # -- weights and checkpoints ----------------------------------------------------------------
-    def hf_weights(self, reference: bool = False) -> dict[str, torch.Tensor] | None:
-        """The full HF-named weights of the policy (``reference``: of the KL reference), a
-        collective of the group: on rank 0, None elsewhere (no other rank holds more than its
-        shard)."""
+    def hf_weights(self, units: list | None = None,
+                   reference: bool = False) -> dict[str, torch.Tensor] | None:
+        """The HF-named weights of ``units`` (None: all) of the policy (``reference``: of the
+        KL reference), a collective of the group: on rank 0, None elsewhere (no rank holds
+        more than its shard and these units; see ``MegatronPolicy.hf_state_of_units``)."""
+        from hacpo.models.megatron import hf_units
+
         pol = self.ref if reference else self.pol
         if pol is None:
             raise RuntimeError(f"agent {self.agent!r}: this group has no reference policy")
-        sd = pol.hf_state_dict(everywhere=False)
+        sd = pol.hf_state_of_units(hf_units(pol.arch) if units is None else
+                                   [tuple(u) for u in units])
         return {k: v.detach().cpu().clone() for k, v in sd.items()} if sd is not None else None
 
     def optim_state(self) -> dict:
@@ -454,6 +460,7 @@ class MegatronAgents:
         # agent's own samples come with the old log-probs, once per step
         self.kl = cfg.algorithm.loss.kl_coef > 0
         self._ref_tl: list[dict[int, torch.Tensor]] = [{} for _ in policies]
+        self.weight_buckets = [0] * len(policies)     # buckets of each agent's last pull
         self.cluster: RayCluster | None = None
         worlds = [a.parallel.world if a.trainer == "megatron" else 1 for a in cfg.agents]
         need = sum(worlds) * self.threads
@@ -732,24 +739,71 @@ class MegatronAgents:
             sw[key] = sw.get(key, 0.0) + v
         return m
 
-    def _weights(self, k: int, reference: bool = False) -> dict[str, torch.Tensor]:
+    def _buckets(self, k: int) -> list[list[tuple[str, int]]]:
+        """Agent k's weight units (embedding, each layer, final norm + output layer) grouped
+        into buckets of at most ``parallel.weight_bucket_mb`` by the HF copy's tensor sizes (a
+        larger unit is a bucket of its own): what one weight-stream call moves."""
+        from hacpo.models.megatron import hf_units, plan_buckets, unit_of_hf_name
+        from hacpo.models.megatron.build import ArchSpec
+
+        model, par = self.policies[k].model, self._groups[k].par
+        size: dict[tuple[str, int], int] = defaultdict(int)
+        for name, t in self._hf_targets(k).items():
+            size[unit_of_hf_name(name)] += t.numel() * t.element_size()
+        units = hf_units(ArchSpec.from_hf(model.config))
+        return plan_buckets([(u, size[u]) for u in units],
+                            max(1, int(par.weight_bucket_mb * 2 ** 20)))
+
+    def _hf_targets(self, k: int) -> dict[str, torch.Tensor]:
+        """The driver's HF tensors a megatron pull writes (sharing the parameters' storage;
+        a tied model's ``lm_head.weight`` is the embedding and is not sent)."""
+        model = self.policies[k].model
+        sd = model.state_dict()
+        if getattr(model.config, "tie_word_embeddings", False):
+            sd.pop("lm_head.weight", None)
+        return sd
+
+    def _stream_weights(self, k: int, reference: bool = False):
+        """Agent k's HF-named weights bucket by bucket (each bucket one collective call of the
+        group: rank 0 holds at most its shard plus one bucket, the driver one bucket)."""
         g = self._groups[k]
-        return self._gather(k, [r.hf_weights.remote(reference) for r in g.ranks])[0]
+        buckets = self._buckets(k)
+        self.weight_buckets[k] = len(buckets)
+        for units in buckets:
+            yield self._gather(k, [r.hf_weights.remote(units, reference) for r in g.ranks])[0]
+
+    def _weights(self, k: int, reference: bool = False) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for bucket in self._stream_weights(k, reference):
+            out.update(bucket)
+        return out
 
     def pull_weights(self, k: int) -> None:
-        """Gather agent k's trained shards as HF weights into the driver's policy (what every
-        rollout engine reads)."""
+        """Stream agent k's trained shards as HF weights into the driver's policy (what every
+        rollout engine reads), ``parallel.weight_bucket_mb`` at a time, copied in place. A
+        failure part-way (a dead rank) is an error that stops the run: the policy is then
+        partly updated, but no checkpoint is written from it (the last one stays whole)."""
         if self._groups[k].torch:
             self.policies[k].load_state_dict(
                 self._gather(k, [self._groups[k].ranks[0].weights.remote()])[0])
             return
-        model = self.policies[k].model
-        hf = self._weights(k)
-        missing, unexpected = model.load_state_dict(hf, strict=False)
-        tied = getattr(model.config, "tie_word_embeddings", False)
-        if unexpected or [m for m in missing if not (tied and m == "lm_head.weight")]:
+        want = self._hf_targets(k)
+        seen: set[str] = set()
+        with torch.no_grad():
+            for bucket in self._stream_weights(k):
+                for name, t in bucket.items():
+                    why = ("the HF model has no such weight" if name not in want else
+                           "sent twice" if name in seen else
+                           f"the HF model's is {tuple(want[name].shape)}"
+                           if want[name].shape != t.shape else None)
+                    if why:
+                        raise RuntimeError(f"agent {self.names[k]!r}: megatron weight {name!r} "
+                                           f"{tuple(t.shape)} does not fit: {why}")
+                    want[name].copy_(t)
+                    seen.add(name)
+        if seen != want.keys():
             raise RuntimeError(f"agent {self.names[k]!r}: megatron weights do not match the HF "
-                               f"model: missing {missing}, unexpected {unexpected}")
+                               f"model: missing {sorted(want.keys() - seen)}")
 
     def _layout(self, k: int) -> dict:
         par = self._groups[k].par

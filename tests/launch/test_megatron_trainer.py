@@ -39,7 +39,10 @@ import ray  # noqa: E402
 # hidden 32 = 4 heads x 8 (2 kv heads), FFN 64, 2 layers: splits at TP=2 and at PP=2
 HF = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
       "num_attention_heads": 4, "num_key_value_heads": 2}
-AGENTS = (("llama-tp2", "llama3.2", ParallelConfig(tp=2)),
+# llama-tp2 streams its weights to the driver in 2 buckets of <= 0.08 MiB (84 KB): the
+# embedding (562 x 32 fp32, 72 KB), then both layers (37 KB each) and the final norm (tied
+# embeddings: no output layer of its own)
+AGENTS = (("llama-tp2", "llama3.2", ParallelConfig(tp=2, weight_bucket_mb=0.08)),
           ("char-pp2", "char", ParallelConfig(pp=2)))
 NAMES = [a[0] for a in AGENTS]
 
@@ -97,9 +100,11 @@ def torch_runs(tmp):
 
 @pytest.fixture(scope="module")
 def megatron_step1(cluster, tmp, torch_runs):
-    summary = train(megatron_cfg(tmp, "meg", "megatron"), echo=lambda *_: None)
+    with pytest.MonkeyPatch.context() as mp:
+        groups = capture_instances(mp, megatron_trainer.MegatronAgents)
+        summary = train(megatron_cfg(tmp, "meg", "megatron"), echo=lambda *_: None)
     free_cpus_back()
-    return summary
+    return summary, groups[0].weight_buckets
 
 
 # The two trainers see the same rollouts and advantages; they differ only in float rounding
@@ -137,7 +142,8 @@ def _check_weights(meg: dict, ref: dict, before: dict, names=NAMES) -> None:
 
 def test_one_step_equals_torch_trainer(tmp, torch_runs, megatron_step1):
     """After one HACPO step (M=4 minibatches, self + cross samples) the megatron groups'
-    metrics and pulled HF weights equal the in-process torch trainer's."""
+    metrics and pulled HF weights (llama-tp2's streamed in 2 buckets) equal the in-process
+    torch trainer's."""
     meg, ref = _rows(tmp, "meg"), _rows(tmp, "torch1")
     assert [r["step"] for r in meg] == [0]
     _check_metrics(meg[0], ref[0])
@@ -146,7 +152,9 @@ def test_one_step_equals_torch_trainer(tmp, torch_runs, megatron_step1):
             assert meg[0][f"time/{stage}/{name}"] > 0, (stage, name)
     assert meg[0]["train/llama-tp2/trained_cross"] > 0      # cross samples trained too
     _check_weights(_weights(tmp, "meg"), _weights(tmp, "torch1"), _initial_weights(tmp))
-    assert megatron_step1["before"] == torch_runs[0]["before"]
+    summary, buckets = megatron_step1
+    assert buckets == [2, 1]
+    assert summary["before"] == torch_runs[0]["before"]
 
 
 def _initial_weights(tmp, agents=AGENTS):
@@ -162,12 +170,13 @@ def _initial_weights(tmp, agents=AGENTS):
 def test_resumed_second_step_equals_torch_two_steps(cluster, tmp, torch_runs, megatron_step1):
     """Resume the 1-step megatron run to step 2 (fresh rank actors; HF weights and every rank's
     optimizer state from the checkpoint): both steps' metrics and the final weights equal the
-    torch trainer's uninterrupted 2 steps; a different tp cannot resume it."""
+    torch trainer's uninterrupted 2 steps; a different tp cannot resume it, a different
+    weight bucket size can (one bucket now)."""
     with pytest.raises(ValueError, match=r"cannot resume.*agents\.0\.parallel\.tp"):
         train(megatron_cfg(tmp, "meg", "megatron", steps=2).override(
             {"agents.0.parallel.tp": 1}), resume=True, echo=lambda *_: None)
-    summary = train(megatron_cfg(tmp, "meg", "megatron", steps=2), resume=True,
-                    echo=lambda *_: None)
+    summary = train(megatron_cfg(tmp, "meg", "megatron", steps=2).override(
+        {"agents.0.parallel.weight_bucket_mb": 1024}), resume=True, echo=lambda *_: None)
     free_cpus_back()
     meg, ref = _rows(tmp, "meg"), _rows(tmp, "torch2")
     assert [r["step"] for r in meg] == [0, 1]

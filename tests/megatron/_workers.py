@@ -202,7 +202,7 @@ def parallel_step_worker(rank, world, tp, pp, micro_rows, cases, optimizers, out
     after the step}}}."""
     from megatron.core import parallel_state as ps
 
-    from hacpo.models.megatron import hf_state_dict
+    from hacpo.models.megatron import hf_state_dict, hf_units
 
     results = {}
     for case in cases:
@@ -223,6 +223,15 @@ def parallel_step_worker(rank, world, tp, pp, micro_rows, cases, optimizers, out
                 else:
                     res["same_first"] = first.keys() == ref.keys() and all(
                         torch.equal(first[k], ref[k]) for k in ref)
+                # the trainer's weight stream: one unit per call (here in reverse order)
+                streamed = {}
+                for unit in reversed(hf_units(pol.arch)):
+                    got = pol.hf_state_of_units([unit])
+                    assert (got is None) == (rank != 0), f"rank {rank}: {unit} -> {got is None}"
+                    streamed.update(got or {})
+                if rank == 0:
+                    res["same_units"] = streamed.keys() == ref.keys() and all(
+                        torch.equal(streamed[k], ref[k]) for k in ref)
                 res["before"] = ref
             opt = pol.build_optimizer(lr=0.5, optimizer=name)
             dp, dp_rank = pol.par.dp, pol.par.dp_rank

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from hacpo.models.megatron.build import ArchSpec, check_world, resolve_transformer_impl
-from hacpo.models.megatron.convert import (fuse_qkv, hf_state_dict, hf_to_megatron,
-                                           megatron_to_hf)
+from hacpo.models.megatron.convert import (fuse_qkv, hf_state_dict, hf_to_megatron, hf_units,
+                                           megatron_to_hf, plan_buckets, unit_megatron_names,
+                                           unit_of_hf_name, unit_stage, unit_to_hf)
 from tests.megatron._workers import ARCHS, tiny_hf
 
 
@@ -65,6 +66,63 @@ def test_odd_vocab_padded_and_stripped(tie, tp, pp, multiple, vp):
                                          rf"tp={tp}, expected the padded vocabulary Vp="
                                          rf"{other.padded_vocab_size(tp)} \(vocab_size=91\)"):
         megatron_to_hf(shards, other)
+
+
+@pytest.mark.parametrize("arch_name", ARCHS)
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 4), (2, 2)])
+@pytest.mark.parametrize("impl", ["local", "transformer_engine"])
+def test_units_partition_the_model(arch_name, tie, tp, pp, impl):
+    """A weight stream converts unit by unit: the units' megatron names partition every
+    stage's shard (a tied model's last-stage output copy is the one name left out), each unit
+    converted on its own gives exactly the HF weights of that unit (unit_of_hf_name), and all
+    units together are the exact HF state dict."""
+    model = tiny_hf(arch_name, tie=tie, layers=4)
+    arch = ArchSpec.from_hf(model.config)
+    sd = hf_state_dict(model)
+    shards = _shards(sd, arch, tp, pp, impl)
+    units = hf_units(arch)
+    assert units == [("embed", 0), *[("layer", i) for i in range(4)], ("final", 0)]
+    for stage in range(pp):
+        names = list(shards[stage][0])
+        owned = [n for u in units if unit_stage(u, arch, pp) == stage
+                 for n in unit_megatron_names(u, names, arch, pp)]
+        left = set(names) - set(owned)
+        assert len(owned) == len(set(owned))
+        assert left == ({"output_layer.weight"} if tie and pp > 1 and stage == pp - 1
+                        else set()), (stage, left)
+    got = {}
+    for u in units:
+        st = unit_stage(u, arch, pp)
+        parts = [{n: sh[n] for n in unit_megatron_names(u, list(sh), arch, pp)}
+                 for sh in shards[st]]
+        pairs = list(unit_to_hf(u, parts, arch, pp=pp, transformer_impl=impl))
+        assert pairs and all(unit_of_hf_name(n) == u for n, _ in pairs), u
+        got.update(pairs)
+    assert got.keys() == sd.keys()
+    order = [units.index(unit_of_hf_name(n)) for n in got]
+    assert order == sorted(order)                      # unit by unit, in HF order
+    for k in sd:
+        assert torch.equal(got[k], sd[k]), k
+    with pytest.raises(ValueError, match=r"no unit \('layer', 4\) in a model of 4 layers"):
+        unit_stage(("layer", 4), arch, pp)
+    with pytest.raises(ValueError, match=r"'model.rotary.inv_freq' is not a Llama"):
+        unit_of_hf_name("model.rotary.inv_freq")
+
+
+def test_plan_buckets():
+    """Consecutive units, at most bucket_bytes each (a bigger unit alone), none lost."""
+    sizes = [(("embed", 0), 50), (("layer", 0), 20), (("layer", 1), 20), (("layer", 2), 20),
+             (("layer", 3), 70), (("final", 0), 10)]
+    assert plan_buckets(sizes, 40) == [[("embed", 0)], [("layer", 0), ("layer", 1)],
+                                       [("layer", 2)], [("layer", 3)], [("final", 0)]]
+    assert plan_buckets(sizes, 60) == [[("embed", 0)], [("layer", 0), ("layer", 1),
+                                                        ("layer", 2)], [("layer", 3)],
+                                       [("final", 0)]]
+    assert plan_buckets(sizes, 1000) == [[u for u, _ in sizes]]
+    assert plan_buckets(sizes, 1) == [[u] for u, _ in sizes]
+    with pytest.raises(ValueError, match="bucket_bytes must be >= 1, got 0"):
+        plan_buckets(sizes, 0)
 
 
 def test_vocab_rows_must_match_the_config():

@@ -106,6 +106,7 @@ def test_tp2_pp2_logprobs_gradients_and_step(single, hf_grads, tmp_path):
         one, res = single[case], par[case]
         assert one["same"] and res["same"], f"{case}: gathered weights differ from the HF ones"
         assert one["same_first"] and res["same_first"], f"{case}: rank 0's weights differ"
+        assert one["same_units"] and res["same_units"], f"{case}: streamed weights differ"
         # vocab-parallel log-softmax, row-parallel all-reduces and fp32 stage-to-stage sends only
         # reorder fp32 sums (seen: 9.5e-7); 1e-5 is the requirement
         torch.testing.assert_close(res["lp"], one["lp"], atol=1e-5, rtol=0, msg=str(case))
@@ -126,6 +127,7 @@ def test_tp2_odd_vocab_step_equals_tp1(single, hf_grads, tmp_path):
     spawn(W.parallel_step_worker, 2, 2, 1, MICRO, [case], OPTS, str(path))
     one, res = single[case], torch.load(path)[case]
     assert res["same"] and res["same_first"], f"{case}: TP-gathered weights differ"
+    assert res["same_units"], f"{case}: TP-streamed weights differ"
     # as at TP=2 x PP=2 (seen: ~1e-6)
     torch.testing.assert_close(res["lp"], one["lp"], atol=1e-5, rtol=0, msg=str(case))
     for name in OPTS:
@@ -143,6 +145,7 @@ def test_pp2_step_equals_pp1(single, hf_grads, tmp_path):
         one, res = single[case], par[case]
         assert res["same"], f"{case}: PP-gathered weights differ from the HF ones"
         assert res["same_first"], f"{case}: PP-gathered weights on rank 0 differ"
+        assert res["same_units"], f"{case}: PP-streamed weights on rank 0 differ"
         torch.testing.assert_close(res["lp"], one["lp"], atol=1e-6, rtol=0, msg=str(case))
         for name in OPTS:
             _check_grads(res["grads"][name], hf_grads[case], case)

@@ -5,8 +5,8 @@ first, sized for both) and stops.
 
 Two tiny HF Llama agents (head_dim 64, what vLLM's CPU attention serves): one at TP=2 with the
 reduced Llama 3.2 BPE (562 ids, divisible by 2), one at PP=2 with the character tokenizer.
-After every update ``MegatronAgents.pull_weights`` gathers the shards to HF names into the
-driver's policy and ``engine.sync_weights(k)`` ships them into the agent's vLLM engine. The
+After every update ``MegatronAgents.pull_weights`` streams the shards as HF names into the
+driver's policy (the TP=2 agent in 4 buckets) and ``engine.sync_weights(k)`` ships them into the agent's vLLM engine. The
 test probes each engine right after its initial sync and again when the run closes it (the
 last thing before the rank actors go), with the same seeds:
 
@@ -43,7 +43,9 @@ pytestmark = pytest.mark.slow
 HF = {"hidden_size": 256, "intermediate_size": 256, "num_hidden_layers": 2,
       "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
       "initializer_range": 0.2}
-AGENTS = (("llama-tp2", "llama3.2", ParallelConfig(tp=2)),
+# llama-tp2's weights stream to the driver in 4 buckets of <= 0.5 MiB (one unit each: the
+# embedding, 562 x 256 fp32 = 0.55 MiB, each layer 1.5 MiB, the final norm + output layer)
+AGENTS = (("llama-tp2", "llama3.2", ParallelConfig(tp=2, weight_bucket_mb=0.5)),
           ("char-pp2", "char", ParallelConfig(pp=2)))
 STEPS = 2
 TOL = 2e-3        # vLLM vs a torch forward, float32 (tests/vllm/test_vllm_engine.py)
@@ -149,6 +151,7 @@ def test_megatron_weights_reach_the_vllm_engines(tmp_path, monkeypatch):
                                      if not torch.equal(w, driver[n])],
                 "sent_unequal": sorted(n for n, w in hf_weights(pol).items()
                                        if n not in sent or not torch.equal(w, sent[n])),
+                "buckets": agents.weight_buckets[k],
             }
 
     def capture(cfg_, policies):
@@ -215,6 +218,7 @@ def test_megatron_weights_reach_the_vllm_engines(tmp_path, monkeypatch):
         # (a tied output embedding is the input embedding's tensor: megatron sends it once)
         assert c["megatron_keys_missing"] == (["lm_head.weight"] if c["tied"] else []), c
         assert c["megatron_unequal"] == [] and c["sent_unequal"] == [], (name, c)
+        assert c["buckets"] == (4 if name == "llama-tp2" else 1), (name, c)
         # ... and the engine's log-probs are the HF copy's and the megatron ranks' own
         assert c["megatron_vs_hf"] < MEG_TOL, (name, c)
         assert c["engine_vs_hf"] < TOL and c["engine_vs_megatron"] < TOL, (name, c)

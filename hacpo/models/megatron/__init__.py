@@ -11,10 +11,12 @@ build models or optimizers); ``hacpo.models`` does not import this package at al
 """
 from hacpo.models.megatron.build import (ArchSpec, Parallel, build_gpt_model, check_world,
                                          init_parallel, require_megatron)
-from hacpo.models.megatron.convert import (hf_state_dict, hf_to_megatron, iter_hf_weights,
-                                           load_megatron_state, megatron_to_hf)
+from hacpo.models.megatron.convert import (hf_state_dict, hf_to_megatron, hf_units,
+                                           iter_hf_weights, load_megatron_state, megatron_to_hf,
+                                           plan_buckets, unit_of_hf_name)
 from hacpo.models.megatron.policy import MegatronPolicy
 
 __all__ = ["ArchSpec", "Parallel", "build_gpt_model", "check_world", "init_parallel",
-           "require_megatron", "hf_state_dict", "hf_to_megatron", "iter_hf_weights",
-           "load_megatron_state", "megatron_to_hf", "MegatronPolicy"]
+           "require_megatron", "hf_state_dict", "hf_to_megatron", "hf_units", "iter_hf_weights",
+           "load_megatron_state", "megatron_to_hf", "plan_buckets", "unit_of_hf_name",
+           "MegatronPolicy"]

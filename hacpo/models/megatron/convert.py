@@ -4,7 +4,9 @@ Pure tensor code: no megatron import, no communication. One rank's shard is addr
 ``(tp_rank, pp_rank)``; :func:`hf_to_megatron` cuts it out of a full HF state dict and
 :func:`megatron_to_hf` reassembles a full HF state dict from all shards ``shards[pp][tp]``.
 :func:`iter_hf_weights` yields the same ``(hf_name, tensor)`` pairs one at a time, the shape a
-vLLM ``load_weights`` consumes.
+vLLM ``load_weights`` consumes; it converts *unit* by unit (the embedding, one layer, the final
+norm + output layer: :func:`unit_to_hf`), so a weight stream can gather and convert a few units
+at a time (:func:`plan_buckets`, ``MegatronPolicy.hf_state_of_units``).
 
 Megatron layouts (per layer ``i``; ``ng`` kv heads, ``nq`` query heads, head dim ``d``):
 
@@ -138,6 +140,118 @@ def hf_to_megatron(hf: Mapping[str, Tensor], arch: ArchSpec, *, tp: int = 1, tp_
 
 
 # -- Megatron -> HF -------------------------------------------------------------------------------
+# A *unit* is the piece of the model one conversion step needs whole: ("embed", 0) (stage 0's
+# embedding), ("layer", i) (HF layer i, on the stage that holds it) and ("final", 0) (the
+# final norm and, untied, the output layer, on the last stage). Units in HF order convert to
+# the same pairs as the whole model; a weight stream moves a few units at a time.
+Unit = tuple[str, int]
+
+
+def hf_units(arch: ArchSpec) -> list[Unit]:
+    """Every unit of the model, in HF order."""
+    return [("embed", 0), *(("layer", i) for i in range(arch.num_layers)), ("final", 0)]
+
+
+def unit_stage(unit: Unit, arch: ArchSpec, pp: int) -> int:
+    """The pipeline stage that holds ``unit``."""
+    kind, i = unit
+    if kind == "embed":
+        return 0
+    if kind == "final":
+        return pp - 1
+    if kind == "layer" and 0 <= i < arch.num_layers:
+        return i // (arch.num_layers // pp)
+    raise ValueError(f"no unit {unit!r} in a model of {arch.num_layers} layers")
+
+
+def unit_megatron_names(unit: Unit, names, arch: ArchSpec, pp: int) -> list[str]:
+    """The megatron names of ``unit`` among ``names`` (the keys of its stage's shard, in their
+    order: every TP rank of the stage lists the same names; megatron's ``_extra_state``
+    entries are no weights and are left out)."""
+    kind, i = unit
+    names = [n for n in names if not n.endswith("_extra_state")]
+    if kind == "embed":
+        return [n for n in names if n.startswith("embedding.")]
+    if kind == "final":    # a tied model's last-stage output layer is a copy: not needed
+        keep = ("decoder.final_layernorm.",) + (() if arch.tie_word_embeddings
+                                                 else ("output_layer.",))
+        return [n for n in names if n.startswith(keep)]
+    local = i - arch.layers_of_stage(pp, unit_stage(unit, arch, pp))[0]
+    return [n for n in names if n.startswith(f"decoder.layers.{local}.")]
+
+
+def unit_of_hf_name(name: str) -> Unit:
+    """The unit an HF weight name belongs to."""
+    if name.startswith("model.embed_tokens."):
+        return ("embed", 0)
+    if name.startswith("model.layers."):
+        return ("layer", int(name.split(".")[2]))
+    if name.startswith(("model.norm.", "lm_head.")):
+        return ("final", 0)
+    raise ValueError(f"{name!r} is not a Llama / Qwen2 / Qwen3 weight name")
+
+
+def plan_buckets(unit_bytes: Sequence[tuple[Unit, int]], bucket_bytes: int) -> list[list[Unit]]:
+    """Consecutive units grouped into buckets of at most ``bucket_bytes`` (a unit larger than
+    that is a bucket of its own), in order."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    out: list[list[Unit]] = []
+    size = 0
+    for unit, n in unit_bytes:
+        if out and size + n <= bucket_bytes:
+            out[-1].append(unit)
+            size += n
+        else:
+            out.append([unit])
+            size = n
+    return out
+
+
+def unit_to_hf(unit: Unit, parts: Sequence[Mapping[str, Tensor]], arch: ArchSpec, *, pp: int,
+               transformer_impl: str = "local") -> Iterator[tuple[str, Tensor]]:
+    """``parts[tp_rank]`` (the unit's megatron tensors of every TP shard of its stage) ->
+    (HF name, full tensor) pairs, in HF order."""
+    tp = len(parts)
+    ln1, ln2 = _norm_names(transformer_impl)
+    kind, i = unit
+
+    def cat(name: str, dim: int = 0) -> Tensor:
+        return torch.cat([parts[r][name] for r in range(tp)], dim)
+
+    if kind == "embed":
+        yield "model.embed_tokens.weight", _unpad_vocab(cat("embedding.word_embeddings.weight"),
+                                                        arch, tp, "embedding.word_embeddings.weight")
+    elif kind == "final":
+        yield "model.norm.weight", parts[0]["decoder.final_layernorm.weight"]
+        if not arch.tie_word_embeddings:
+            yield "lm_head.weight", _unpad_vocab(cat("output_layer.weight"), arch, tp,
+                                                 "output_layer.weight")
+    else:
+        local = i - arch.layers_of_stage(pp, unit_stage(unit, arch, pp))[0]
+        h, m = f"model.layers.{i}.", f"decoder.layers.{local}."
+        a, first = h + "self_attn.", parts[0]
+        yield h + "input_layernorm.weight", first[m + ln1]
+        q, k, v = split_qkv(cat(m + "self_attention.linear_qkv.weight"), arch)
+        yield a + "q_proj.weight", q
+        yield a + "k_proj.weight", k
+        yield a + "v_proj.weight", v
+        if arch.qkv_bias:
+            q, k, v = split_qkv(cat(m + "self_attention.linear_qkv.bias"), arch)
+            yield a + "q_proj.bias", q
+            yield a + "k_proj.bias", k
+            yield a + "v_proj.bias", v
+        if arch.qk_norm:
+            yield a + "q_norm.weight", first[m + "self_attention.q_layernorm.weight"]
+            yield a + "k_norm.weight", first[m + "self_attention.k_layernorm.weight"]
+        yield a + "o_proj.weight", cat(m + "self_attention.linear_proj.weight", 1)
+        yield h + "post_attention_layernorm.weight", first[m + ln2]
+        fc1 = [parts[r][m + "mlp.linear_fc1.weight"].chunk(2, 0) for r in range(tp)]
+        yield h + "mlp.gate_proj.weight", torch.cat([g for g, _ in fc1], 0)
+        yield h + "mlp.up_proj.weight", torch.cat([u for _, u in fc1], 0)
+        yield h + "mlp.down_proj.weight", cat(m + "mlp.linear_fc2.weight", 1)
+
+
 def iter_hf_weights(shards: Sequence[Sequence[Mapping[str, Tensor]]], arch: ArchSpec, *,
                     transformer_impl: str = "local") -> Iterator[tuple[str, Tensor]]:
     """``shards[pp_rank][tp_rank]`` (megatron state dicts of every shard) -> (HF name, full
@@ -146,41 +260,10 @@ def iter_hf_weights(shards: Sequence[Sequence[Mapping[str, Tensor]]], arch: Arch
     if any(len(s) != tp for s in shards):
         raise ValueError("every pipeline stage needs the same number of TP shards")
     arch.check_parallel(tp, pp)
-    ln1, ln2 = _norm_names(transformer_impl)
-
-    def cat(stage: int, name: str, dim: int = 0) -> Tensor:
-        return torch.cat([shards[stage][r][name] for r in range(tp)], dim)
-
-    yield "model.embed_tokens.weight", _unpad_vocab(cat(0, "embedding.word_embeddings.weight"),
-                                                    arch, tp, "embedding.word_embeddings.weight")
-    for stage in range(pp):
-        first = shards[stage][0]
-        for local, i in enumerate(arch.layers_of_stage(pp, stage)):
-            h, m = f"model.layers.{i}.", f"decoder.layers.{local}."
-            a = h + "self_attn."
-            yield h + "input_layernorm.weight", first[m + ln1]
-            q, k, v = split_qkv(cat(stage, m + "self_attention.linear_qkv.weight"), arch)
-            yield a + "q_proj.weight", q
-            yield a + "k_proj.weight", k
-            yield a + "v_proj.weight", v
-            if arch.qkv_bias:
-                q, k, v = split_qkv(cat(stage, m + "self_attention.linear_qkv.bias"), arch)
-                yield a + "q_proj.bias", q
-                yield a + "k_proj.bias", k
-                yield a + "v_proj.bias", v
-            if arch.qk_norm:
-                yield a + "q_norm.weight", first[m + "self_attention.q_layernorm.weight"]
-                yield a + "k_norm.weight", first[m + "self_attention.k_layernorm.weight"]
-            yield a + "o_proj.weight", cat(stage, m + "self_attention.linear_proj.weight", 1)
-            yield h + "post_attention_layernorm.weight", first[m + ln2]
-            fc1 = [shards[stage][r][m + "mlp.linear_fc1.weight"].chunk(2, 0) for r in range(tp)]
-            yield h + "mlp.gate_proj.weight", torch.cat([g for g, _ in fc1], 0)
-            yield h + "mlp.up_proj.weight", torch.cat([u for _, u in fc1], 0)
-            yield h + "mlp.down_proj.weight", cat(stage, m + "mlp.linear_fc2.weight", 1)
-    yield "model.norm.weight", shards[pp - 1][0]["decoder.final_layernorm.weight"]
-    if not arch.tie_word_embeddings:
-        yield "lm_head.weight", _unpad_vocab(cat(pp - 1, "output_layer.weight"), arch, tp,
-                                             "output_layer.weight")
+    _norm_names(transformer_impl)
+    for unit in hf_units(arch):
+        yield from unit_to_hf(unit, shards[unit_stage(unit, arch, pp)], arch, pp=pp,
+                              transformer_impl=transformer_impl)
 
 
 def megatron_to_hf(shards: Sequence[Sequence[Mapping[str, Tensor]]], arch: ArchSpec, *,

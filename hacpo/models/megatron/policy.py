@@ -31,8 +31,9 @@ import torch.distributed as dist
 
 from hacpo.kernels import token_logprobs
 from hacpo.models.megatron.build import ArchSpec, Parallel, build_gpt_model, require_megatron
-from hacpo.models.megatron.convert import (hf_to_megatron, load_megatron_state,
-                                           megatron_to_hf)
+from hacpo.models.megatron.convert import (Unit, hf_to_megatron, hf_units, load_megatron_state,
+                                           megatron_to_hf, unit_megatron_names, unit_stage,
+                                           unit_to_hf)
 
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
 
@@ -82,48 +83,81 @@ class MegatronPolicy:
                 if isinstance(v, torch.Tensor)}
 
     def hf_state_dict(self, *, everywhere: bool = True) -> dict[str, torch.Tensor] | None:
-        """Full HF-named weights (a collective of every rank): the TP shards are gathered with
-        tensor collectives, then the PP stages with an object collective.
+        """Full HF-named weights (a collective of every rank).
 
-        ``everywhere=True``: on every rank (all-gathers; each rank then holds a full copy).
-        ``everywhere=False``: only on global rank 0 (TP 0, PP 0, DP 0), None elsewhere: the
-        TP shards go to TP rank 0 and the stages to PP rank 0 of DP replica 0 only (the other
-        replicas hold the same weights and send nothing), so no other rank ever holds more
-        than its shard. A per-tensor streaming broadcast is the follow-up for models too large
-        for one host's memory."""
+        ``everywhere=True``: on every rank (the TP shards all-gathered, then the PP stages with
+        an object all-gather; each rank then holds a full copy).
+        ``everywhere=False``: only on global rank 0 (TP 0, PP 0, DP 0), None elsewhere:
+        :meth:`hf_state_of_units` of every unit, so no other rank ever holds more than its
+        shard. To bound rank 0's memory too, call :meth:`hf_state_of_units` a few units at a
+        time (``hacpo/launch/megatron_trainer.py`` does, in buckets)."""
+        if not everywhere:
+            return self.hf_state_of_units(hf_units(self.arch))
         local, p = self.local_state(), self.par
-        if not everywhere and p.dp_rank != 0:
-            return None                     # the other replicas' weights are replica 0's
         if p.tp > 1:
             tp_shards: list[dict] = [dict() for _ in range(p.tp)]
-            dst = dist.get_global_rank(p.tp_group, 0)
             for name, t in local.items():
-                if everywhere:
-                    parts = [torch.empty_like(t) for _ in range(p.tp)]
-                    dist.all_gather(parts, t.contiguous(), group=p.tp_group)
-                else:
-                    parts = ([torch.empty_like(t) for _ in range(p.tp)] if p.tp_rank == 0
-                             else None)
-                    dist.gather(t.contiguous(), parts, dst=dst, group=p.tp_group)
-                for r in (range(p.tp) if parts is not None else ()):
+                parts = [torch.empty_like(t) for _ in range(p.tp)]
+                dist.all_gather(parts, t.contiguous(), group=p.tp_group)
+                for r in range(p.tp):
                     tp_shards[r][name] = parts[r]
-            if not everywhere and p.tp_rank != 0:
-                return None
         else:
             tp_shards = [local]
         if p.pp > 1:
-            if everywhere:
-                stages: list[Any] = [None] * p.pp
-                dist.all_gather_object(stages, tp_shards, group=p.pp_group)
-            else:
-                stages = [None] * p.pp if p.pp_rank == 0 else None
-                dist.gather_object(tp_shards, stages, dst=dist.get_global_rank(p.pp_group, 0),
-                                   group=p.pp_group)
-                if p.pp_rank != 0:
-                    return None
+            stages: list[Any] = [None] * p.pp
+            dist.all_gather_object(stages, tp_shards, group=p.pp_group)
         else:
             stages = [tp_shards]
         return megatron_to_hf(stages, self.arch, transformer_impl=self.transformer_impl)
+
+    def hf_state_of_units(self, units: Sequence[Unit]) -> dict[str, torch.Tensor] | None:
+        """The HF-named weights of ``units`` (see :func:`~hacpo.models.megatron.convert.
+        hf_units`) on global rank 0, None elsewhere; a collective of every rank, each called
+        with the same units.
+
+        DP replicas other than 0 send nothing (their weights are replica 0's). In replica 0,
+        each unit's tensors are gathered to TP rank 0 of the stage that holds it (tensor
+        gathers), then the stages' TP rank 0 send their units to PP rank 0 (one object
+        gather), which converts them: besides its shard a rank holds at most these units."""
+        p, arch = self.par, self.arch
+        units = list(units)
+        for unit in units:
+            unit_stage(unit, arch, p.pp)                  # an unknown unit is an error here
+        if p.dp_rank != 0:
+            return None
+        local = self.local_state()
+        mine: dict[Unit, list[dict[str, torch.Tensor]]] = {}
+        for unit in units:
+            if unit_stage(unit, arch, p.pp) != p.pp_rank:
+                continue
+            names = unit_megatron_names(unit, local, arch, p.pp)
+            if p.tp == 1:
+                mine[unit] = [{n: local[n] for n in names}]
+                continue
+            parts: list[dict[str, torch.Tensor]] = [dict() for _ in range(p.tp)]
+            dst = dist.get_global_rank(p.tp_group, 0)
+            for n in names:
+                t = local[n].contiguous()
+                got = [torch.empty_like(t) for _ in range(p.tp)] if p.tp_rank == 0 else None
+                dist.gather(t, got, dst=dst, group=p.tp_group)
+                for r in range(p.tp) if got is not None else ():
+                    parts[r][n] = got[r]
+            if p.tp_rank == 0:
+                mine[unit] = parts
+        if p.tp_rank != 0:
+            return None
+        if p.pp > 1:
+            stages = [None] * p.pp if p.pp_rank == 0 else None
+            dist.gather_object(mine, stages, dst=dist.get_global_rank(p.pp_group, 0),
+                               group=p.pp_group)
+            if p.pp_rank != 0:
+                return None
+            mine = {u: v for st in stages for u, v in st.items()}
+        out: dict[str, torch.Tensor] = {}
+        for unit in units:
+            out.update(unit_to_hf(unit, mine[unit], arch, pp=p.pp,
+                                  transformer_impl=self.transformer_impl))
+        return out
 
     # -- forward --------------------------------------------------------------------------------
     def logprobs_from_logits(self, logits: torch.Tensor, targets: torch.Tensor,

@@ -1,0 +1,40 @@
+"""Combined layouts inside ``hacpo train``: a TP=2 x PP=2 megatron agent (4 rank actors; the
+vocab-parallel log-probs on the last stage of a 1F1B pipeline) next to a PP=2 x DP=2 one (4 rank
+actors; two pipelines, each training its share of every minibatch), 8 ranks in all, on the
+private Ray cluster the run starts itself (sized to the ranks; gone when the run ends), as a
+user's ``hacpo train`` does. One step's metrics and weights equal the torch trainer's
+(in-process, trainer_backend=local). tests/launch/test_megatron_trainer.py covers TP, PP and DP
+one at a time; tests/megatron the same combinations at the policy level.
+"""
+import pytest
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed "
+                    "(pip install -c requirements/constraints.txt megatron-core==0.16.1)")
+
+import ray  # noqa: E402
+
+from hacpo.engine.run_config import ParallelConfig  # noqa: E402
+from hacpo.engine.trainer import train  # noqa: E402
+
+from .test_megatron_trainer import (_check_metrics, _check_weights, _initial_weights,  # noqa: E402
+                                    _rows, _weights, megatron_cfg)
+
+AGENTS = (("llama-tp2pp2", "llama3.2", ParallelConfig(tp=2, pp=2, weight_bucket_mb=0.08)),
+          ("char-pp2dp2", "char", ParallelConfig(pp=2, dp=2)))
+NAMES = [a[0] for a in AGENTS]
+
+
+def test_tp2pp2_and_pp2dp2_one_step_equals_torch_trainer(tmp_path):
+    assert not ray.is_initialized()            # the run starts (and stops) its own cluster
+    train(megatron_cfg(tmp_path, "torch", "torch", AGENTS), echo=lambda *_: None)
+    summary = train(megatron_cfg(tmp_path, "meg", "megatron", AGENTS), echo=lambda *_: None)
+    assert not ray.is_initialized()
+    meg, ref = _rows(tmp_path, "meg"), _rows(tmp_path, "torch")
+    assert [r["step"] for r in meg] == [0] and summary["agents"] == NAMES
+    _check_metrics(meg[0], ref[0], NAMES)
+    assert meg[0]["train/llama-tp2pp2/trained_cross"] > 0      # cross samples trained too
+    for name in NAMES:
+        for stage in ("score_self", "backward_self", "optimizer", "old_logprobs"):
+            assert meg[0][f"time/{stage}/{name}"] > 0, (stage, name)
+    _check_weights(_weights(tmp_path, "meg"), _weights(tmp_path, "torch"),
+                   _initial_weights(tmp_path, AGENTS), NAMES)
