@@ -133,6 +133,9 @@ class RolloutConfig:
     call_timeout_s: float = 1800.0  # ray/vllm: a generate/sync call not answered within this
                                     # (a hung actor) kills and restarts the actor, as if dead,
                                     # and re-sends the call; 0: no limit
+    weight_bucket_mb: float = 1024.0  # vllm: a weight sync ships the HF tensors in buckets of
+                                      # at most this many MiB (a larger tensor alone); an
+                                      # engine fetches and loads them one at a time
 
     def __post_init__(self):
         if self.group_size < 1 or self.max_new_tokens < 1:
@@ -147,6 +150,9 @@ class RolloutConfig:
         if not self.call_timeout_s >= 0:
             raise ValueError(f"rollout.call_timeout_s must be >= 0 (0: no limit), got "
                              f"{self.call_timeout_s}")
+        b = self.weight_bucket_mb
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b < math.inf:
+            raise ValueError(f"rollout.weight_bucket_mb must be a number > 0, got {b!r}")
 
 
 @dataclass
@@ -238,8 +244,9 @@ RESUMABLE_KEYS = {"steps", "out_dir", "cache_dir", "progress", "plots", "tensorb
                   "checkpoint_every", "eval_every", "threads", "micro_batch", "profile_sync",
                   "trainer_backend",   # the backends give bit-identical results
                   "trainer_call_timeout_s", "trainer_setup_hook"}
-# Nested keys that may change on resumption too (time limits are no part of the math).
-RESUMABLE_NESTED_KEYS = {("rollout", "call_timeout_s")}
+# Nested keys that may change on resumption too (time limits and how weights move are no
+# part of the math).
+RESUMABLE_NESTED_KEYS = {("rollout", "call_timeout_s"), ("rollout", "weight_bucket_mb")}
 
 
 # Per-agent keys that may change on resumption ("section.key" under agents.N).

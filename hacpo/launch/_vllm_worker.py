@@ -23,7 +23,8 @@ class VLLMWorker:
     Args:
         hf_config: the model's HF ``config.json`` contents; written to a temp dir on this node
             (weights are not read from disk: the engine starts with ``load_format="dummy"``).
-        weights: HF-named tensors (the trainer's weights of version ``version``).
+        weights: the trainer's weights of version ``version``: ObjectRefs of buckets of
+            HF-named tensors (fetched one at a time while loading), or HF-named tensors.
         dtype: ``"float32" | "bfloat16" | "float16"`` (the policy's parameter dtype).
         max_model_len: prompt + response limit (the policy's ``max_len``).
         seed: engine seed (every request also carries its own seed).
@@ -59,19 +60,34 @@ class VLLMWorker:
         return {"pid": os.getpid(), "vllm": vllm.__version__, "version": self.version,
                 "threads": torch.get_num_threads()}
 
-    def load_weights(self, weights: Mapping, *, version: int) -> int:
+    def load_weights(self, weights: Mapping | Sequence, *, version: int) -> int:
         """Load HF-named tensors into the running model (vLLM's in-place reload: the started
         model's parameters are re-processed for the CPU kernels, so a bare
         ``model.load_weights`` after start-up is not valid), then drop the prefix cache:
-        prompt KV computed with the old weights must not be reused."""
-        items = list(weights.items())
+        prompt KV computed with the old weights must not be reused. ``weights``: a mapping,
+        or a sequence of buckets (mappings or ObjectRefs of them); a bucket is fetched when
+        vLLM's loader reaches it and dropped when it moves on. Returns the tensors loaded."""
+        buckets = [weights] if isinstance(weights, Mapping) else list(weights)
+        count = 0
+
+        def items():
+            nonlocal count
+            import ray
+
+            for part in buckets:
+                bucket = ray.get(part) if isinstance(part, ray.ObjectRef) else part
+                for name, t in bucket.items():
+                    count += 1
+                    yield name, t
+                del bucket
+
         self.version = -1                # not servable until the reload has completed
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(items),
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items(),
                                                           "is_checkpoint_format": True})
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
         self.version = version
-        return len(items)
+        return count
 
     def generate(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], *,
                  max_tokens: int, temperature: float, top_p: float, eos_id: int,

@@ -17,9 +17,11 @@ in-process sampler returns.
   configuration vLLM cannot run, e.g. head_dim 16 on CPU, fails at start-up naming the agent);
   the real weights come through Ray's object store. Prompts and responses are token ids: vLLM
   never loads a tokenizer, so reduced vocabularies and the char tokenizer work unchanged.
-- **Weights.** ``sync_weights(k)`` puts agent k's HF-named tensors into the object store once
-  (``ray.put``) and every engine of k loads them in place (vLLM's ``reload_weights``: no engine
-  restart, no disk) and drops its prefix cache. Every ``generate`` names the weights version it
+- **Weights.** ``sync_weights(k)`` puts agent k's HF-named tensors into the object store once,
+  in buckets of at most ``rollout.weight_bucket_mb`` (one ``ray.put`` each), and every engine
+  of k loads them in place (vLLM's ``reload_weights``: no engine restart, no disk), fetching
+  one bucket at a time as vLLM consumes the weights (so an engine holds its model plus one
+  bucket), and drops its prefix cache. Every ``generate`` names the weights version it
   must be served with; an engine holding another version is an error, never a silent stale
   sample. This is the *disaggregated* mode (engines keep their own copy, weights are shipped
   after each step). Colocated sleep/wake is not available: vLLM 0.32 allows
@@ -148,6 +150,17 @@ def hf_weights(policy: Policy) -> dict[str, torch.Tensor]:
     return out
 
 
+def weight_buckets(weights: dict[str, torch.Tensor],
+                   bucket_bytes: int) -> list[dict[str, torch.Tensor]]:
+    """``weights`` (HF-named, in order) grouped into dicts of at most ``bucket_bytes`` (a
+    larger tensor alone): what one ``ray.put`` of a weight sync holds."""
+    from hacpo.models.megatron.convert import plan_buckets
+
+    plan = plan_buckets([(n, t.numel() * t.element_size()) for n, t in weights.items()],
+                        bucket_bytes)
+    return [{n: weights[n] for n in names} for names in plan]
+
+
 def _actor_env(threads: int, tmpdir: str | None) -> dict[str, str]:
     env = {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",   # engine in the actor's process: direct reload
@@ -199,6 +212,7 @@ class VLLMRolloutEngine(GeneratorState):
         self.engines_per_agent = ro.engines_per_agent
         self.max_restarts = ro.max_engine_restarts
         self.call_timeout_s = ro.call_timeout_s
+        self.bucket_bytes = max(1, int(ro.weight_bucket_mb * 2 ** 20))
         self.threads = cfg.threads if getattr(cfg, "threads", 0) > 0 else 1
         self.start_timeout_s = start_timeout_s
         self.seed = cfg.seed
@@ -208,7 +222,7 @@ class VLLMRolloutEngine(GeneratorState):
         self.actors: list[list] = [[None] * self.engines_per_agent for _ in range(n)]
         self.restarts = [[0] * self.engines_per_agent for _ in range(n)]
         self.timeouts = [[0] * self.engines_per_agent for _ in range(n)]
-        self._weights: list = [None] * n      # ObjectRef of the last synced weights
+        self._weights: list = [None] * n      # ObjectRefs of the last synced weights' buckets
         self._version = [0] * n
         self._cluster = None
         self._closed = False
@@ -219,10 +233,8 @@ class VLLMRolloutEngine(GeneratorState):
             self._tmpdir = os.path.join(self._cluster.temp_dir, "vllm")
             os.makedirs(self._tmpdir, exist_ok=True)
         try:
-            import ray
-
             for k in range(n):
-                self._weights[k] = ray.put(hf_weights(self.policies[k]))
+                self._weights[k] = self._put_weights(k)
             for k in range(n):
                 for j in range(self.engines_per_agent):
                     self.actors[k][j] = self._new_actor(k)
@@ -230,6 +242,16 @@ class VLLMRolloutEngine(GeneratorState):
         except BaseException:
             self.close()
             raise
+
+    def _put_weights(self, k: int) -> list:
+        """Agent k's current HF weights into the object store, one object per bucket of
+        ``rollout.weight_bucket_mb`` (kept until the next sync: a restarted engine loads
+        them). Engines get the list of refs (a list: Ray does not resolve them) and fetch one
+        bucket at a time while loading."""
+        import ray
+
+        return [ray.put(b) for b in weight_buckets(hf_weights(self.policies[k]),
+                                                   self.bucket_bytes)]
 
     # -- actors ---------------------------------------------------------------------------------
     def _new_actor(self, k: int):
@@ -335,15 +357,13 @@ class VLLMRolloutEngine(GeneratorState):
     # -- RolloutEngine --------------------------------------------------------------------------
     def sync_weights(self, agent: int) -> None:
         """Ship agent's current trainer weights to all its engines (in-place reload)."""
-        import ray
-
         self._check_open()
-        self._weights[agent] = ray.put(hf_weights(self.policies[agent]))
+        self._weights[agent] = self._put_weights(agent)
         self._version[agent] += 1
-        version, ref = self._version[agent], self._weights[agent]
+        version, refs = self._version[agent], self._weights[agent]
 
         def submit(j):
-            return self.actors[agent][j].load_weights.remote(ref, version=version)
+            return self.actors[agent][j].load_weights.remote(refs, version=version)
 
         self._run(agent, submit, lambda j, v: None, range(self.engines_per_agent), "load_weights")
 

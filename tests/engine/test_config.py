@@ -79,3 +79,21 @@ def test_config_diff_ignores_fields_added_after_a_checkpoint_at_their_default():
     # a new field set to a non-default value is a difference; so is any changed value
     new2 = fingerprint_dict(cfg.override({"rollout.engine": "ray", "seed": 5}))
     assert config_diff(old, new2, defaults=defaults) == ["rollout.engine", "seed"]
+
+
+def test_weight_bucket_sizes_are_resumable_and_validated():
+    """How weights move (rollout / megatron bucket sizes) may change on resumption, like time
+    limits; the layout may not. Non-positive sizes are clear errors."""
+    from hacpo.engine.run_config import config_diff, fingerprint_dict, load_config
+    cfg = load_config("tiny3")
+    a = fingerprint_dict(cfg)
+    b = fingerprint_dict(cfg.override({"rollout.weight_bucket_mb": 8,
+                                       "agents.0.parallel.weight_bucket_mb": 0.5}))
+    assert config_diff(a, b) == []
+    c = fingerprint_dict(cfg.override({"agents.0.parallel.tp": 2}))
+    assert config_diff(a, c) == ["agents.0.parallel.tp"]
+    for key, name in (("rollout.weight_bucket_mb", "rollout.weight_bucket_mb"),
+                      ("agents.0.parallel.weight_bucket_mb", "parallel.weight_bucket_mb")):
+        for bad in (0, -1.0, float("nan")):
+            with pytest.raises(ValueError, match=rf"{name} must be a number > 0, got {bad}"):
+                cfg.override({key: bad})

