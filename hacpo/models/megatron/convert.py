@@ -213,13 +213,15 @@ def plan_buckets(unit_bytes: Sequence[tuple[K, int]], bucket_bytes: int) -> list
 def unit_to_hf(unit: Unit, parts: Sequence[Mapping[str, Tensor]], arch: ArchSpec, *, pp: int,
                transformer_impl: str = "local") -> Iterator[tuple[str, Tensor]]:
     """``parts[tp_rank]`` (the unit's megatron tensors of every TP shard of its stage) ->
-    (HF name, full tensor) pairs, in HF order."""
+    (HF name, full tensor) pairs, in HF order. Tensors may share storage with ``parts``
+    (always the replicated norms; at tp = 1 all of them): clone what must outlive them."""
     tp = len(parts)
     ln1, ln2 = _norm_names(transformer_impl)
     kind, i = unit
 
-    def cat(name: str, dim: int = 0) -> Tensor:
-        return torch.cat([parts[r][name] for r in range(tp)], dim)
+    def cat(name: str, dim: int = 0) -> Tensor:      # tp = 1: the shard itself, no copy
+        return parts[0][name] if tp == 1 else torch.cat([parts[r][name] for r in range(tp)],
+                                                        dim)
 
     if kind == "embed":
         yield "model.embed_tokens.weight", _unpad_vocab(cat("embedding.word_embeddings.weight"),

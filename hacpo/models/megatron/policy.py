@@ -90,7 +90,9 @@ class MegatronPolicy:
         ``everywhere=False``: only on global rank 0 (TP 0, PP 0, DP 0), None elsewhere:
         :meth:`hf_state_of_units` of every unit, so no other rank ever holds more than its
         shard. To bound rank 0's memory too, call :meth:`hf_state_of_units` a few units at a
-        time (``hacpo/launch/megatron_trainer.py`` does, in buckets)."""
+        time (``hacpo/launch/megatron_trainer.py`` does, in buckets). Returned tensors may
+        share storage with this rank's parameters (replicated norms; at TP=1 the rest too):
+        clone what must outlive an optimizer step."""
         if not everywhere:
             return self.hf_state_of_units(hf_units(self.arch))
         local, p = self.local_state(), self.par
@@ -116,48 +118,71 @@ class MegatronPolicy:
         with the same units.
 
         DP replicas other than 0 send nothing (their weights are replica 0's). In replica 0,
-        each unit's tensors are gathered to TP rank 0 of the stage that holds it (tensor
-        gathers), then the stages' TP rank 0 send their units to PP rank 0 (one object
-        gather), which converts them: besides its shard a rank holds at most these units."""
+        unit by unit: the unit's tensors are gathered to TP rank 0 of the stage that holds it
+        (tensor gathers); a stage other than the first then sends them to PP rank 0 point to
+        point (names, shapes and dtypes went ahead in one small object gather), which
+        converts each unit as soon as it has it. So besides its shard a rank holds one
+        unit's TP parts at a time, and global rank 0 also the converted units it returns."""
         p, arch = self.par, self.arch
-        units = list(units)
-        for unit in units:
-            unit_stage(unit, arch, p.pp)                  # an unknown unit is an error here
+        units = [tuple(u) for u in units]
+        stages = [unit_stage(u, arch, p.pp) for u in units]     # an unknown unit: error here
         if p.dp_rank != 0:
             return None
         local = self.local_state()
-        mine: dict[Unit, list[dict[str, torch.Tensor]]] = {}
-        for unit in units:
-            if unit_stage(unit, arch, p.pp) != p.pp_rank:
-                continue
-            names = unit_megatron_names(unit, local, arch, p.pp)
-            if p.tp == 1:
-                mine[unit] = [{n: local[n] for n in names}]
-                continue
-            parts: list[dict[str, torch.Tensor]] = [dict() for _ in range(p.tp)]
-            dst = dist.get_global_rank(p.tp_group, 0)
-            for n in names:
-                t = local[n].contiguous()
-                got = [torch.empty_like(t) for _ in range(p.tp)] if p.tp_rank == 0 else None
-                dist.gather(t, got, dst=dst, group=p.tp_group)
-                for r in range(p.tp) if got is not None else ():
-                    parts[r][n] = got[r]
-            if p.tp_rank == 0:
-                mine[unit] = parts
-        if p.tp_rank != 0:
+        names = {u: unit_megatron_names(u, local, arch, p.pp)
+                 for u, st in zip(units, stages) if st == p.pp_rank}
+        first = dist.get_global_rank(p.pp_group, 0) if p.pp > 1 else None
+        metas = None
+        if p.pp > 1 and p.tp_rank == 0:      # what the other stages will send to PP rank 0
+            meta = ({u: [(n, tuple(local[n].shape), local[n].dtype) for n in ns]
+                     for u, ns in names.items()} if p.pp_rank != 0 else {})
+            metas = [None] * p.pp if p.pp_rank == 0 else None
+            dist.gather_object(meta, metas, dst=first, group=p.pp_group)
+        device = next(iter(local.values())).device
+        converted: dict[Unit, list[tuple[str, torch.Tensor]]] = {}
+        for unit, stage in zip(units, stages):
+            if stage == p.pp_rank:
+                parts = self._tp_parts(names[unit], local)      # on TP rank 0, else None
+                if parts is None:
+                    continue
+                if p.pp_rank == 0:
+                    converted[unit] = list(unit_to_hf(unit, parts, arch, pp=p.pp,
+                                                      transformer_impl=self.transformer_impl))
+                else:
+                    for part in parts:
+                        for t in part.values():
+                            dist.send(t.contiguous(), dst=first, group=p.pp_group)
+            elif p.pp_rank == 0 and p.tp_rank == 0:
+                src = dist.get_global_rank(p.pp_group, stage)
+                parts = []
+                for _ in range(p.tp):
+                    part = {}
+                    for n, shape, dtype in metas[stage][unit]:
+                        part[n] = torch.empty(shape, dtype=dtype, device=device)
+                        dist.recv(part[n], src=src, group=p.pp_group)
+                    parts.append(part)
+                converted[unit] = list(unit_to_hf(unit, parts, arch, pp=p.pp,
+                                                  transformer_impl=self.transformer_impl))
+        if p.tp_rank != 0 or p.pp_rank != 0:
             return None
-        if p.pp > 1:
-            stages = [None] * p.pp if p.pp_rank == 0 else None
-            dist.gather_object(mine, stages, dst=dist.get_global_rank(p.pp_group, 0),
-                               group=p.pp_group)
-            if p.pp_rank != 0:
-                return None
-            mine = {u: v for st in stages for u, v in st.items()}
-        out: dict[str, torch.Tensor] = {}
-        for unit in units:
-            out.update(unit_to_hf(unit, mine[unit], arch, pp=p.pp,
-                                  transformer_impl=self.transformer_impl))
-        return out
+        return {n: t for u in units for n, t in converted[u]}
+
+    def _tp_parts(self, names: list[str], local: dict[str, torch.Tensor]
+                  ) -> list[dict[str, torch.Tensor]] | None:
+        """``names``' tensors of every TP rank of this stage (tensor gathers to TP rank 0):
+        ``parts[tp_rank]`` on TP rank 0, None elsewhere."""
+        p = self.par
+        if p.tp == 1:
+            return [{n: local[n] for n in names}]
+        parts: list[dict[str, torch.Tensor]] = [dict() for _ in range(p.tp)]
+        dst = dist.get_global_rank(p.tp_group, 0)
+        for n in names:
+            t = local[n].contiguous()
+            got = [torch.empty_like(t) for _ in range(p.tp)] if p.tp_rank == 0 else None
+            dist.gather(t, got, dst=dst, group=p.tp_group)
+            for r in range(p.tp) if got is not None else ():
+                parts[r][n] = got[r]
+        return parts if p.tp_rank == 0 else None
 
     # -- forward --------------------------------------------------------------------------------
     def logprobs_from_logits(self, logits: torch.Tensor, targets: torch.Tensor,
