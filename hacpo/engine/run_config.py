@@ -40,6 +40,12 @@ TRAINERS = ("torch", "megatron")
 PARALLEL_DEVICES = ("cpu", "cuda")
 
 
+def _check_bucket_mb(key: str, b) -> None:
+    """A weight-bucket size in MiB: a finite number > 0."""
+    if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b < math.inf:
+        raise ValueError(f"{key} must be a number > 0, got {b!r}")
+
+
 @dataclass
 class ParallelConfig:
     """A megatron trainer group's layout (``trainer = "megatron"``): tp x pp x dp rank actors
@@ -62,9 +68,7 @@ class ParallelConfig:
             v = getattr(self, k)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"parallel.{k} must be an integer >= 1, got {v!r}")
-        b = self.weight_bucket_mb
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b < math.inf:
-            raise ValueError(f"parallel.weight_bucket_mb must be a number > 0, got {b!r}")
+        _check_bucket_mb("parallel.weight_bucket_mb", self.weight_bucket_mb)
         if self.transformer_impl not in ("local", "transformer_engine"):
             raise ValueError(f"parallel.transformer_impl must be 'local' or "
                              f"'transformer_engine', got {self.transformer_impl!r}")
@@ -150,9 +154,7 @@ class RolloutConfig:
         if not self.call_timeout_s >= 0:
             raise ValueError(f"rollout.call_timeout_s must be >= 0 (0: no limit), got "
                              f"{self.call_timeout_s}")
-        b = self.weight_bucket_mb
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b < math.inf:
-            raise ValueError(f"rollout.weight_bucket_mb must be a number > 0, got {b!r}")
+        _check_bucket_mb("rollout.weight_bucket_mb", self.weight_bucket_mb)
 
 
 @dataclass

@@ -345,13 +345,16 @@ class MegatronRank:
                        tl.shape[1]).to(dev)
             kl = low_var_kl(tl, ref, msk)
             loss = loss + req["kl_coef"] * kl.sum() / divisor
+            kl_cpu = kl.detach().cpu()                   # one device-to-host copy each
             for i, j in enumerate(js):
-                ctx["kl"][j] = kl[i].detach().cpu()
+                ctx["kl"][j] = kl_cpu[i]
         ctx["total"] = ctx["total"] + loss.detach()
+        new_cpu = new_lp.detach().cpu()
+        tl_cpu = tl.detach().cpu() if algo.token_level else None
         for i, j in enumerate(js):
-            ctx["new_lp"][j] = new_lp[i].detach().cpu()
-            if algo.token_level:
-                ctx["tl"][j] = tl[i, :len(view.response_ids[j])].detach().cpu()
+            ctx["new_lp"][j] = new_cpu[i]
+            if tl_cpu is not None:
+                ctx["tl"][j] = tl_cpu[i, :len(view.response_ids[j])].clone()
         return loss
 
     # -- weights and checkpoints ----------------------------------------------------------------

@@ -264,7 +264,6 @@ def iter_hf_weights(shards: Sequence[Sequence[Mapping[str, Tensor]]], arch: Arch
     if any(len(s) != tp for s in shards):
         raise ValueError("every pipeline stage needs the same number of TP shards")
     arch.check_parallel(tp, pp)
-    _norm_names(transformer_impl)
     for unit in hf_units(arch):
         yield from unit_to_hf(unit, shards[unit_stage(unit, arch, pp)], arch, pp=pp,
                               transformer_impl=transformer_impl)
