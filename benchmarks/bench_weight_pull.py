@@ -29,30 +29,9 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:   # "5": reset the peak RSS (VmHWM)
-        f.write("5")
-
-
-def _hf_model(a):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=a["hidden"], intermediate_size=a["ffn"],
-                      num_hidden_layers=a["layers"], num_attention_heads=a["heads"],
-                      num_key_value_heads=a["kv_heads"], vocab_size=a["vocab"],
-                      tie_word_embeddings=False)
-    return LlamaForCausalLM(cfg).eval()
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+from benchmarks._megatron_bench import llama, reset_peak, status_kb  # noqa: E402
 
 
 def _worker(rank, world, a, bucket_mb, out_path):
@@ -60,7 +39,7 @@ def _worker(rank, world, a, bucket_mb, out_path):
                                        unit_of_hf_name)
 
     par = init_parallel(a["tp"], a["pp"])
-    hf = _hf_model(a)
+    hf = llama(a)
     sizes: dict = {}
     for name, t in hf.state_dict().items():
         u = unit_of_hf_name(name)
@@ -72,8 +51,8 @@ def _worker(rank, world, a, bucket_mb, out_path):
     del hf
     gc.collect()
     torch.distributed.barrier()
-    base = _status_kb("VmRSS")
-    _reset_peak()
+    base = status_kb("VmRSS")
+    reset_peak()
     t0 = time.perf_counter()
     tensors, nbytes, sums = 0, 0, {}
     for bucket in plan:
@@ -84,7 +63,7 @@ def _worker(rank, world, a, bucket_mb, out_path):
             sums.update({k: float(v.double().sum()) for k, v in sd.items()})
         del sd
     seconds = time.perf_counter() - t0
-    peak = _status_kb("VmHWM") - base
+    peak = status_kb("VmHWM") - base
     got = [None] * world
     torch.distributed.all_gather_object(got, {"rank": rank, "peak_mib": peak / 1024})
     if rank == 0:
@@ -117,7 +96,6 @@ def main(argv=None) -> int:
     # keep freed tensors in the heap, and the peak would depend on the allocation history).
     # The rank processes inherit it (spawned after this).
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))
-    sys.path.insert(0, ROOT)
     from tests.megatron._cpu_megatron import spawn   # test-only CUDA->CPU patches
 
     a = {"tp": args.tp, "pp": args.pp, "hidden": args.hidden, "ffn": args.ffn,

@@ -15,13 +15,17 @@ built with transformers, converted to megatron-core ``GPTModel`` shards
               of the vocabulary, else 0
     capability / advantages / minibatches / loss: hacpo.engine's CapabilityTracker,
               learner_samples, sample_omega, split_minibatches, learner_loss (algorithm "hacpo")
-    old_logprobs  each generator's own token log-probs (MegatronPolicy.token_logprobs)
-    update    per learner, M minibatch updates with MegatronPolicy.train_step
+    old_logprobs  each generator's own token log-probs of the response tokens
+              (MegatronPolicy.token_logprobs with positions, as the trainer scores them)
+    update    per learner, M minibatch updates with MegatronPolicy.train_step (response tokens)
 
-Token log-probs (scoring and training) go through ``hacpo.kernels.token_logprobs`` with
+Token log-probs (scoring and training) go through the policies' ``lm_head`` (``--lm-head``:
+"fused", the default, ``hacpo.kernels.fused_linear_token_logprobs`` on the final hidden states;
+"logits", megatron's output layer then ``hacpo.kernels.token_logprobs``), both with
 ``backend="triton"`` (an error where Triton cannot run, never a fallback). Before training,
-each policy's log-probs are checked against its HF model's (torch) and the weights gathered
-back through ``megatron_to_hf`` against the HF ones.
+each policy's log-probs are checked against its HF model's (torch), the two lm_head paths
+against each other, and the weights gathered back through ``megatron_to_hf`` against the HF
+ones.
 
 Outputs: RESULTS_DIR/timings.json (per step, per stage seconds), RESULTS_DIR/summary.json and
 RESULTS_DIR/summary.txt. Exit code 0 only if every check passed.
@@ -61,6 +65,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lm-head", choices=("fused", "logits"), default="fused",
+                   help="how the policies turn hidden states into log-probs (MegatronPolicy)")
     p.add_argument("--logprob-tol", type=float, default=None,
                    help="max |megatron - HF| token log-prob before training (default: 1e-4 on "
                         "cpu, 2e-3 on cuda: fp32 with other attention/GEMM kernels)")
@@ -152,6 +158,7 @@ def run(args, results: dict, timings: list) -> None:
     results.update(device=args.device, shape=shape, steps=args.steps,
                    megatron_core=megatron.core.__version__, torch=torch.__version__,
                    python=platform.python_version(), logprob_backend="triton",
+                   lm_head=args.lm_head,
                    tensor_parallel=1, pipeline_parallel=1, data_parallel=1)
     import triton
 
@@ -168,7 +175,8 @@ def run(args, results: dict, timings: list) -> None:
     names = list(hfs)
     policies, optims = [], []
     for name in names:
-        pol = MegatronPolicy.from_hf(hfs[name], par, logprob_backend="triton")
+        pol = MegatronPolicy.from_hf(hfs[name], par, logprob_backend="triton",
+                                     lm_head=args.lm_head)
         if dev.type == "cuda":
             pol.module.cuda()
         policies.append(pol)
@@ -198,6 +206,13 @@ def run(args, results: dict, timings: list) -> None:
         err = float((lp - hf_lp).abs().max())
         results.setdefault("logprob_max_abs_err_vs_hf", {})[name] = err
         checks[f"{name}/logprobs_match_hf"] = err <= tol
+        other = "logits" if args.lm_head == "fused" else "fused"
+        pol.lm_head = other                      # the other path on the same shard
+        lp_other = pol.token_logprobs(ids[:, :-1], ids[:, 1:])
+        pol.lm_head = args.lm_head
+        err_heads = float((lp - lp_other).abs().max())
+        results.setdefault("logprob_max_abs_diff_lm_heads", {})[name] = err_heads
+        checks[f"{name}/lm_heads_agree"] = err_heads <= tol
         hfs[name] = hf.cpu()
         before[name] = {k: v.detach().cpu().clone() for k, v in back.items()}
         log(f"{name}: weights round-trip {'exact' if same else 'DIFFER'}; "
@@ -231,14 +246,17 @@ def run(args, results: dict, timings: list) -> None:
             tracker.update(rewards, agent)
             ratios = tracker.ratios()
         inputs, targets = seqs[:, :-1], seqs[:, 1:]
-        mask = torch.zeros(targets.shape, dtype=torch.bool)
-        mask[:, Lp - 1:] = True                                       # the response tokens
-        old_tok = torch.empty(targets.shape, dtype=torch.float32)
+        N = seqs.shape[0]
+        # the response tokens only: predicted at positions Lp-1 .. Lp+Lr-2 (all real here)
+        resp_pos = torch.arange(Lp - 1, Lp - 1 + Lr).expand(N, Lr)
+        mask = torch.ones(N, Lr, dtype=torch.bool)
+        old_tok = torch.empty(N, Lr, dtype=torch.float32)
         for k, name in enumerate(names):                              # each generator's own lp
             rows = (agent == k).nonzero().flatten()
             with sw(f"old_logprobs/{name}"):
                 old_tok[rows] = policies[k].token_logprobs(
-                    inputs[rows.to(dev)], targets[rows.to(dev)],
+                    inputs[rows.to(dev)], targets[rows.to(dev)], positions=resp_pos[rows],
+                    mask=mask[rows],
                     micro_batch_size=_micro(rows.numel(), shape["micro"])).cpu()
         lp_old = sequence_mean_logprob(old_tok, mask)
         step_metrics = {}
@@ -269,6 +287,7 @@ def run(args, results: dict, timings: list) -> None:
                         r, s_ = rows[lo:lo + mb_size], sel[lo:lo + mb_size]
                         micro.append({"input_ids": inputs[r.to(dev)],
                                       "targets": targets[r.to(dev)],
+                                      "positions": resp_pos[r], "positions_mask": mask[r],
                                       "mask": mask[r].to(dev), "old_lp": lp_old[r].to(dev),
                                       "adv": adv[s_].to(dev), "is_self": is_self[s_].to(dev),
                                       "omega": omega[s_].to(dev)})

@@ -62,6 +62,11 @@ class ParallelConfig:
     # this many MiB (a layer, the embedding or the output layer is never split): rank 0 and the
     # driver hold one bucket at a time besides their own weights
     weight_bucket_mb: float = 1024.0
+    # how the last stage turns hidden states into the scored tokens' log-probs: "fused" (the
+    # output-layer GEMM and log-softmax in row chunks over the response tokens only: no logits
+    # tensor) or "logits" (megatron's output layer over every position, then the log-softmax);
+    # hacpo/models/megatron/policy.py
+    lm_head: str = "fused"
 
     def __post_init__(self):
         for k in ("tp", "pp", "dp", "make_vocab_size_divisible_by"):
@@ -72,6 +77,9 @@ class ParallelConfig:
         if self.transformer_impl not in ("local", "transformer_engine"):
             raise ValueError(f"parallel.transformer_impl must be 'local' or "
                              f"'transformer_engine', got {self.transformer_impl!r}")
+        if self.lm_head not in ("fused", "logits"):
+            raise ValueError(f"parallel.lm_head must be 'fused' or 'logits', got "
+                             f"{self.lm_head!r}")
         if self.device not in PARALLEL_DEVICES:
             raise ValueError(f"parallel.device must be one of {', '.join(PARALLEL_DEVICES)}, "
                              f"got {self.device!r}")
@@ -252,7 +260,8 @@ RESUMABLE_NESTED_KEYS = {("rollout", "call_timeout_s"), ("rollout", "weight_buck
 
 
 # Per-agent keys that may change on resumption ("section.key" under agents.N).
-RESUMABLE_AGENT_KEYS = {("parallel", "weight_bucket_mb")}   # how weights move, not what
+# how weights move or log-probs are computed, not what they are
+RESUMABLE_AGENT_KEYS = {("parallel", "weight_bucket_mb"), ("parallel", "lm_head")}
 
 
 def fingerprint_dict(cfg: TrainConfig) -> dict[str, Any]:

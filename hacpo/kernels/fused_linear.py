@@ -15,6 +15,11 @@ Backward: grad_weight is shard-local; grad_hidden is a sum over V, so it is all-
 inside the Function (the job Megatron's copy-to-tensor-parallel-region does for a column-parallel
 lm_head).
 
+Padded vocabulary (`vocab_size`): a weight padded to more rows than the real vocabulary (Megatron
+pads V to a multiple of TP; the padding rows are the last global ids) has the logit columns of
+ids >= vocab_size set to -inf in every chunk, forward and backward: they get probability 0 and
+zero gradient, and the log-probs are those of the real vocab_size-way softmax.
+
 Memory: saved for backward = hidden, weight (inputs, not copies), targets, and the row max and
 log-sum-exp offset [T] f32 each. Peak extra = one chunk of logits [C, V] in the input dtype
 (overwritten in place by its dlogits in backward) + the torch path's float32 row-chunk, plus a
@@ -32,8 +37,12 @@ from hacpo.kernels.logprobs import (allreduce_stats, finish, local_grad, local_s
 
 
 def fused_linear_token_logprobs_reference(hidden, weight, targets, *, temperature: float = 1.0,
-                                          compute_dtype: torch.dtype = torch.float32):
-    """Spec: materialises logits [T, V] in compute_dtype (reads hidden + weight, writes T*V)."""
+                                          compute_dtype: torch.dtype = torch.float32,
+                                          vocab_size: int | None = None):
+    """Spec: materialises logits [T, V] in compute_dtype (reads hidden + weight, writes T*V);
+    rows of weight past ``vocab_size`` (padding) are left out."""
+    if vocab_size is not None:
+        weight = weight[:vocab_size]
     logits = hidden.to(compute_dtype) @ weight.to(compute_dtype).t()
     return token_logprobs_reference(logits, targets, temperature=temperature,
                                     compute_dtype=compute_dtype)
@@ -49,7 +58,8 @@ def default_chunk_size(T: int, v_local: int, device: torch.device) -> int:
 
 class _FusedLinearLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, inv_temp, chunk, backend, group, need_entropy):
+    def forward(ctx, hidden, weight, targets, inv_temp, chunk, backend, group, need_entropy,
+                n_valid):
         T = hidden.shape[0]
         vocab_start, _ = vocab_layout(weight.shape[0], group)
         tlocal = targets.long() - vocab_start if vocab_start else targets.long()
@@ -58,6 +68,8 @@ class _FusedLinearLogProbs(torch.autograd.Function):
         for c0 in range(0, T, chunk):
             c1 = min(c0 + chunk, T)
             logits = hidden[c0:c1] @ weight.t()
+            if n_valid < logits.shape[1]:
+                logits[:, n_valid:] = float("-inf")        # padded vocabulary columns
             parts = local_stats(backend, logits, tlocal[c0:c1], inv_temp, need_entropy)
             for buf, part in zip(stats, parts):
                 buf[c0:c1] = part
@@ -66,14 +78,14 @@ class _FusedLinearLogProbs(torch.autograd.Function):
         logp, ent = finish(m, ls, tgt, ez)
         ent = ent if need_entropy else logp.new_empty(0)
         ctx.save_for_backward(hidden, weight, tlocal, m, ls)
-        ctx.cfg = (inv_temp, chunk, backend, group)
+        ctx.cfg = (inv_temp, chunk, backend, group, n_valid)
         ctx.mark_non_differentiable(ent)
         return logp, ent
 
     @staticmethod
     def backward(ctx, g, _g_ent):
         hidden, weight, tlocal, m, ls = ctx.saved_tensors
-        inv_temp, chunk, backend, group = ctx.cfg
+        inv_temp, chunk, backend, group, n_valid = ctx.cfg
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = None
@@ -86,6 +98,8 @@ class _FusedLinearLogProbs(torch.autograd.Function):
             c1 = min(c0 + chunk, T)
             h = hidden[c0:c1]
             logits = h @ weight.t()
+            if n_valid < logits.shape[1]:
+                logits[:, n_valid:] = float("-inf")        # -> zero dlogits there
             # dlogits overwrite the recomputed chunk logits: one [C, V] buffer per chunk
             dl = local_grad(backend, logits, tlocal[c0:c1], m[c0:c1], ls[c0:c1], g[c0:c1],
                             inv_temp, out=logits)
@@ -101,13 +115,13 @@ class _FusedLinearLogProbs(torch.autograd.Function):
             dist.all_reduce(grad_h, op=dist.ReduceOp.SUM, group=group)
         if need_w and grad_w.dtype != weight.dtype:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None
 
 
 def fused_linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                                 *, temperature: float = 1.0, chunk_size: int | None = None,
                                 backend: str = "auto", tp_group=None, return_entropy: bool = False,
-                                validate: bool = True):
+                                validate: bool = True, vocab_size: int | None = None):
     """hidden [T, H], weight [V, H] ([V/tp, H] with `tp_group`), targets [T] global ids ->
     logp [T] float32, differentiable w.r.t. hidden and weight (grads in their dtypes).
 
@@ -115,6 +129,8 @@ def fused_linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targ
     return_entropy: also return the per-token entropy [T] (metric, not differentiable).
     validate: one host sync; ValueError naming the first bad row (target outside [0, V),
     non-finite log-prob).
+    vocab_size: the real vocabulary when weight is padded (global ids >= vocab_size are padding
+    rows: logit -inf, zero gradient); None: every row is real.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"need hidden [T, H] and weight [V, H], got {tuple(hidden.shape)} and "
@@ -127,13 +143,24 @@ def fused_linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targ
     inv_temp = check_temperature(temperature)
     be = resolve_backend(backend, hidden.device)
     T = hidden.shape[0]
+    v_start, v_global = vocab_layout(weight.shape[0], tp_group)
+    if vocab_size is None:
+        vocab_size = v_global
+    elif not 1 <= int(vocab_size) <= v_global:
+        where = " over the TP group" if tp_group is not None else ""
+        raise ValueError(f"vocab_size must be in [1, {v_global}] (the rows of weight{where}), "
+                         f"got {vocab_size}")
+    n_valid = min(max(int(vocab_size) - v_start, 0), weight.shape[0])
+    if n_valid == 0:
+        raise ValueError(f"this rank's vocabulary shard (ids {v_start}.."
+                         f"{v_start + weight.shape[0] - 1}) holds only padding "
+                         f"(vocab_size {vocab_size})")
     if chunk_size is None:
         chunk_size = default_chunk_size(T, weight.shape[0], hidden.device)
     if int(chunk_size) < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     logp, ent = _FusedLinearLogProbs.apply(hidden, weight, targets, inv_temp, int(chunk_size), be,
-                                           tp_group, return_entropy)
+                                           tp_group, return_entropy, n_valid)
     if validate:
-        _, v_global = vocab_layout(weight.shape[0], tp_group)
-        raise_if_invalid(token_status(targets, logp.detach(), v_global), T)
+        raise_if_invalid(token_status(targets, logp.detach(), int(vocab_size)), T)
     return (logp, ent) if return_entropy else logp

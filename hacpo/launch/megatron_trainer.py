@@ -22,8 +22,11 @@ One update is :func:`hacpo.engine.update.update_learner`'s, split over the ranks
   are cut into ``dp`` contiguous shares, one per DP rank, and those into micro-batches of one
   shape ``[b, S]`` (pad rows carry no loss); megatron-core's schedule runs them (1F1B at PP>1)
   with the minibatch's *global* divisor in :func:`~hacpo.engine.algorithm.learner_loss`, so the
-  summed gradient is the whole minibatch's; per-token log-probs come from the vocab-parallel
-  logits (``hacpo.kernels.token_logprobs`` with the TP group; full logits are never gathered);
+  summed gradient is the whole minibatch's; only the response tokens are scored, their
+  log-probs computed vocab-parallel (``parallel.lm_head``: "fused", the default, from the final
+  hidden states and the output-layer shard in row chunks, no logits tensor; "logits" from
+  megatron's output layer; see :mod:`hacpo.models.megatron.policy`; full logits are never
+  gathered);
 - the minibatch loss is summed over DP; with megatron's global grad norm every rank decides the
   same: a non-finite update is skipped (and the ranks stop at ``max_nonfinite`` in a row, where
   the driver raises :class:`~hacpo.engine.update.NonFiniteUpdateError`), otherwise gradients are
@@ -162,7 +165,8 @@ class MegatronRank:
         self.par = p
         dtype = next(policy.model.parameters()).dtype
         build = dict(transformer_impl=par["transformer_impl"], params_dtype=dtype,
-                     make_vocab_size_divisible_by=par["make_vocab_size_divisible_by"])
+                     make_vocab_size_divisible_by=par["make_vocab_size_divisible_by"],
+                     lm_head=par["lm_head"])
         self.pol = MegatronPolicy.from_hf(policy.model, p, **build)
         self.ref = None
         if reference:
@@ -203,9 +207,9 @@ class MegatronRank:
                 rs = responses[s:min(s + micro_batch, hi)]
                 S = max(len(a) + len(b) for a, b in zip(ps_, rs))
                 ids, targets, pos, mask = _pack(ps_, rs, len(ps_), S)
-                lp = pol.token_logprobs(ids.to(self.device), targets.to(self.device),
+                tl = pol.token_logprobs(ids.to(self.device), targets.to(self.device),
+                                        positions=pos, mask=mask,
                                         temperature=temperature).cpu()
-                tl = lp.gather(1, pos)
                 toks += [tl[i, :len(r)].clone() for i, r in enumerate(rs)]
             out[f"{key}toks"], out[f"{key}seconds"] = toks, time.perf_counter() - t
         if p.tp_rank != 0 or p.pp_rank != 0:
@@ -258,14 +262,12 @@ class MegatronRank:
                 part, js, (ids, targets, pos, mask) = next(data_iterator)
                 t0 = time.perf_counter()
                 ids, targets = ids.to(self.device), targets.to(self.device)
-                bb, ss = ids.shape
-                position_ids = torch.arange(ss, device=self.device).expand(bb, ss)
-                output = model(ids, position_ids, attention_mask=None)
+                output = self.pol.forward(model, ids)   # last stage: hidden states or logits
                 ctx["fwd"][part] += time.perf_counter() - t0
 
-                def loss_func(logits):
+                def loss_func(output):
                     t1 = time.perf_counter()
-                    loss = self._loss(logits, targets, pos, mask, part, js, m, divisor, req, ctx)
+                    loss = self._loss(output, targets, pos, mask, part, js, m, divisor, req, ctx)
                     ctx["fwd"][part] += time.perf_counter() - t1
                     return loss, torch.ones((), dtype=torch.int), {}
                 return output, loss_func
@@ -319,16 +321,17 @@ class MegatronRank:
         return {"minibatches": out, "times": dict(times),
                 "dp_rank": p.dp_rank, "reporter": self.reporter}
 
-    def _loss(self, logits, targets, pos, mask, part, js, m, divisor, req, ctx):
+    def _loss(self, output, targets, pos, mask, part, js, m, divisor, req, ctx):
         """learner_loss of a micro-batch's real rows (the first ``len(js)``) with the
         minibatch's global divisor; detached per-sample values go to ``ctx``."""
-        lp = self.pol.logprobs_from_logits(logits, targets, req["temperature"])   # [b, s]
+        # the response tokens' log-probs [b, T] (0 past each response and in pad rows)
+        lp = self.pol.logprobs_at(output, targets, pos, mask, req["temperature"])
         r = len(js)
         if r == 0:
             return lp.sum() * 0.0
         algo, view = req["algo"], req["view"]
         msk = mask[:r].to(lp.device)
-        tl = lp.gather(1, pos[:r].to(lp.device)) * msk
+        tl = lp[:r]
         new_lp = tl.sum(-1) / msk.sum(-1)
         pool_idx = view.idx[js]
         kwargs = {}

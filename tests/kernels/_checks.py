@@ -139,12 +139,17 @@ def check_entropy(*, backend, device, dtype, T, V, temperature=1.0, seed=0):
 
 
 def check_fused_linear(*, backend, device, dtype, T, H, V, temperature=1.0, chunk_size=None,
-                       seed=0):
+                       seed=0, pad=0):
+    """pad > 0: the weight gets ``pad`` extra rows (a padded vocabulary, large values so that
+    any leak into the softmax shows) and the kernel is told ``vocab_size=V``: it must equal the
+    reference over the V real rows and give the padding rows exactly zero gradient."""
     gen = torch.Generator().manual_seed(seed)
     h = (torch.randn(T, H, generator=gen)).to(dtype).to(device)
     w = (torch.randn(V, H, generator=gen) / H ** 0.5).to(dtype).to(device)
     t = torch.randint(0, V, (T,), generator=gen).to(device)
     g = torch.randn(T, generator=gen).to(device)
+    w_pad = torch.cat([w, (3.0 * torch.randn(pad, H, generator=gen)).to(dtype).to(device)])
+    vocab = dict(vocab_size=V) if pad else {}
 
     def run(fn, hh, ww, gg):
         hh, ww = hh.detach().clone().requires_grad_(), ww.detach().clone().requires_grad_()
@@ -158,8 +163,12 @@ def check_fused_linear(*, backend, device, dtype, T, H, V, temperature=1.0, chun
     ref = run(lambda a, b: fused_linear_token_logprobs_reference(
         a, b, t, temperature=temperature, compute_dtype=dtype), h, w, g)
     ker = run(lambda a, b: fused_linear_token_logprobs(
-        a, b, t, temperature=temperature, chunk_size=chunk_size, backend=backend), h, w, g)
+        a, b, t, temperature=temperature, chunk_size=chunk_size, backend=backend, **vocab),
+        h, w_pad, g)
     assert ker[0].dtype == torch.float32 and ker[1].dtype == dtype and ker[2].dtype == dtype
+    if pad:
+        assert torch.count_nonzero(ker[2][V:]) == 0, "padding rows got a gradient"
+        ker = (ker[0], ker[1], ker[2][:V])
     errs = {}
     for name, k, r, tr in zip(("fwd", "grad_hidden", "grad_weight"), ker, ref, truth):
         e_k, e_r = _max_err(k, tr), _max_err(r, tr)
@@ -276,5 +285,25 @@ def tp_worker(rank: int, world: int, port: int, backend: str, dtype_name: str):
             ("fused grad_hidden", _max_err(sgh, fgh))
         magw = float(fgw.float().abs().max())
         assert _max_err(sgw, fgw[sl]) <= (2.0 ** -7 if lowp else 1e-5) * magw, "fused grad_weight"
+
+        # a padded vocabulary (Megatron pads V to a multiple of TP): the last 5 ids of the last
+        # shard are padding rows with large weights, vocab_size excludes them; equals the
+        # unsharded kernel on the real rows only, and the padding rows get zero gradient
+        real = V - 5
+        tr = t.clamp(max=real - 1)
+        w_pad = w.clone()
+        w_pad[real:] = 3.0
+        pfull, (pgh, pgw) = grads(lambda a, b: fused_linear_token_logprobs(
+            a, b, tr, chunk_size=8, backend=backend), [h, w[:real]], g)
+        pshard, (psgh, psgw) = grads(lambda a, b: fused_linear_token_logprobs(
+            a, b, tr, chunk_size=8, backend=backend, tp_group=grp, vocab_size=real),
+            [h, w_pad[sl]], g)
+        assert _max_err(pshard, pfull) <= fp32_atol(float(pfull.abs().max()), 64), "padded fwd"
+        assert _max_err(psgh, pgh) <= (2.0 ** -6 if lowp else 1e-5) * \
+            float(pgh.float().abs().max()), ("padded grad_hidden", _max_err(psgh, pgh))
+        n_real = max(0, min(real - sl.start, sl.stop - sl.start))
+        assert torch.count_nonzero(psgw[n_real:]) == 0, "padding rows got a gradient"
+        assert _max_err(psgw[:n_real], pgw[sl.start:sl.start + n_real]) <= \
+            (2.0 ** -7 if lowp else 1e-5) * float(pgw.float().abs().max()), "padded grad_weight"
     finally:
         dist.destroy_process_group()

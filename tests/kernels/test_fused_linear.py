@@ -13,6 +13,13 @@ def test_fused_linear_three_way(dtype, chunk_size):
                          temperature=0.8, chunk_size=chunk_size)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_linear_padded_vocabulary(dtype):
+    # 19 padding rows (Megatron-style: the last ids); chunks of 37 rows at temperature 0.8
+    C.check_fused_linear(backend="torch", device="cpu", dtype=dtype, T=301, H=64, V=781,
+                         temperature=0.8, chunk_size=37, pad=19)
+
+
 def test_fused_linear_frozen_weight_and_entropy():
     h = torch.randn(50, 16, requires_grad=True)
     w = torch.randn(300, 16)                         # frozen lm_head: no weight grad computed
@@ -44,12 +51,17 @@ def test_fused_linear_saves_no_TxV_tensor():
     (dict(weight_dtype=torch.bfloat16), "dtype"),
     (dict(chunk_size=0), "chunk_size"),
     (dict(bad_target=25), "target out of range at row 4"),
+    (dict(bad_target=17, vocab_size=16), "target out of range at row 4"),   # a padding id
+    (dict(vocab_size=21), "vocab_size must be in"),
+    (dict(vocab_size=0), "vocab_size must be in"),
 ])
 def test_fused_linear_invalid(kw, match):
     h = torch.randn(*kw.get("hidden_shape", (10, 8)))
     w = torch.randn(*kw.get("weight_shape", (20, 8))).to(kw.get("weight_dtype", torch.float32))
-    t = torch.randint(0, 20, (10,))
+    t = torch.randint(0, 16, (10,))
     if "bad_target" in kw:
         t[4] = kw["bad_target"]
     with pytest.raises(ValueError, match=match):
-        fused_linear_token_logprobs(h, w, t, chunk_size=kw.get("chunk_size", 4))
+        fused_linear_token_logprobs(h, w, t, chunk_size=kw.get("chunk_size", 4),
+                                    **({"vocab_size": kw["vocab_size"]} if "vocab_size" in kw
+                                       else {}))

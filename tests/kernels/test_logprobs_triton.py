@@ -35,9 +35,10 @@ def test_triton_sequence_mean(triton_device):
                           V=999, S=5)
 
 
-def test_triton_fused_linear(triton_device):
+@pytest.mark.parametrize("pad", [0, 13])
+def test_triton_fused_linear(triton_device, pad):
     C.check_fused_linear(backend="triton", device=triton_device, dtype=torch.float32, T=30, H=32,
-                         V=1500, chunk_size=7)
+                         V=1500, chunk_size=7, pad=pad)
 
 
 @pytest.mark.gpu

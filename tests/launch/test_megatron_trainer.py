@@ -171,12 +171,15 @@ def test_resumed_second_step_equals_torch_two_steps(cluster, tmp, torch_runs, me
     """Resume the 1-step megatron run to step 2 (fresh rank actors; HF weights and every rank's
     optimizer state from the checkpoint): both steps' metrics and the final weights equal the
     torch trainer's uninterrupted 2 steps; a different tp cannot resume it, a different
-    weight bucket size can (one bucket now)."""
+    weight bucket size (one bucket now) and log-prob path can: step 2 runs both agents with
+    ``parallel.lm_head = "logits"`` (megatron's output layer; step 1 used the fused default),
+    so both paths are checked inside the trainer."""
     with pytest.raises(ValueError, match=r"cannot resume.*agents\.0\.parallel\.tp"):
         train(megatron_cfg(tmp, "meg", "megatron", steps=2).override(
             {"agents.0.parallel.tp": 1}), resume=True, echo=lambda *_: None)
     summary = train(megatron_cfg(tmp, "meg", "megatron", steps=2).override(
-        {"agents.0.parallel.weight_bucket_mb": 1024}), resume=True, echo=lambda *_: None)
+        {"agents.0.parallel.weight_bucket_mb": 1024, "agents.0.parallel.lm_head": "logits",
+         "agents.1.parallel.lm_head": "logits"}), resume=True, echo=lambda *_: None)
     free_cpus_back()
     meg, ref = _rows(tmp, "meg"), _rows(tmp, "torch2")
     assert [r["step"] for r in meg] == [0, 1]

@@ -58,12 +58,21 @@ def case_model(case):
     return tiny_hf(arch, tie=tie, **({"vocab": vocab[0]} if vocab else {}))
 
 
-def _policy(case, tp, pp, dp=None):
+def _policy(case, tp, pp, dp=None, lm_head="fused"):
     from hacpo.models.megatron import MegatronPolicy, init_parallel
 
     par = init_parallel(tp, pp, dp)
     hf = case_model(case)
-    return hf, MegatronPolicy.from_hf(hf, par)
+    return hf, MegatronPolicy.from_hf(hf, par, lm_head=lm_head)
+
+
+def score_positions(S_: int = S):
+    """Positions [B, 3] into a sequence of S_ and their mask (a row with none, one with one):
+    what the trainer asks for (the response tokens), here arbitrary."""
+    pos = torch.tensor([[S_ - 1, 0, 3], [2, 2, 5], [1, 0, 0], [4, 6, 7]])
+    mask = torch.tensor([[True, True, True], [True, False, True], [False, False, False],
+                         [True, True, False]])
+    return pos, mask
 
 
 # -- workers: fn(rank, world, *args) ----------------------------------------------------------
@@ -192,9 +201,11 @@ def _padding_rows(pol) -> tuple[int, float, float]:
             max(w for _, _, w in everyone))
 
 
-def parallel_step_worker(rank, world, tp, pp, micro_rows, cases, optimizers, out_path):
+def parallel_step_worker(rank, world, tp, pp, micro_rows, cases, optimizers, out_path,
+                         lm_head="fused"):
     """At TP=tp, PP=pp, DP=world/(tp*pp), for each (arch, tie) and optimizer name: token
-    log-probs (2 micro-batches) and the gathered weights, then one ``train_step`` on this DP
+    log-probs (2 micro-batches; "lp_at": only :func:`score_positions`'s) and the gathered
+    weights, then one ``train_step`` on this DP
     rank's rows of :func:`step_batch` (micro-batches of ``micro_rows``). Each case is (arch,
     tie) or (arch, tie, vocab). Rank 0 saves {case: {"lp", "same", "before", "grads": {opt:
     HF-named gradients (megatron's main_grad after the step: summed over micro-batches, DP, tied
@@ -208,10 +219,13 @@ def parallel_step_worker(rank, world, tp, pp, micro_rows, cases, optimizers, out
     for case in cases:
         res = {"grads": {}, "after": {}, "padding": {}}
         for name in optimizers:
-            hf, pol = _policy(case, tp, pp)
+            hf, pol = _policy(case, tp, pp, lm_head=lm_head)
             if "lp" not in res:
                 ids, targets = batch(pol.arch.vocab_size)
                 res["lp"] = pol.token_logprobs(ids, targets, micro_batch_size=B // 2)
+                pos, mask = score_positions()
+                res["lp_at"] = pol.token_logprobs(ids, targets, positions=pos, mask=mask,
+                                                  micro_batch_size=B // 2)
                 ref = hf_state_dict(hf)
                 back = pol.hf_state_dict()
                 res["same"] = back.keys() == ref.keys() and all(

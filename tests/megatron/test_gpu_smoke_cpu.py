@@ -30,14 +30,15 @@ def test_gpu_smoke_cpu_mode(tmp_path):
     assert summary["ok"] is True
     assert summary["device"] == "cpu" and summary["steps"] == 2
     assert summary["logprob_backend"] == summary["logprob_backend_resolved"] == "triton"
-    assert summary["megatron_core"] == "0.16.1"
+    assert summary["megatron_core"] == "0.16.1" and summary["lm_head"] == "fused"
     checks = summary["checks"]
     for agent in ("llama", "qwen2"):
-        for check in ("weights_roundtrip_exact", "logprobs_match_hf",
+        for check in ("weights_roundtrip_exact", "logprobs_match_hf", "lm_heads_agree",
                       "weights_changed_and_finite"):
             assert checks[f"{agent}/{check}"] is True, (agent, check)
         # fp32, torch vs Triton-interpreted log-softmax: ~5e-7 seen
         assert summary["logprob_max_abs_err_vs_hf"][agent] < 1e-4
+        assert summary["logprob_max_abs_diff_lm_heads"][agent] < 1e-4
         assert summary["max_weight_change"][agent] > 0
     assert checks["losses_and_logprobs_finite"] is True
 

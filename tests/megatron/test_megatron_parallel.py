@@ -7,6 +7,12 @@ are odd, so at TP=2 megatron pads them by one row (build.py): the padded rows mu
 the log-probs, get zero gradient and stay zero, and HF weights come back unpadded; the same
 at TP=2 alone for the tied model (its output layer is the padded embedding itself).
 
+Both ways of turning hidden states into log-probs (``lm_head``) are checked against the HF
+gradients: the TP=1 reference and TP=2 alone use megatron's output layer ("logits"), TP=2 x PP=2
+and PP=2 the fused chunked kernel on the hidden states ("fused", the default). Every run also
+scores only some positions (``positions`` / ``mask``, as the trainer asks for the response
+tokens): they must equal the whole-sequence log-probs there and be 0 where masked out.
+
 (TP=2 and PP=2 log-probs alone and DP=2 training are in test_megatron_policy.py.)
 The CUDA calls megatron-core makes are patched in ``_cpu_megatron`` (test helper only).
 """
@@ -33,7 +39,7 @@ MICRO = W.B // 2  # 2 micro-batches per step (1F1B has a warm-up and a steady ph
 def single(tmp_path_factory):
     """TP=1 PP=1 DP=1 in this process: {case: {"lp", "same", "before", "grads", "after"}}."""
     path = tmp_path_factory.mktemp("single") / "single.pt"
-    run_single(W.parallel_step_worker, 1, 1, MICRO, CASES, OPTS, str(path))
+    run_single(W.parallel_step_worker, 1, 1, MICRO, CASES, OPTS, str(path), "logits")
     return torch.load(path)
 
 
@@ -55,6 +61,18 @@ def _check_grads(grads, ref, case):
         assert scale > 0, f"{case} {k}: zero reference gradient"
         torch.testing.assert_close(grads[k], ref[k], atol=1e-5 * scale, rtol=0,
                                    msg=f"{case} {k}")
+
+
+def _check_positions(res, case):
+    """The positions-only log-probs are the whole-sequence ones there (the same rows through the
+    same reductions, only fewer of them: a GEMM over fewer rows may round differently, so 1e-6)
+    and exactly 0 where the mask is False."""
+    pos, mask = W.score_positions()
+    at = res["lp"].gather(1, pos)
+    assert at.shape == res["lp_at"].shape
+    torch.testing.assert_close(res["lp_at"][mask], at[mask], atol=1e-6, rtol=0, msg=str(case))
+    assert (res["lp_at"][~mask] == 0).all(), f"{case}: a masked-out position was scored"
+    assert (at[mask] != 0).all(), f"{case}: a zero log-prob would hide the mask check"
 
 
 def _check_padding(par, case, tp):
@@ -110,6 +128,8 @@ def test_tp2_pp2_logprobs_gradients_and_step(single, hf_grads, tmp_path):
         # vocab-parallel log-softmax, row-parallel all-reduces and fp32 stage-to-stage sends only
         # reorder fp32 sums (seen: 9.5e-7); 1e-5 is the requirement
         torch.testing.assert_close(res["lp"], one["lp"], atol=1e-5, rtol=0, msg=str(case))
+        _check_positions(one, case)
+        _check_positions(res, case)
         for name in OPTS:
             _check_grads(one["grads"][name], hf_grads[case], case)   # the TP=1 path itself
             _check_grads(res["grads"][name], hf_grads[case], case)
@@ -124,8 +144,9 @@ def test_tp2_odd_vocab_step_equals_tp1(single, hf_grads, tmp_path):
     padded embedding itself, so its padded row sees both the lookup and the logits' gradient."""
     path = tmp_path / "tp2.pt"
     case = CASES[0]
-    spawn(W.parallel_step_worker, 2, 2, 1, MICRO, [case], OPTS, str(path))
+    spawn(W.parallel_step_worker, 2, 2, 1, MICRO, [case], OPTS, str(path), "logits")
     one, res = single[case], torch.load(path)[case]
+    _check_positions(res, case)
     assert res["same"] and res["same_first"], f"{case}: TP-gathered weights differ"
     assert res["same_units"], f"{case}: TP-streamed weights differ"
     # as at TP=2 x PP=2 (seen: ~1e-6)
@@ -147,6 +168,7 @@ def test_pp2_step_equals_pp1(single, hf_grads, tmp_path):
         assert res["same_first"], f"{case}: PP-gathered weights on rank 0 differ"
         assert res["same_units"], f"{case}: PP-streamed weights on rank 0 differ"
         torch.testing.assert_close(res["lp"], one["lp"], atol=1e-6, rtol=0, msg=str(case))
+        _check_positions(res, case)
         for name in OPTS:
             _check_grads(res["grads"][name], hf_grads[case], case)
         _check_step(res, one, case)

@@ -15,8 +15,9 @@ tp, so the padding is < tp rows and TP=1 never pads; Megatron-LM pads further, t
 128 * tp by default, for GPU GEMM efficiency: pass ``make_vocab_size_divisible_by`` to
 :meth:`ArchSpec.from_hf` for that). The padded rows (ids V..Vp-1, at the end of the last TP
 shard(s)) are zero in the embedding and output layer (:mod:`~hacpo.models.megatron.convert`),
-their logits are masked to -inf (:meth:`MegatronPolicy.logprobs_from_logits`), so they get zero
-gradient and stay zero; HF names and shapes never see them.
+their logits are masked to -inf (:meth:`MegatronPolicy.logprobs_from_logits`, or the fused path's
+``vocab_size`` in :meth:`MegatronPolicy.logprobs_at`), so they get zero gradient and stay zero;
+HF names and shapes never see them.
 
 megatron-core is imported inside the functions that need it, so ``import hacpo.models`` (and
 this module) never imports megatron.
@@ -268,8 +269,8 @@ def build_gpt_model(arch: ArchSpec, par: Parallel, *, transformer_impl: Transfor
 
     Call :func:`init_parallel` first. Returns vocab-parallel logits [B, S, Vp/tp] from
     ``model(input_ids, position_ids, attention_mask=None)`` on the last stage, where
-    ``Vp = arch.padded_vocab_size(tp)`` (see the module docstring; mask the padded columns with
-    :meth:`~hacpo.models.megatron.policy.MegatronPolicy.logprobs_from_logits`).
+    ``Vp = arch.padded_vocab_size(tp)`` (see the module docstring; log-probs that mask the
+    padded columns: :meth:`~hacpo.models.megatron.policy.MegatronPolicy.logprobs_at`).
     """
     require_megatron()
     arch.check_parallel(par.tp, par.pp)

@@ -3,16 +3,31 @@
     par = init_parallel(tp=2, pp=1)
     pol = MegatronPolicy.from_hf(hf_model, par)            # builds GPTModel, loads this shard
     lp = pol.token_logprobs(input_ids, targets)            # [B, S] float32 on every rank
+    lp = pol.token_logprobs(input_ids, targets, positions=pos, mask=m)   # [B, T]: only those
     opt = pol.build_optimizer(lr=1e-5)                     # megatron DDP + megatron optimizer
     metrics = pol.train_step(opt, microbatches, loss_fn)   # loss_fn(lp, mb) -> (loss, metrics)
 
-Log-probs come from ``hacpo.kernels.token_logprobs(logits, targets, tp_group=...)`` on the
-vocab-parallel logits [b*S, Vp/tp] of each rank: full logits are never gathered. A vocabulary
-padded for TP (Vp > V, see :mod:`hacpo.models.megatron.build`) has its padded logit columns set
-to -inf first (:meth:`MegatronPolicy.logprobs_from_logits`): the log-probs are those of the real
-V-way softmax. Micro-batches run
-through megatron-core's own schedule (``get_forward_backward_func``: no pipelining at PP=1,
-1F1B at PP>1).
+Only the positions asked for are scored (``positions`` [B, T] into the sequence, ``mask``
+[B, T]; the trainer asks for the response tokens): prompt, padding and pad-row positions never
+reach the output layer. Two ways to turn the last stage's hidden states into log-probs
+(``lm_head``):
+
+- ``"fused"`` (default): the model returns its final hidden states (megatron's output layer is
+  skipped) and ``hacpo.kernels.fused_linear_token_logprobs(hidden, weight, targets, tp_group=...)``
+  computes the log-probs of the selected positions from the output layer's weight shard
+  [Vp/tp, H] in row chunks: the logits [n, Vp/tp] never exist whole, in the forward or the
+  backward (which recomputes each chunk), and the gradient reaches the weight and the hidden
+  states as megatron's output layer would send it (the hidden-state gradient all-reduced over
+  TP).
+- ``"logits"``: megatron's own output layer makes the vocab-parallel logits [b, S, Vp/tp] of
+  every position; the selected rows go through ``hacpo.kernels.token_logprobs(logits, targets,
+  tp_group=...)``. Costs the whole logits and their gradient; kept as the reference and for
+  comparison (``benchmarks/bench_megatron_lm_head.py``).
+
+Either way full logits are never gathered over TP, and a vocabulary padded for TP (Vp > V, see
+:mod:`hacpo.models.megatron.build`) has its padded columns at -inf: the log-probs are those of
+the real V-way softmax. Micro-batches run through megatron-core's own schedule
+(``get_forward_backward_func``: no pipelining at PP=1, 1F1B at PP>1).
 
 Loss convention (pass the divisor in): ``loss_fn`` returns a loss already divided by the *global*
 divisor (e.g. the number of samples of the whole minibatch across micro-batches and DP ranks);
@@ -29,13 +44,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hacpo.kernels import token_logprobs
+from hacpo.kernels import fused_linear_token_logprobs, token_logprobs
 from hacpo.models.megatron.build import ArchSpec, Parallel, build_gpt_model, require_megatron
 from hacpo.models.megatron.convert import (Unit, hf_to_megatron, hf_units, load_megatron_state,
                                            megatron_to_hf, unit_megatron_names, unit_stage,
                                            unit_to_hf)
 
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
+LM_HEADS = ("fused", "logits")      # see the module docstring
 
 
 class MegatronPolicy:
@@ -47,20 +63,26 @@ class MegatronPolicy:
         arch: the architecture (for weight mapping).
         par: this rank's :class:`~hacpo.models.megatron.build.Parallel`.
         transformer_impl: "local" or "transformer_engine" (weight names differ).
-        logprob_backend: ``hacpo.kernels.token_logprobs`` backend ("auto": Triton on CUDA,
-            torch elsewhere; "triton" is an error where Triton cannot run, never a fallback).
+        logprob_backend: ``hacpo.kernels`` backend ("auto": Triton on CUDA, torch elsewhere;
+            "triton" is an error where Triton cannot run, never a fallback).
+        lm_head: "fused" or "logits" (the module docstring).
     """
 
     def __init__(self, model: torch.nn.Module, arch: ArchSpec, par: Parallel,
-                 transformer_impl: str = "local", *, logprob_backend: str = "auto"):
+                 transformer_impl: str = "local", *, logprob_backend: str = "auto",
+                 lm_head: str = "fused"):
+        if lm_head not in LM_HEADS:
+            raise ValueError(f"lm_head must be one of {', '.join(LM_HEADS)}, got {lm_head!r}")
         self.model, self.arch, self.par = model, arch, par
         self.transformer_impl = transformer_impl
         self.logprob_backend = logprob_backend
+        self.lm_head = lm_head
 
     @classmethod
     def from_hf(cls, hf_model, par: Parallel, *, transformer_impl: str = "local",
                 params_dtype=torch.float32, logprob_backend: str = "auto",
-                make_vocab_size_divisible_by: int = 1) -> "MegatronPolicy":
+                make_vocab_size_divisible_by: int = 1,
+                lm_head: str = "fused") -> "MegatronPolicy":
         """Build this rank's GPTModel from an HF model's config and load its weights shard
         (``make_vocab_size_divisible_by``: the vocabulary padding, see ``ArchSpec``)."""
         arch = ArchSpec.from_hf(hf_model.config,
@@ -70,7 +92,8 @@ class MegatronPolicy:
         state = hf_to_megatron(hf_model.state_dict(), arch, tp=par.tp, tp_rank=par.tp_rank,
                                pp=par.pp, pp_rank=par.pp_rank, transformer_impl=transformer_impl)
         load_megatron_state(model, state)
-        return cls(model, arch, par, transformer_impl, logprob_backend=logprob_backend)
+        return cls(model, arch, par, transformer_impl, logprob_backend=logprob_backend,
+                   lm_head=lm_head)
 
     # -- weights --------------------------------------------------------------------------------
     @property
@@ -187,34 +210,95 @@ class MegatronPolicy:
     # -- forward --------------------------------------------------------------------------------
     def logprobs_from_logits(self, logits: torch.Tensor, targets: torch.Tensor,
                              temperature: float = 1.0) -> torch.Tensor:
-        """This rank's vocab-parallel logits [b, s, Vp/tp] (the last stage's model output) and
-        global target ids [b, s] -> log p(targets) [b, s] float32 under the real V-way softmax.
+        """This rank's vocab-parallel logits [..., Vp/tp] (rows of the last stage's model output)
+        and global target ids [...] -> log p(targets) [...] float32 under the real V-way
+        softmax.
 
         Padded vocabulary columns (ids >= V, only on the last TP rank(s)) are set to -inf *in
-        place* (the logits are the model's fresh output; a masked copy would double the shard's
-        memory): they get probability 0 and zero gradient, so the padded output-layer rows keep
-        a zero gradient. Every caller turning logits into log-probs goes through here."""
-        b, s = targets.shape
+        place* (the logits are a fresh tensor: the model's output or rows selected from it; a
+        masked copy would double the shard's memory): they get probability 0 and zero
+        gradient, so the padded output-layer rows keep a zero gradient."""
         shard = self.arch.padded_vocab_size(self.par.tp) // self.par.tp
-        if logits.shape[-1] != shard:
-            raise ValueError(f"logits have {logits.shape[-1]} vocabulary columns, this rank's "
-                             f"shard of the padded vocabulary has {shard}")
+        if logits.shape[-1] != shard or logits.shape[:-1] != targets.shape:
+            raise ValueError(f"logits {tuple(logits.shape)} do not match targets "
+                             f"{tuple(targets.shape)} and this rank's shard of the padded "
+                             f"vocabulary ({shard} columns)")
         n_real = self.arch.real_vocab_of_rank(self.par.tp, self.par.tp_rank)
         if n_real < logits.shape[-1]:
             logits[..., n_real:] = float("-inf")
-        return token_logprobs(logits.reshape(b * s, -1), targets.reshape(-1),
+        return token_logprobs(logits.reshape(-1, shard), targets.reshape(-1),
                               temperature=temperature, tp_group=self.par.tp_group,
-                              backend=self.logprob_backend, validate=False).view(b, s)
+                              backend=self.logprob_backend, validate=False).view(targets.shape)
+
+    def output_weight(self) -> torch.Tensor:
+        """The last stage's output-layer weight shard [Vp/tp, H] (a tied model's: the word
+        embedding at PP=1, megatron's synchronised copy on the last stage at PP>1)."""
+        m = self.module
+        if not self.par.last_stage:
+            raise RuntimeError("only the last pipeline stage holds the output layer")
+        if self.arch.tie_word_embeddings and m.pre_process:
+            return m.embedding.word_embeddings.weight
+        return m.output_layer.weight
+
+    def forward(self, model: torch.nn.Module, input_ids: torch.Tensor):
+        """Run ``model`` (this policy's model, or megatron's schedule's handle on it) on
+        ``input_ids`` [b, S]. The last stage returns what :meth:`logprobs_at` takes: final
+        hidden states [S, b, H] with ``lm_head="fused"`` (megatron's output layer skipped),
+        vocab-parallel logits [b, S, Vp/tp] with ``"logits"``; other stages their activations."""
+        b, s = input_ids.shape
+        pos = torch.arange(s, device=input_ids.device).expand(b, s)
+        if self.lm_head == "logits" or not self.par.last_stage:
+            return model(input_ids, pos, attention_mask=None)
+        module = self.module
+        module.post_process = False     # GPTModel returns the decoder's output (final norm
+        try:                            # applied) before its output layer
+            return model(input_ids, pos, attention_mask=None)
+        finally:
+            module.post_process = True
+
+    def logprobs_at(self, output: torch.Tensor, targets: torch.Tensor,
+                    positions: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                    temperature: float = 1.0) -> torch.Tensor:
+        """The last stage's :meth:`forward` output, global targets [b, S] (``targets[i, j]`` is
+        the token predicted at position j) -> log-probs [b, T] float32 of
+        ``targets[i, positions[i, k]]`` where ``mask[i, k]``, 0 elsewhere (no position is
+        scored that the mask leaves out); differentiable. ``positions=None``: every position
+        (T = S)."""
+        b, s = targets.shape
+        dev = targets.device
+        if positions is None:
+            positions = torch.arange(s).expand(b, s)
+            mask = torch.ones(b, s, dtype=torch.bool)
+        if positions.shape != mask.shape or positions.shape[0] != b:
+            raise ValueError(f"positions {tuple(positions.shape)} and mask "
+                             f"{tuple(mask.shape)} must both be [{b}, T]")
+        # the selection is computed where positions live (the trainer's are on the host: no
+        # device sync), then moved
+        rows, cols = mask.nonzero(as_tuple=True)
+        at = positions[rows, cols]
+        if at.numel() and not 0 <= int(at.min()) <= int(at.max()) < s:
+            raise ValueError(f"positions must lie in [0, {s}), got {int(at.min())}.."
+                             f"{int(at.max())}")
+        rows, cols, at = rows.to(dev), cols.to(dev), at.to(dev)
+        tgt = targets[rows, at]
+        if self.lm_head == "fused":
+            if output.shape[:2] != (s, b):
+                raise ValueError(f"hidden states {tuple(output.shape)} are not [{s}, {b}, H]")
+            lp = fused_linear_token_logprobs(
+                output[at, rows], self.output_weight(), tgt, temperature=temperature,
+                backend=self.logprob_backend, tp_group=self.par.tp_group, validate=False,
+                vocab_size=self.arch.vocab_size)
+        else:
+            lp = self.logprobs_from_logits(output[rows, at], tgt, temperature)
+        return lp.new_zeros(tuple(mask.shape)).index_put((rows, cols), lp)
 
     def _forward_step(self, temperature: float, loss_fn: LossFn | None, data_iterator, model):
         mb = next(data_iterator)
-        ids, targets = mb["input_ids"], mb["targets"]
-        b, s = ids.shape
-        pos = torch.arange(s, device=ids.device).expand(b, s)
-        out = model(ids, pos, attention_mask=None)          # last stage: [b, s, Vp/tp] logits
+        out = self.forward(model, mb["input_ids"])
 
-        def loss_func(logits):
-            lp = self.logprobs_from_logits(logits, targets, temperature)
+        def loss_func(output):
+            lp = self.logprobs_at(output, mb["targets"], mb.get("positions"),
+                                  mb.get("positions_mask"), temperature)
             if loss_fn is None:
                 return lp.sum() * 0.0, torch.ones((), dtype=torch.int), {"logprobs": lp.detach()}
             loss, metrics = loss_fn(lp, mb)
@@ -246,19 +330,25 @@ class MegatronPolicy:
 
     @torch.no_grad()
     def token_logprobs(self, input_ids: torch.Tensor, targets: torch.Tensor, *,
+                       positions: torch.Tensor | None = None, mask: torch.Tensor | None = None,
                        temperature: float = 1.0, micro_batch_size: int | None = None):
         """input_ids [B, S], targets [B, S] (global token ids; usually ids shifted by one) ->
-        log p(targets) [B, S] float32 on every rank (computed on the last PP stage)."""
+        log p(targets) [B, S] float32 on every rank (computed on the last PP stage); with
+        ``positions`` / ``mask`` [B, T] only those positions: [B, T] (see :meth:`logprobs_at`)."""
         B, S = input_ids.shape
+        if (positions is None) != (mask is None):
+            raise ValueError("pass positions and mask together")
         mbs = micro_batch_size or B
         if B % mbs:
             raise ValueError(f"batch size {B} is not divisible by micro_batch_size {mbs}")
-        mbs_list = [{"input_ids": input_ids[i:i + mbs], "targets": targets[i:i + mbs]}
+        mbs_list = [{"input_ids": input_ids[i:i + mbs], "targets": targets[i:i + mbs],
+                     **({} if positions is None else {"positions": positions[i:i + mbs],
+                                                      "positions_mask": mask[i:i + mbs]})}
                     for i in range(0, B, mbs)]
         self.model.eval()
         out = self._run(mbs_list, forward_only=True, temperature=temperature, loss_fn=None)
         lp = torch.cat([o["logprobs"] for o in out]) if self.par.last_stage else None
-        return self._from_last_stage(lp, (B, S))
+        return self._from_last_stage(lp, (B, S if positions is None else positions.shape[1]))
 
     # -- training -------------------------------------------------------------------------------
     def build_optimizer(self, *, lr: float, optimizer: str = "adam", weight_decay: float = 0.0,
@@ -304,7 +394,9 @@ class MegatronPolicy:
 
         Each micro-batch dict holds ``input_ids`` and ``targets`` [b, S] plus whatever
         ``loss_fn(token_logp [b, S], mb) -> (loss, metrics)`` needs; the loss must be divided by
-        the global divisor already (see the module docstring). Returns the per-micro-batch
+        the global divisor already (see the module docstring). With ``positions`` and
+        ``positions_mask`` [b, T] in the dict, token_logp is [b, T]: only those positions
+        (:meth:`logprobs_at`). Returns the per-micro-batch
         metrics on the last PP stage (empty elsewhere).
         """
         self.model.train()
