@@ -67,6 +67,10 @@ class LocalAgents:
         if self.refs[k] is not None:
             self.refs[k].load_state_dict(sd["ref_model"])
 
+    def checkpoint_saved(self) -> None:
+        """Called after a checkpoint with the last ``state_dict`` s is on disk: nothing kept
+        outside the checkpoint file here."""
+
     def evaluate(self, prompt_ids: list[list[list[int]]], golds: list[str], rc,
                  **kwargs) -> list[dict]:
         """evaluate_policy for every agent k on its tokenization ``prompt_ids[k]``."""

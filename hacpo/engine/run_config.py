@@ -145,8 +145,8 @@ class RolloutConfig:
     call_timeout_s: float = 1800.0  # ray/vllm: a generate/sync call not answered within this
                                     # (a hung actor) kills and restarts the actor, as if dead,
                                     # and re-sends the call; 0: no limit
-    weight_bucket_mb: float = 1024.0  # vllm: a weight sync ships the HF tensors in buckets of
-                                      # at most this many MiB (a larger tensor alone); an
+    weight_bucket_mb: float = 1024.0  # ray/vllm: a weight sync ships the tensors in buckets
+                                      # of at most this many MiB (a larger tensor alone); an
                                       # engine fetches and loads them one at a time
 
     def __post_init__(self):

@@ -202,6 +202,7 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
                 _save(ck_path, cfg, step + 1, agents, tracker, sampler, engine, shuffle_gen,
                       nonfinite, warm, before)
+                agents.checkpoint_saved()      # e.g. drop optimizer shards no checkpoint names
     finally:
         if bar is not None:
             bar.close()

@@ -57,8 +57,17 @@ Agents with ``trainer = "torch"`` may share the run: each trains in a
 
 Actors are not restarted: a dead rank is a clear error naming its agent and rank, and the run
 continues from its last checkpoint with ``--resume``. A checkpoint holds the full HF-named
-weights and every rank's optimizer state with the layout (tp, pp, dp, transformer_impl) they
-belong to; loading it into another layout is an error.
+weights (the driver's copy) and the layout (tp, pp, dp, transformer_impl, vocabulary padding)
+the optimizer state belongs to; loading it into another layout is an error. The optimizer
+state never passes through the driver: every rank writes its own shard
+(``<out_dir>/checkpoint-megatron/<agent>/<save id>/rank-<i>.pt``, each file atomic and
+fsynced) and the checkpoint names the files; on resume each rank reads its own. The driver
+checks that it sees every file with the size the rank wrote (out_dir must be on a filesystem
+shared by the nodes; otherwise a clear error, before the checkpoint is written). The
+checkpoint file is written after all shards, so a crash leaves the previous checkpoint whole
+with its shards; shard directories of other saves are deleted once a checkpoint naming newer
+ones is on disk. Checkpoints from before this layout (optimizer states inside the file) still
+resume.
 """
 from __future__ import annotations
 
@@ -67,7 +76,9 @@ import importlib
 import logging
 import math
 import os
+import shutil
 import time
+import uuid
 from collections import defaultdict
 from datetime import timedelta
 from typing import Any
@@ -79,12 +90,14 @@ import torch
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from hacpo.engine import checkpoint as ckpt
 from hacpo.engine.algorithm import learner_loss, split_minibatches
 from hacpo.engine.agents import score_temperature
 from hacpo.engine.evaluate import evaluate_policy
 from hacpo.engine.losses import low_var_kl
 from hacpo.engine.pool import LearnerView, StepPool, scored_lengths
 from hacpo.engine.update import NonFiniteUpdateError, _minibatch_metrics, _pad
+from hacpo.models.buckets import bucket_bytes_of, copy_buckets, plan_buckets
 from hacpo.models.policy import Policy
 
 from .ray_trainer import TrainerActor, rollout_cpus
@@ -119,6 +132,19 @@ def _pack(prompts: list[list[int]], resps: list[list[int]], b: int, S: int):
         pos[i, :len(r)] = torch.arange(len(p) - 1, len(p) - 1 + len(r))
         mask[i, :len(r)] = True
     return ids, targets, pos, mask
+
+
+def check_shards_visible(written: list[dict], what: str) -> None:
+    """Every file the ranks wrote ({"path", "bytes"}) must be visible here with that size:
+    otherwise out_dir is not shared with the ranks' nodes (or the file changed), and a
+    checkpoint naming it could not be resumed: a clear error before it is written."""
+    for i, w in enumerate(written):
+        seen = os.path.getsize(w["path"]) if os.path.isfile(w["path"]) else None
+        if seen != w["bytes"]:
+            raise RuntimeError(
+                f"{what}: rank {i} wrote its optimizer shard {w['path']} ({w['bytes']} bytes) "
+                f"but the driver sees {'no such file' if seen is None else f'{seen} bytes'}: "
+                f"out_dir must be on a filesystem shared by every node of the run")
 
 
 class MegatronRank:
@@ -375,13 +401,17 @@ class MegatronRank:
                                    [tuple(u) for u in units])
         return {k: v.detach().cpu().clone() for k, v in sd.items()} if sd is not None else None
 
-    def optim_state(self) -> dict:
-        return self.opt.state_dict()
+    def save_optim(self, path: str) -> dict:
+        """Write this rank's optimizer state to ``path`` (atomic, fsynced) on this node's
+        filesystem; returns {"path", "bytes"} for the driver to check."""
+        ckpt.save_atomic(self.opt.state_dict(), path)
+        return {"path": path, "bytes": os.path.getsize(path)}
 
-    def load(self, hf: dict[str, torch.Tensor], optim_state: dict,
+    def load(self, hf: dict[str, torch.Tensor], optim_state: dict | str,
              ref_hf: dict[str, torch.Tensor] | None = None) -> int:
         """Load full HF-named weights (this rank's shard of them), this rank's optimizer state
-        and, with a reference shard, the reference's HF-named weights."""
+        (a state dict, or the path of the file :meth:`save_optim` wrote) and, with a reference
+        shard, the reference's HF-named weights."""
         from hacpo.models.megatron import hf_to_megatron, load_megatron_state
 
         p = self.par
@@ -394,6 +424,8 @@ class MegatronRank:
                                    pp_rank=p.pp_rank, transformer_impl=pol.transformer_impl)
             with torch.no_grad():
                 load_megatron_state(pol.module, {k: v.to(self.device) for k, v in state.items()})
+        if isinstance(optim_state, str):
+            optim_state = ckpt.load(optim_state)
         self.opt.load_state_dict(optim_state)
         return os.getpid()
 
@@ -467,6 +499,9 @@ class MegatronAgents:
         self.kl = cfg.algorithm.loss.kl_coef > 0
         self._ref_tl: list[dict[int, torch.Tensor]] = [{} for _ in policies]
         self.weight_buckets = [0] * len(policies)     # buckets of each agent's last pull
+        # optimizer shards each megatron agent's ranks wrote for the checkpoint being saved
+        # (a directory under shard_root(k)); checkpoint_saved() keeps only those
+        self._shard_dirs: list[str | None] = [None] * len(policies)
         self.cluster: RayCluster | None = None
         worlds = [a.parallel.world if a.trainer == "megatron" else 1 for a in cfg.agents]
         need = sum(worlds) * self.threads
@@ -749,7 +784,7 @@ class MegatronAgents:
         """Agent k's weight units (embedding, each layer, final norm + output layer) grouped
         into buckets of at most ``parallel.weight_bucket_mb`` by the HF copy's tensor sizes (a
         larger unit is a bucket of its own): what one weight-stream call moves."""
-        from hacpo.models.megatron import hf_units, plan_buckets, unit_of_hf_name
+        from hacpo.models.megatron import hf_units, unit_of_hf_name
         from hacpo.models.megatron.build import ArchSpec
 
         model, par = self.policies[k].model, self._groups[k].par
@@ -757,8 +792,7 @@ class MegatronAgents:
         for name, t in self._hf_targets(k).items():
             size[unit_of_hf_name(name)] += t.numel() * t.element_size()
         units = hf_units(ArchSpec.from_hf(model.config))
-        return plan_buckets([(u, size[u]) for u in units],
-                            max(1, int(par.weight_bucket_mb * 2 ** 20)))
+        return plan_buckets([(u, size[u]) for u in units], bucket_bytes_of(par.weight_bucket_mb))
 
     def _hf_targets(self, k: int) -> dict[str, torch.Tensor]:
         """The driver's HF tensors a megatron pull writes (sharing the parameters' storage;
@@ -793,23 +827,8 @@ class MegatronAgents:
             self.policies[k].load_state_dict(
                 self._gather(k, [self._groups[k].ranks[0].weights.remote()])[0])
             return
-        want = self._hf_targets(k)
-        seen: set[str] = set()
-        with torch.no_grad():
-            for bucket in self._stream_weights(k):
-                for name, t in bucket.items():
-                    why = ("the HF model has no such weight" if name not in want else
-                           "sent twice" if name in seen else
-                           f"the HF model's is {tuple(want[name].shape)}"
-                           if want[name].shape != t.shape else None)
-                    if why:
-                        raise RuntimeError(f"agent {self.names[k]!r}: megatron weight {name!r} "
-                                           f"{tuple(t.shape)} does not fit: {why}")
-                    want[name].copy_(t)
-                    seen.add(name)
-        if seen != want.keys():
-            raise RuntimeError(f"agent {self.names[k]!r}: megatron weights do not match the HF "
-                               f"model: missing {sorted(want.keys() - seen)}")
+        copy_buckets(self._hf_targets(k), self._stream_weights(k),
+                     what=f"agent {self.names[k]!r}: megatron weights into the HF model")
 
     def _layout(self, k: int) -> dict:
         par = self._groups[k].par
@@ -817,15 +836,28 @@ class MegatronAgents:
                 "transformer_impl": par.transformer_impl,
                 "make_vocab_size_divisible_by": par.make_vocab_size_divisible_by}
 
+    def shard_root(self, k: int) -> str:
+        """Where agent k's ranks write their optimizer shards (one directory per save; an
+        absolute path: the rank actors' working directory is not the driver's)."""
+        return os.path.join(os.path.abspath(self.cfg.out_dir), "checkpoint-megatron",
+                            self.names[k])
+
     def state_dict(self, k: int) -> dict[str, Any]:
-        """Full HF-named weights (as the torch trainer's ``model``) and every rank's optimizer
-        state with the layout it belongs to."""
+        """Full HF-named weights (as the torch trainer's ``model``), the layout, and the files
+        the ranks wrote their optimizer states to (paths relative to out_dir; see the module
+        docstring)."""
         g = self._groups[k]
         if g.torch:
             return self._gather(k, [g.ranks[0].state_dict.remote()])[0]
         self.pull_weights(k)
-        optim = self._gather(k, [r.optim_state.remote() for r in g.ranks])
-        meg = {**self._layout(k), "optim": optim}
+        d = os.path.join(self.shard_root(k), uuid.uuid4().hex[:12])
+        written = self._gather(k, [r.save_optim.remote(os.path.join(d, f"rank-{i}.pt"))
+                                   for i, r in enumerate(g.ranks)])
+        self._shard_dirs[k] = d
+        check_shards_visible(written, f"agent {self.names[k]!r}")
+        out = os.path.abspath(self.cfg.out_dir)
+        meg = {**self._layout(k), "optim_files": [os.path.relpath(w["path"], out)
+                                                  for w in written]}
         if self.kl:                          # the KL reference (HF names), as ref_model is
             meg["ref_hf"] = self._weights(k, reference=True)
         return {"model": self.policies[k].state_dict(), "megatron": meg}
@@ -852,12 +884,38 @@ class MegatronAgents:
             raise ValueError(f"agent {name!r}: the checkpoint holds no KL reference weights "
                              f"(written with algorithm.loss.kl_coef=0?); it cannot resume a run "
                              f"with the KL term")
+        g = self._groups[k]
+        if "optim_files" in meg:            # written by the ranks (module docstring)
+            optim = [os.path.join(os.path.abspath(self.cfg.out_dir), f)
+                     for f in meg["optim_files"]]
+            if len(optim) != len(g.ranks):
+                raise ValueError(f"agent {name!r}: the checkpoint names {len(optim)} optimizer "
+                                 f"shards for {len(g.ranks)} ranks")
+            missing = [f for f in optim if not os.path.isfile(f)]
+            if missing:
+                raise ValueError(f"agent {name!r}: the checkpoint's optimizer shards are "
+                                 f"missing: {', '.join(missing)}")
+            self._shard_dirs[k] = os.path.dirname(optim[0])
+        else:                               # a checkpoint from before: states in the file
+            optim = meg["optim"]
         self.policies[k].load_state_dict(sd["model"])
         hf = {key: v for key, v in self.policies[k].model.state_dict().items()}
-        g = self._groups[k]
         hf_ref, ref_ref = ray.put(hf), ray.put(ref_hf) if self.kl else None   # one copy each
-        self._gather(k, [r.load.remote(hf_ref, meg["optim"][i], ref_ref)
+        self._gather(k, [r.load.remote(hf_ref, optim[i], ref_ref)
                          for i, r in enumerate(g.ranks)])
+
+    def checkpoint_saved(self) -> None:
+        """The trainer wrote a checkpoint naming the shards of the last :meth:`state_dict`
+        calls: delete every other shard directory of those agents (older saves, and saves a
+        crash left unnamed)."""
+        for k, d in enumerate(self._shard_dirs):
+            if d is None:
+                continue
+            root = self.shard_root(k)
+            for other in os.listdir(root) if os.path.isdir(root) else ():
+                path = os.path.join(root, other)
+                if path != d and os.path.isdir(path):
+                    shutil.rmtree(path, ignore_errors=True)
 
     def evaluate(self, prompt_ids: list[list[list[int]]], golds: list[str], rc,
                  **kwargs) -> list[dict]:

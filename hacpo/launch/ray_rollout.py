@@ -9,10 +9,13 @@ sample with the same :func:`hacpo.models.generation.generate` as the in-process 
   training corpus (reduced vocabularies are built from it) and the tokenizer files on every
   node; the pickle carries exactly the driver's tokenizer and architecture. Weights then come
   from :meth:`RayRolloutEngine.sync_weights`.
-- **Weights.** ``sync_weights(k)`` puts agent k's state dict into the object store once
-  (``ray.put``) and every actor of k loads it. Each request also names the weights version
-  it must be served with, so an actor that was restarted while idle catches up before it
-  samples: no sample ever comes from stale weights.
+- **Weights.** ``sync_weights(k)`` puts agent k's state dict into the object store once, in
+  buckets of at most ``rollout.weight_bucket_mb`` (one ``ray.put`` each), and every actor of
+  k copies them into its policy in place, fetching one bucket at a time (so an actor holds its
+  policy plus one bucket, never a second state dict). Each request also names the weights
+  version it must be served with, so an actor that was restarted while idle, or whose load
+  failed part-way, catches up before it samples: no sample ever comes from stale or mixed
+  weights.
 - **Determinism.** The driver owns each agent's sampling RNG (a ``torch.Generator``; the same
   seeds as :class:`~hacpo.engine.rollout.LocalRolloutEngine`). A call whose prompts go to one
   actor sends the generator state with the request and takes back the advanced state, so
@@ -44,6 +47,7 @@ import torch
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from hacpo.models.buckets import bucket_bytes_of, copy_buckets, weight_buckets
 from hacpo.models.generation import Rollout, generate
 from hacpo.engine.rollout import GeneratorState, agent_generators
 from hacpo.models.policy import Policy
@@ -62,25 +66,32 @@ class RolloutActor:
     def __init__(self, policy: Policy, threads: int):
         torch.set_num_threads(threads)
         self.policy = policy.eval()
-        self.version = -1              # weights version loaded (-1: as pickled)
+        self.version = -1              # weights version loaded (-1: as pickled; None: unknown)
         self._pause: tuple[float, str] | None = None
 
     def ready(self) -> int:
         return os.getpid()
 
-    def load_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> int:
-        self.policy.load_state_dict(state_dict)
+    def load_weights(self, version: int, refs: list) -> int:
+        """Copy weights ``version`` into the policy in place from ``refs`` (the ObjectRefs of
+        its buckets, in a list so that Ray passes them unresolved), fetching one bucket at a
+        time; every state-dict entry must come once with its shape (else a RuntimeError).
+        Until it has finished, the version is unknown (None): a failure part-way leaves no
+        claim of a version. Returns this process's pid."""
+        self.version = None
+        copy_buckets(self.policy.state_dict(), (ray.get(r) for r in refs),
+                     what=f"rollout actor of {self.policy.name!r}: weights version {version}")
         self.version = version
         return os.getpid()
 
     def generate(self, weights: list, prompt_ids: list[list[int]], rng_state: torch.Tensor,
                  kwargs: dict[str, Any]) -> tuple[Rollout, torch.Tensor, int, int]:
-        """weights = [(version, ObjectRef of the state dict)] (a list, so Ray passes the ref
-        unresolved: it is fetched only when this actor's weights are behind).
+        """weights = [(version, [ObjectRef of each bucket])] (refs inside lists, so Ray passes
+        them unresolved: they are fetched only when this actor's weights are behind).
         Returns (rollout, advanced RNG state, pid, weights version used)."""
-        (version, ref), = weights
+        (version, refs), = weights
         if version != self.version:
-            self.load_weights(version, ray.get(ref))
+            self.load_weights(version, refs)
         gen = torch.Generator()
         gen.set_state(rng_state)
         ro = generate(self.policy, prompt_ids, generator=gen, **kwargs)
@@ -150,13 +161,15 @@ class RayRolloutEngine(GeneratorState):
         self.names = [p.name for p in policies]
         self.engines_per_agent = r.engines_per_agent
         self.max_restarts = r.max_engine_restarts
+        self.bucket_bytes = bucket_bytes_of(r.weight_bucket_mb)
         self.generators = agent_generators(cfg.seed, len(policies))
         self.threads = cfg.threads if cfg.threads > 0 else 1
         self.cpus_per_actor = self.threads
         self._actors: list[list[Any]] = []
         self._pgs: list[Any] = []
         self._policy_refs: list[Any] = []
-        self._weights: list[tuple[int, Any] | None] = [None] * len(policies)
+        # per agent: (version, ObjectRefs of the last synced weights' buckets)
+        self._weights: list[tuple[int, list] | None] = [None] * len(policies)
         self._pids: list[list[int | None]] = []
         self._restarts = [[0] * r.engines_per_agent for _ in policies]
         self._timeouts = [[0] * r.engines_per_agent for _ in policies]
@@ -340,16 +353,19 @@ class RayRolloutEngine(GeneratorState):
 
     # -- RolloutEngine ----------------------------------------------------------------------------
     def sync_weights(self, agent: int) -> None:
-        """Put agent ``agent``'s current weights into the object store once; all its actors
-        load them (an actor that dies meanwhile loads them on restart)."""
+        """Put agent ``agent``'s current weights into the object store once, one object per
+        bucket of ``rollout.weight_bucket_mb`` (kept until the next sync: a restarted actor
+        loads them); all its actors load them (an actor that dies meanwhile loads them on
+        restart, before it samples)."""
         version = 0 if self._weights[agent] is None else self._weights[agent][0] + 1
         sd = {k: v.detach().cpu() for k, v in self.policies[agent].state_dict().items()}
-        self._weights[agent] = (version, ray.put(sd))
+        refs = [ray.put(b) for b in weight_buckets(sd, self.bucket_bytes)]
+        del sd
+        self._weights[agent] = (version, refs)
         actors = self._actors[agent]
-        ref = self._weights[agent][1]
 
         def submit(j):
-            return actors[j].load_weights.remote(version, ref)
+            return actors[j].load_weights.remote(version, refs)
         self._call(agent, range(len(actors)), submit,
                    lambda j, pid: self._seen_pid(agent, j, pid), "load_weights")
 

@@ -268,6 +268,9 @@ class RayAgents:
         self._get(k, self._actors[k].load_state_dict.remote(sd))
         self.policies[k].load_state_dict(sd["model"])
 
+    def checkpoint_saved(self) -> None:
+        """Everything is inside the checkpoint file: nothing to clean up."""
+
     def evaluate(self, prompt_ids: list[list[list[int]]], golds: list[str], rc,
                  **kwargs) -> list[dict]:
         """evaluate_policy in every agent's actor at once (``rc`` is the driver's; each actor

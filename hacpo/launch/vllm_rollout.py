@@ -54,6 +54,7 @@ from pathlib import Path
 
 import torch
 
+from hacpo.models.buckets import bucket_bytes_of, weight_buckets
 from hacpo.models.generation import Rollout, check_generate_args, empty_rollout
 from hacpo.engine.rollout import GeneratorState, agent_generators
 from hacpo.models.policy import Policy
@@ -150,17 +151,6 @@ def hf_weights(policy: Policy) -> dict[str, torch.Tensor]:
     return out
 
 
-def weight_buckets(weights: dict[str, torch.Tensor],
-                   bucket_bytes: int) -> list[dict[str, torch.Tensor]]:
-    """``weights`` (HF-named, in order) grouped into dicts of at most ``bucket_bytes`` (a
-    larger tensor alone): what one ``ray.put`` of a weight sync holds."""
-    from hacpo.models.megatron.convert import plan_buckets
-
-    plan = plan_buckets([(n, t.numel() * t.element_size()) for n, t in weights.items()],
-                        bucket_bytes)
-    return [{n: weights[n] for n in names} for names in plan]
-
-
 def _actor_env(threads: int, tmpdir: str | None) -> dict[str, str]:
     env = {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",   # engine in the actor's process: direct reload
@@ -212,7 +202,7 @@ class VLLMRolloutEngine(GeneratorState):
         self.engines_per_agent = ro.engines_per_agent
         self.max_restarts = ro.max_engine_restarts
         self.call_timeout_s = ro.call_timeout_s
-        self.bucket_bytes = max(1, int(ro.weight_bucket_mb * 2 ** 20))
+        self.bucket_bytes = bucket_bytes_of(ro.weight_bucket_mb)
         self.threads = cfg.threads if getattr(cfg, "threads", 0) > 0 else 1
         self.start_timeout_s = start_timeout_s
         self.seed = cfg.seed

@@ -6,7 +6,8 @@ group, the ranks of a group a gloo world of their own.
 
 - one step equals the same config trained in-process by the torch trainer (metrics and weights);
 - a resumed second step (fresh rank actors, weights and per-rank optimizer state from the
-  checkpoint) equals the torch trainer's uninterrupted two steps;
+  checkpoint; each rank wrote and reads its own optimizer shard file) equals the torch
+  trainer's uninterrupted two steps;
 - bad configurations are clear errors, and so is a killed rank actor.
 
 The CUDA calls megatron-core makes are patched to CPU in every rank process through
@@ -15,6 +16,7 @@ The CUDA calls megatron-core makes are patched to CPU in every rank process thro
 import dataclasses
 import json
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -167,16 +169,69 @@ def _initial_weights(tmp, agents=AGENTS):
     return {p.name: p.state_dict() for p in pols}
 
 
+def _shard_dirs(tmp, name):
+    """{agent: [its optimizer-shard directories]} of a run, and the files its checkpoint
+    names (relative to the run's out_dir) per agent."""
+    root = tmp / name / "checkpoint-megatron"
+    dirs = {a: sorted(p.name for p in (root / a).iterdir()) for a in NAMES}
+    named = {a["name"]: a["megatron"]["optim_files"]
+             for a in ckpt.load(tmp / name / "checkpoint.pt")["agents"]}
+    return dirs, named
+
+
+def test_ranks_write_their_optimizer_shards(tmp, megatron_step1):
+    """The checkpoint holds no optimizer state: it names one file per rank, which that rank
+    wrote under out_dir/checkpoint-megatron/<agent>/<save id>/, the only save directory left."""
+    state = ckpt.load(tmp / "meg" / "checkpoint.pt")
+    dirs, named = _shard_dirs(tmp, "meg")
+    for a in state["agents"]:
+        meg = a["megatron"]
+        assert "optim" not in meg
+        assert len(dirs[a["name"]]) == 1
+        assert named[a["name"]] == [f"checkpoint-megatron/{a['name']}/{dirs[a['name']][0]}/"
+                                    f"rank-{i}.pt" for i in range(2)]
+        for f in named[a["name"]]:
+            sd = ckpt.load(tmp / "meg" / f)
+            assert sd["state"], f"{f}: no optimizer state (Adam moments after one step)"
+
+
+def test_shards_must_be_visible_to_the_driver(tmp_path):
+    f = tmp_path / "rank-0.pt"
+    f.write_bytes(b"x" * 10)
+    megatron_trainer.check_shards_visible([{"path": str(f), "bytes": 10}], "agent 'a'")
+    for w, seen in (({"path": str(tmp_path / "none.pt"), "bytes": 10}, "no such file"),
+                    ({"path": str(f), "bytes": 11}, "10 bytes")):
+        with pytest.raises(RuntimeError, match=rf"agent 'a': rank 1 wrote .* but the driver "
+                                               rf"sees {seen}: out_dir must be on a filesystem "
+                                               rf"shared by every node"):
+            megatron_trainer.check_shards_visible([{"path": str(f), "bytes": 10}, w],
+                                                  "agent 'a'")
+
+
 def test_resumed_second_step_equals_torch_two_steps(cluster, tmp, torch_runs, megatron_step1):
     """Resume the 1-step megatron run to step 2 (fresh rank actors; HF weights and every rank's
     optimizer state from the checkpoint): both steps' metrics and the final weights equal the
-    torch trainer's uninterrupted 2 steps; a different tp cannot resume it, a different
+    torch trainer's uninterrupted 2 steps (each rank reads its own optimizer shard; the step-1
+    shards are deleted once the step-2 checkpoint is written); a copy of the run missing one
+    rank's shard cannot resume (clear error); a different tp cannot resume it, a different
     weight bucket size (one bucket now) and log-prob path can: step 2 runs both agents with
     ``parallel.lm_head = "logits"`` (megatron's output layer; step 1 used the fused default),
     so both paths are checked inside the trainer."""
     with pytest.raises(ValueError, match=r"cannot resume.*agents\.0\.parallel\.tp"):
         train(megatron_cfg(tmp, "meg", "megatron", steps=2).override(
             {"agents.0.parallel.tp": 1}), resume=True, echo=lambda *_: None)
+    dirs1, named1 = _shard_dirs(tmp, "meg")
+    shutil.copytree(tmp / "meg", tmp / "meg-broken")
+    os.unlink(tmp / "meg-broken" / named1[NAMES[1]][1])
+    with pytest.raises(ValueError, match=rf"agent '{NAMES[1]}': the checkpoint's optimizer "
+                                         rf"shards are missing: .*rank-1\.pt"):
+        train(megatron_cfg(tmp, "meg-broken", "megatron", steps=2), resume=True,
+              echo=lambda *_: None)
+    free_cpus_back()
+    # what a crash between the ranks' writes and the checkpoint file would leave behind
+    stale = tmp / "meg" / "checkpoint-megatron" / NAMES[0] / "crashed-save"
+    stale.mkdir()
+    (stale / "rank-0.pt").write_bytes(b"partial")
     summary = train(megatron_cfg(tmp, "meg", "megatron", steps=2).override(
         {"agents.0.parallel.weight_bucket_mb": 1024, "agents.0.parallel.lm_head": "logits",
          "agents.1.parallel.lm_head": "logits"}), resume=True, echo=lambda *_: None)
@@ -188,6 +243,10 @@ def test_resumed_second_step_equals_torch_two_steps(cluster, tmp, torch_runs, me
     before = _initial_weights(tmp)
     _check_weights(_weights(tmp, "meg"), _weights(tmp, "torch2"), before)
     assert set(summary["after"]) == set(NAMES)
+    dirs2, named2 = _shard_dirs(tmp, "meg")
+    for a in NAMES:     # one directory each: the step-2 save's (not step 1's, not the crash's)
+        assert len(dirs2[a]) == 1 and dirs2[a] != dirs1[a] and dirs2[a] != ["crashed-save"]
+        assert all((tmp / "meg" / f).is_file() for f in named2[a])
 
 
 KL = {"algorithm.loss.kl_coef": 1.0}
@@ -198,10 +257,19 @@ def test_kl_term_one_step_and_resume_equal_torch_trainer(cluster, tmp, torch_run
     the old log-probs): one step, and a resumed second step (the reference reloaded from the
     checkpoint, not rebuilt from the resumed weights), equal the torch trainer's two steps with
     the same KL term; the term moves the weights well beyond the tolerance (against the no-KL
-    torch run), so leaving it out, or a wrong reference at step 2, fails."""
+    torch run), so leaving it out, or a wrong reference at step 2, fails. The step-1
+    checkpoint is first rewritten in the format from before the ranks wrote their optimizer
+    shards (the states inside the file, no shard files): it must still resume exactly."""
     ref_run = train(megatron_cfg(tmp, "kl-torch", "torch", steps=2, **KL), echo=lambda *_: None)
     train(megatron_cfg(tmp, "kl-meg", "megatron", **KL), echo=lambda *_: None)
     free_cpus_back()
+    path = tmp / "kl-meg" / "checkpoint.pt"
+    state = ckpt.load(path)
+    for a in state["agents"]:
+        files = a["megatron"].pop("optim_files")
+        a["megatron"]["optim"] = [ckpt.load(tmp / "kl-meg" / f) for f in files]
+    ckpt.save_atomic(state, str(path))
+    shutil.rmtree(tmp / "kl-meg" / "checkpoint-megatron")
     summary = train(megatron_cfg(tmp, "kl-meg", "megatron", steps=2, **KL), resume=True,
                     echo=lambda *_: None)
     free_cpus_back()

@@ -1,6 +1,7 @@
 """The Ray rollout pool against a real local Ray cluster (loopback, private temp dir, 4 logical
 CPUs; one cluster for the module): bit-for-bit equality with the in-process engine, an actor
 killed mid-call, a 2-agent training run, and bad input (unreachable address, too few CPUs)."""
+import copy
 import json
 import os
 import signal
@@ -53,16 +54,31 @@ def _sharded_reference(policy, prompts, gen, shards):
     return merge_rollouts(parts, policy.name)
 
 
+BUCKET_MB = 0.01     # 10 KiB: a sync of these tiny policies ships many buckets
+
+
 def test_ray_equals_local_engine(setup):
     """Same policies, seed, prompts: one actor per agent gives exactly the local engine's
-    Rollouts, call after call (RNG state round-trips) and after a weight sync."""
+    Rollouts, call after call (RNG state round-trips) and after a weight sync, whose weights
+    ship in many small buckets (rollout.weight_bucket_mb) that the actors copy in one at a
+    time."""
     cfg, policies, prompts = setup
     local = LocalRolloutEngine(policies, cfg.seed)
-    eng = RayRolloutEngine(policies, cfg)
+    eng = RayRolloutEngine(policies, cfg.override({"rollout.weight_bucket_mb": BUCKET_MB}))
     try:
         assert not eng.cluster.owned         # reused the module's connection
         for k in range(2):
             eng.sync_weights(k)
+            # what was shipped: the policy's state dict exactly, in buckets of <= BUCKET_MB
+            # (a bigger tensor alone)
+            sent = ray.get(eng._weights[k][1])
+            assert len(sent) > 3, len(sent)
+            assert all(len(b) == 1 or sum(t.numel() * t.element_size() for t in b.values())
+                       <= BUCKET_MB * 2 ** 20 for b in sent)
+            want_sd = policies[k].state_dict()
+            merged = {n: t for b in sent for n, t in b.items()}
+            assert merged.keys() == want_sd.keys() and sum(map(len, sent)) == len(want_sd)
+            assert all(torch.equal(merged[n], want_sd[n]) for n in want_sd)
         for rnd in range(2):
             if rnd == 1:                      # weights change; the actors must follow
                 for k, pol in enumerate(policies):
@@ -85,6 +101,34 @@ def test_ray_equals_local_engine(setup):
     finally:
         eng.close()
     assert ray.is_initialized()              # a reused cluster is left running
+
+
+def test_actor_weight_load_part_way_claims_no_version(setup):
+    """A load whose buckets do not cover the state dict (or do not fit it) is a clear error,
+    and the actor then claims no weights version, so the next request reloads (here in this
+    process: a RolloutActor instance, not a remote one)."""
+    from hacpo.launch.ray_rollout import RolloutActor
+    from hacpo.models.buckets import weight_buckets
+
+    cfg, policies, _ = setup
+    src, dst = policies[0], copy.deepcopy(policies[0])
+    _perturb(dst, 5)
+    actor = RolloutActor(dst, threads=1)
+    refs = [ray.put(b) for b in weight_buckets(src.state_dict(), 10 * 1024)]
+    assert len(refs) > 3
+    with pytest.raises(RuntimeError, match=r"weights version 3: weights missing: \["):
+        actor.load_weights(3, refs[:-1])
+    assert actor.version is None
+    bad = {**ray.get(refs[0])}
+    name = next(iter(bad))
+    bad[name] = bad[name][..., :1]
+    with pytest.raises(RuntimeError, match=rf"weight '{name}' .* does not fit: the target's is"):
+        actor.load_weights(4, [ray.put(bad), *refs[1:]])
+    assert actor.version is None
+    actor.load_weights(5, refs)
+    assert actor.version == 5
+    got = actor.policy.state_dict()
+    assert all(torch.equal(got[n], t) for n, t in src.state_dict().items())
 
 
 def _kill_mid_generate(eng, actor, marker, prompts):

@@ -4,7 +4,8 @@
   ``build_gpt_model`` (megatron-core ``GPTModel``, local or Transformer Engine layer spec);
 - :mod:`~hacpo.models.megatron.convert`: HF <-> megatron weight mapping (TP shards, PP stages);
 - :mod:`~hacpo.models.megatron.policy`: ``MegatronPolicy`` (vocab-parallel token log-probs
-  through ``hacpo.kernels.token_logprobs``, megatron optimizer step).
+  of the positions asked for, through ``hacpo.kernels.fused_linear_token_logprobs`` on the
+  final hidden states or ``token_logprobs`` on megatron's logits; megatron optimizer step).
 
 Importing this package does not import megatron-core (it is imported by the functions that
 build models or optimizers); ``hacpo.models`` does not import this package at all.

@@ -6,7 +6,8 @@ Pure tensor code: no megatron import, no communication. One rank's shard is addr
 :func:`iter_hf_weights` yields the same ``(hf_name, tensor)`` pairs one at a time, the shape a
 vLLM ``load_weights`` consumes; it converts *unit* by unit (the embedding, one layer, the final
 norm + output layer: :func:`unit_to_hf`), so a weight stream can gather and convert a few units
-at a time (:func:`plan_buckets`, ``MegatronPolicy.hf_state_of_units``).
+at a time (:func:`hacpo.models.buckets.plan_buckets`, re-exported here;
+``MegatronPolicy.hf_state_of_units``).
 
 Megatron layouts (per layer ``i``; ``ng`` kv heads, ``nq`` query heads, head dim ``d``):
 
@@ -33,10 +34,10 @@ into ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TypeVar
 
 import torch
 
+from hacpo.models.buckets import plan_buckets  # noqa: F401  (re-exported)
 from hacpo.models.megatron.build import ArchSpec
 
 Tensor = torch.Tensor
@@ -146,7 +147,6 @@ def hf_to_megatron(hf: Mapping[str, Tensor], arch: ArchSpec, *, tp: int = 1, tp_
 # final norm and, untied, the output layer, on the last stage). Units in HF order convert to
 # the same pairs as the whole model; a weight stream moves a few units at a time.
 Unit = tuple[str, int]
-K = TypeVar("K")
 
 
 def hf_units(arch: ArchSpec) -> list[Unit]:
@@ -191,23 +191,6 @@ def unit_of_hf_name(name: str) -> Unit:
     if name.startswith(("model.norm.", "lm_head.")):
         return ("final", 0)
     raise ValueError(f"{name!r} is not a Llama / Qwen2 / Qwen3 weight name")
-
-
-def plan_buckets(unit_bytes: Sequence[tuple[K, int]], bucket_bytes: int) -> list[list[K]]:
-    """Consecutive units (any keys: model units, tensor names) grouped into buckets of at most
-    ``bucket_bytes`` (a unit larger than that is a bucket of its own), in order."""
-    if bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-    out: list[list[K]] = []
-    size = 0
-    for unit, n in unit_bytes:
-        if out and size + n <= bucket_bytes:
-            out[-1].append(unit)
-            size += n
-        else:
-            out.append([unit])
-            size = n
-    return out
 
 
 def unit_to_hf(unit: Unit, parts: Sequence[Mapping[str, Tensor]], arch: ArchSpec, *, pp: int,
