@@ -19,8 +19,9 @@ One update is :func:`hacpo.engine.update.update_learner`'s, split over the ranks
 - the driver cuts the learner's view into the M minibatches (``split_minibatches`` with the
   run's shuffle generator, which therefore advances exactly as in-process) and sends them;
 - in every minibatch the self rows and the cross rows (each ordered by prompt, as in-process)
-  are cut into ``dp`` contiguous shares, one per DP rank, and those into micro-batches of one
-  shape ``[b, S]`` (pad rows carry no loss); megatron-core's schedule runs them (1F1B at PP>1)
+  are cut into ``dp`` contiguous shares, one per DP rank, and those into micro-batches of
+  ``b`` rows (pad rows carry no loss), each padded only to its own longest row (at PP > 1 the
+  stages exchange activation shapes); megatron-core's schedule runs them (1F1B at PP>1)
   with the minibatch's *global* divisor in :func:`~hacpo.engine.algorithm.learner_loss`, so the
   summed gradient is the whole minibatch's; only the response tokens are scored, their
   log-probs computed vocab-parallel (``parallel.lm_head``: "fused", the default, from the final
@@ -228,15 +229,14 @@ class MegatronRank:
                 continue
             t = time.perf_counter()
             toks: list[torch.Tensor] = []
-            for s in range(lo, hi, micro_batch):
-                ps_ = prompts[s:min(s + micro_batch, hi)]
-                rs = responses[s:min(s + micro_batch, hi)]
+            if hi > lo:     # one pipelined schedule; each micro-batch cut to its longest row
+                ps_, rs = prompts[lo:hi], responses[lo:hi]
                 S = max(len(a) + len(b) for a, b in zip(ps_, rs))
                 ids, targets, pos, mask = _pack(ps_, rs, len(ps_), S)
                 tl = pol.token_logprobs(ids.to(self.device), targets.to(self.device),
-                                        positions=pos, mask=mask,
-                                        temperature=temperature).cpu()
-                toks += [tl[i, :len(r)].clone() for i, r in enumerate(rs)]
+                                        positions=pos, mask=mask, temperature=temperature,
+                                        micro_batch_size=micro_batch).cpu()
+                toks = [tl[i, :len(r)].clone() for i, r in enumerate(rs)]
             out[f"{key}toks"], out[f"{key}seconds"] = toks, time.perf_counter() - t
         if p.tp_rank != 0 or p.pp_rank != 0:
             return None
@@ -271,16 +271,18 @@ class MegatronRank:
                              for d in range(p.dp)] for part, rows in parts.items()}
             b = max(1, min(req["micro_batch"],
                            max(len(s) for sh in shares.values() for s in sh)))
-            S = max(len(view.prompt_ids[j]) + len(view.response_ids[j]) for j in mb_list)
             micro = []
             for part in ("self", "cross"):
                 mine = shares[part][p.dp_rank]
                 for s in range(0, len(mine), b):
                     js = mine[s:s + b]
+                    # padded to this micro-batch's longest row only (shapes may differ)
+                    S = max(len(view.prompt_ids[j]) + len(view.response_ids[j]) for j in js)
                     micro.append((part, js, _pack([view.prompt_ids[j] for j in js],
                                                   [view.response_ids[j] for j in js], b, S)))
             if not micro:                     # no rows here: one pad micro-batch keeps the
-                micro.append(("self", [], _pack([], [], b, S)))   # schedule and DP in step
+                micro.append(("self", [], _pack([], [], b, 1)))   # schedule and DP in step
+            S = max(m[2][0].shape[1] for m in micro)
             ctx = {"total": torch.zeros((), device=self.device), "fwd": defaultdict(float),
                    "new_lp": {}, "tl": {}, "kl": {}}
 

@@ -224,8 +224,10 @@ def parallel_step_worker(rank, world, tp, pp, micro_rows, cases, optimizers, out
                 ids, targets = batch(pol.arch.vocab_size)
                 res["lp"] = pol.token_logprobs(ids, targets, micro_batch_size=B // 2)
                 pos, mask = score_positions()
+                # micro-batches of 3 rows and 1 row, cut after their last scored position:
+                # [3, 8] and [1, 7] (at PP=2 the stages exchange these shapes)
                 res["lp_at"] = pol.token_logprobs(ids, targets, positions=pos, mask=mask,
-                                                  micro_batch_size=B // 2)
+                                                  micro_batch_size=3)
                 ref = hf_state_dict(hf)
                 back = pol.hf_state_dict()
                 res["same"] = back.keys() == ref.keys() and all(

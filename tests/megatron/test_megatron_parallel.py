@@ -11,7 +11,8 @@ Both ways of turning hidden states into log-probs (``lm_head``) are checked agai
 gradients: the TP=1 reference and TP=2 alone use megatron's output layer ("logits"), TP=2 x PP=2
 and PP=2 the fused chunked kernel on the hidden states ("fused", the default). Every run also
 scores only some positions (``positions`` / ``mask``, as the trainer asks for the response
-tokens): they must equal the whole-sequence log-probs there and be 0 where masked out.
+tokens) in micro-batches of different shapes (3 rows cut to 8 positions, 1 row cut to 7):
+they must equal the whole-sequence log-probs there and be 0 where masked out.
 
 (TP=2 and PP=2 log-probs alone and DP=2 training are in test_megatron_policy.py.)
 The CUDA calls megatron-core makes are patched in ``_cpu_megatron`` (test helper only).

@@ -234,11 +234,13 @@ def resolve_transformer_impl(transformer_impl: str) -> str:
 def transformer_config(arch: ArchSpec, par: Parallel, *, params_dtype=torch.float32,
                        transformer_impl: str = "local", use_cpu_initialization: bool = True):
     """megatron ``TransformerConfig`` for ``arch``: RMSNorm, SwiGLU, GQA, no biases except the
-    Qwen2 qkv bias, qk-norm for Qwen3, no dropout, no fused kernels (they need CUDA/apex)."""
+    Qwen2 qkv bias, qk-norm for Qwen3, no dropout, no fused kernels (they need CUDA/apex).
+    At PP > 1 ``variable_seq_lengths``: stages exchange each activation's shape first, so
+    micro-batches of one schedule may differ in length (each padded to its own longest row)."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
-    return TransformerConfig(
+    cfg = TransformerConfig(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size,
         num_attention_heads=arch.num_heads, num_query_groups=arch.num_kv_heads,
         kv_channels=arch.head_dim, ffn_hidden_size=arch.ffn_hidden_size,
@@ -253,6 +255,10 @@ def transformer_config(arch: ArchSpec, par: Parallel, *, params_dtype=torch.floa
         fp16=params_dtype == torch.float16,
         use_cpu_initialization=use_cpu_initialization, transformer_impl=transformer_impl,
     )
+    # set after construction: __post_init__ rejects it with the default MoE token dispatcher
+    # ("allgather"), a check for MoE layers, which these dense models do not have
+    cfg.variable_seq_lengths = par.pp > 1
+    return cfg
 
 
 def layer_spec(arch: ArchSpec, transformer_impl: str):

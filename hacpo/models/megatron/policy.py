@@ -27,7 +27,10 @@ reach the output layer. Two ways to turn the last stage's hidden states into log
 Either way full logits are never gathered over TP, and a vocabulary padded for TP (Vp > V, see
 :mod:`hacpo.models.megatron.build`) has its padded columns at -inf: the log-probs are those of
 the real V-way softmax. Micro-batches run through megatron-core's own schedule
-(``get_forward_backward_func``: no pipelining at PP=1, 1F1B at PP>1).
+(``get_forward_backward_func``: no pipelining at PP=1, 1F1B at PP>1); they may differ in shape
+(at PP > 1 the stages exchange activation shapes, ``variable_seq_lengths``), so each is padded
+only to its own longest row, and :meth:`token_logprobs` cuts each micro-batch after its last
+scored position (a causal model: later tokens do not change earlier log-probs).
 
 Loss convention (pass the divisor in): ``loss_fn`` returns a loss already divided by the *global*
 divisor (e.g. the number of samples of the whole minibatch across micro-batches and DP ranks);
@@ -310,14 +313,16 @@ class MegatronPolicy:
              loss_fn: LossFn | None):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        b, s = microbatches[0]["input_ids"].shape
-        if any(mb["input_ids"].shape != (b, s) for mb in microbatches):
-            raise ValueError("all micro-batches need the same [b, S] shape (pad them)")
+        shapes = [tuple(mb["input_ids"].shape) for mb in microbatches]
+        if self.par.pp > 1 and not self.module.config.variable_seq_lengths and \
+                len(set(shapes)) > 1:
+            raise ValueError(f"micro-batches of different shapes {sorted(set(shapes))} need "
+                             f"the model config's variable_seq_lengths at PP > 1")
         fb = get_forward_backward_func()
         return fb(forward_step_func=partial(self._forward_step, temperature, loss_fn),
                   data_iterator=iter(microbatches), model=[self.model],
-                  num_microbatches=len(microbatches), seq_length=s, micro_batch_size=b,
-                  forward_only=forward_only)
+                  num_microbatches=len(microbatches), seq_length=max(s for _, s in shapes),
+                  micro_batch_size=max(b for b, _ in shapes), forward_only=forward_only)
 
     def _from_last_stage(self, t: torch.Tensor | None, shape) -> torch.Tensor:
         """Broadcast a tensor that exists on the last PP stage to every stage."""
@@ -334,17 +339,29 @@ class MegatronPolicy:
                        temperature: float = 1.0, micro_batch_size: int | None = None):
         """input_ids [B, S], targets [B, S] (global token ids; usually ids shifted by one) ->
         log p(targets) [B, S] float32 on every rank (computed on the last PP stage); with
-        ``positions`` / ``mask`` [B, T] only those positions: [B, T] (see :meth:`logprobs_at`)."""
+        ``positions`` / ``mask`` [B, T] only those positions: [B, T] (see :meth:`logprobs_at`),
+        each micro-batch cut after its last scored position. Micro-batches of
+        ``micro_batch_size`` rows (the last one may be smaller), one pipelined schedule."""
         B, S = input_ids.shape
         if (positions is None) != (mask is None):
             raise ValueError("pass positions and mask together")
         mbs = micro_batch_size or B
-        if B % mbs:
-            raise ValueError(f"batch size {B} is not divisible by micro_batch_size {mbs}")
-        mbs_list = [{"input_ids": input_ids[i:i + mbs], "targets": targets[i:i + mbs],
-                     **({} if positions is None else {"positions": positions[i:i + mbs],
-                                                      "positions_mask": mask[i:i + mbs]})}
-                    for i in range(0, B, mbs)]
+        if mbs < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {mbs}")
+        mbs_list = []
+        for i in range(0, B, mbs):
+            if positions is None:
+                mbs_list.append({"input_ids": input_ids[i:i + mbs],
+                                 "targets": targets[i:i + mbs]})
+                continue
+            pos, m = positions[i:i + mbs], mask[i:i + mbs]
+            # causal: nothing after the last scored position changes the scored log-probs
+            s = int(pos[m].max()) + 1 if bool(m.any()) else 1
+            if s > S:
+                raise ValueError(f"positions must lie in [0, {S}), got {s - 1}")
+            mbs_list.append({"input_ids": input_ids[i:i + mbs, :s],
+                             "targets": targets[i:i + mbs, :s], "positions": pos,
+                             "positions_mask": m})
         self.model.eval()
         out = self._run(mbs_list, forward_only=True, temperature=temperature, loss_fn=None)
         lp = torch.cat([o["logprobs"] for o in out]) if self.par.last_stage else None
