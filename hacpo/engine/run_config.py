@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from hacpo.models.policy import PolicyConfig
+from hacpo.models.policy import LM_HEADS, PolicyConfig
 
 from .config import AlgorithmConfig, preset as algorithm_preset
 from .configtools import ConfigMixin
@@ -101,6 +101,9 @@ class AgentConfig:
         if self.trainer not in TRAINERS:
             raise ValueError(f"agent {self.policy.name!r}: unknown trainer {self.trainer!r}; "
                              f"choose one of {', '.join(TRAINERS)}")
+        if self.policy.lm_head not in LM_HEADS:
+            raise ValueError(f"agent {self.policy.name!r}: policy.lm_head must be one of "
+                             f"{', '.join(LM_HEADS)}, got {self.policy.lm_head!r}")
         if self.trainer == "megatron":
             _check_megatron_agent(self)
 
@@ -261,7 +264,8 @@ RESUMABLE_NESTED_KEYS = {("rollout", "call_timeout_s"), ("rollout", "weight_buck
 
 # Per-agent keys that may change on resumption ("section.key" under agents.N).
 # how weights move or log-probs are computed, not what they are
-RESUMABLE_AGENT_KEYS = {("parallel", "weight_bucket_mb"), ("parallel", "lm_head")}
+RESUMABLE_AGENT_KEYS = {("parallel", "weight_bucket_mb"), ("parallel", "lm_head"),
+                        ("policy", "lm_head")}
 
 
 def fingerprint_dict(cfg: TrainConfig) -> dict[str, Any]:

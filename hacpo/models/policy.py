@@ -47,6 +47,11 @@ class PolicyConfig:
     ``arch`` (``"llama" | "qwen2" | "gpt2"``) and ``hf_config`` overrides.
     The embedding size is the tokenizer's ``vocab_size`` (after reduction, if
     ``reduce_vocab``; then :func:`build_policy` needs the ``corpus``).
+    ``lm_head``: how teacher-forced log-probs leave the final hidden states of the response
+    tokens (:meth:`Policy.response_logprobs`): "logits" (the output projection makes logits
+    [T, V], then the log-softmax kernel) or "fused" (``hacpo.kernels.fused_linear_token_
+    logprobs``: projection and log-softmax in row chunks, no [T, V] tensor in forward or
+    backward, at the price of recomputing the projection in the backward).
     """
 
     name: str = "agent"
@@ -62,6 +67,10 @@ class PolicyConfig:
     path: str | None = None
     dtype: str = "float32"
     seed: int = 0
+    lm_head: str = "logits"
+
+
+LM_HEADS = ("logits", "fused")
 
 
 class Policy(nn.Module):
@@ -71,6 +80,7 @@ class Policy(nn.Module):
         model: a :class:`Decoder` or a transformers ``*ForCausalLM``.
         tokenizer: the :class:`Tokenizer` whose ids the model reads and writes.
         name: agent name (logs, metrics).
+        lm_head: "logits" or "fused" (see :class:`PolicyConfig`).
     """
 
     # Rows of one call that share a prompt have it forwarded once (policies with prompt
@@ -79,11 +89,16 @@ class Policy(nn.Module):
     # values and gradients as one full sequence per row.
     share_prompts: bool = True
 
-    def __init__(self, model: nn.Module, tokenizer: Tokenizer, name: str):
+    def __init__(self, model: nn.Module, tokenizer: Tokenizer, name: str,
+                 lm_head: str = "logits"):
         super().__init__()
+        if lm_head not in LM_HEADS:
+            raise ValueError(f"policy {name!r}: lm_head must be one of {', '.join(LM_HEADS)}, "
+                             f"got {lm_head!r}")
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
+        self.lm_head = lm_head
         self.kind = "decoder" if isinstance(model, Decoder) else "hf"
         n_emb = self.output_weight.shape[0]
         if n_emb < tokenizer.vocab_size:
@@ -184,11 +199,16 @@ class Policy(nn.Module):
         """h [T, H] hidden states predicting the T response tokens (row-major) -> token_logp
         [B, Tmax] float32 scattered into ``mask`` [B, Tmax]."""
         dev = h.device
-        logits = F.linear(h, self.output_weight)  # [T, V]
-        if logits.shape[-1] > self.tokenizer.vocab_size:  # padded embedding table
-            logits = logits[:, :self.tokenizer.vocab_size]
-        lp = token_logprobs(logits, torch.tensor(targets, dtype=torch.long, device=dev),
-                            temperature)
+        tgt = torch.tensor(targets, dtype=torch.long, device=dev)
+        if self.lm_head == "fused":     # no [T, V] logits; padded embedding rows left out
+            from hacpo.kernels import fused_linear_token_logprobs
+            lp = fused_linear_token_logprobs(h, self.output_weight, tgt, temperature=temperature,
+                                             vocab_size=self.tokenizer.vocab_size)
+        else:
+            logits = F.linear(h, self.output_weight)  # [T, V]
+            if logits.shape[-1] > self.tokenizer.vocab_size:  # padded embedding table
+                logits = logits[:, :self.tokenizer.vocab_size]
+            lp = token_logprobs(logits, tgt, temperature)
         token_logp = torch.zeros(mask.shape, dtype=torch.float32, device=dev)
         return token_logp.masked_scatter(mask, lp), mask
 
@@ -322,4 +342,4 @@ def build_policy(config: PolicyConfig, *, corpus: Iterable[str] | None = None,
                                    eos_id=tokenizer.eos_id, dtype=dtype, seed=config.seed)
     else:
         raise ValueError(f"unknown policy kind {config.kind!r}; one of 'decoder', 'hf'")
-    return Policy(model, tokenizer, config.name)
+    return Policy(model, tokenizer, config.name, lm_head=config.lm_head)

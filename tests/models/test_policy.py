@@ -182,3 +182,52 @@ def test_char_decoder_size_matches_benchmark_preset():
                                     n_heads=4))
     assert 0.35e6 < sum(p.numel() for p in pol.parameters()) < 0.5e6
     assert pol.tokenizer.vocab_size == load_tokenizer("char").vocab_size
+
+
+@pytest.mark.parametrize("kind", ["decoder", "llama"])
+def test_fused_lm_head_equals_logits(kind, qwen3):
+    """policy.lm_head="fused" (projection + log-softmax in row chunks, no [T, V] logits): the
+    same log-probs and parameter gradients as "logits", on the whole-sequence path and the
+    shared-prompt path, at temperature 0.7; the llama's embedding table is padded past the
+    tokenizer's vocabulary (those rows must stay out of the softmax and get no gradient)."""
+    import copy
+
+    if kind == "decoder":
+        base = build_policy(PolicyConfig(name="d", kind="decoder", seed=1))
+    else:
+        base = build_policy(PolicyConfig(name="l", kind="hf", arch="llama", tokenizer="qwen3",
+                                         seed=2, hf_config={"hidden_size": 32,
+                                                            "intermediate_size": 64,
+                                                            "num_hidden_layers": 2,
+                                                            "num_attention_heads": 4,
+                                                            "num_key_value_heads": 2}),
+                            tokenizer=qwen3)
+        base.model.resize_token_embeddings(qwen3.vocab_size + 7, mean_resizing=False)
+        with torch.no_grad():       # large padding rows: a leak into the softmax would show
+            base.output_weight[qwen3.vocab_size:] = 3.0
+    prompts, responses = _batch(base)
+    prompts = [prompts[0], prompts[0], prompts[2]]           # rows 0 and 1 share a prompt
+    results = {}
+    for head in ("logits", "fused"):
+        for shared in (False, True):
+            pol = copy.deepcopy(base)
+            pol.lm_head, pol.share_prompts = head, shared
+            lp, mask = pol.response_logprobs(prompts, responses, temperature=0.7)
+            (lp[mask] * torch.linspace(-1, 1, int(mask.sum()))).sum().backward()
+            results[head, shared] = (lp.detach(), {n: p.grad.clone() for n, p in
+                                                   pol.named_parameters() if p.grad is not None})
+    for shared in (False, True):
+        (lp_a, g_a), (lp_b, g_b) = results["logits", shared], results["fused", shared]
+        # fp32: the same GEMM rows and log-softmax kernel; the fused backward recomputes the
+        # projection and sums the same terms in another order (seen <= 1e-7)
+        torch.testing.assert_close(lp_b, lp_a, atol=1e-6, rtol=0)
+        assert g_a.keys() == g_b.keys() and g_a
+        for n in g_a:
+            scale = max(g_a[n].abs().max().item(), 1e-3)
+            torch.testing.assert_close(g_b[n], g_a[n], atol=1e-5 * scale, rtol=0, msg=n)
+    if kind == "llama":                      # the padded rows: no gradient either way
+        V = qwen3.vocab_size
+        for _, g in results.values():
+            w = [t for n, t in g.items() if n.endswith("embed_tokens.weight")
+                 or n.endswith("lm_head.weight")]
+            assert w and all(torch.count_nonzero(t[V:]) == 0 for t in w)
