@@ -83,8 +83,8 @@ def test_config_diff_ignores_fields_added_after_a_checkpoint_at_their_default():
 
 def test_weight_bucket_sizes_are_resumable_and_validated():
     """How weights move (rollout / megatron bucket sizes) and how megatron computes log-probs
-    (parallel.lm_head, policy.lm_head) may change on resumption, like time limits; the layout may not.
-    Non-positive sizes and an unknown lm_head are clear errors."""
+    (parallel.lm_head, policy.lm_head) may change on resumption, like time limits; the layout
+    may not. Non-positive sizes and an unknown lm_head are clear errors."""
     from hacpo.engine.run_config import config_diff, fingerprint_dict, load_config
     cfg = load_config("tiny3")
     a = fingerprint_dict(cfg)

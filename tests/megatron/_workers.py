@@ -97,6 +97,26 @@ def logprobs_worker(rank, world, tp, pp, out_path, cases):
         torch.save(results, out_path)
 
 
+def bad_positions_worker(rank, world, out_path):
+    """MegatronPolicy's answers to bad scoring requests (in-process, TP=1): rank 0 saves each
+    request's ValueError message (None: no error)."""
+    hf, pol = _policy(("llama", True), 1, 1)
+    ids, targets = batch(pol.arch.vocab_size)
+    pos, mask = score_positions()
+    calls = [lambda kw=kw: pol.token_logprobs(ids, targets, **kw)
+             for kw in (dict(positions=pos), dict(mask=mask), dict(positions=pos + S, mask=mask),
+                        dict(positions=pos, mask=mask, micro_batch_size=-1))]
+    calls.append(lambda: pol.logprobs_at(torch.zeros(S, B, 64), targets, positions=pos))
+    msgs = []
+    for call in calls:
+        try:
+            call()
+            msgs.append(None)
+        except ValueError as e:
+            msgs.append(str(e))
+    torch.save(msgs, out_path)
+
+
 def sgd_loss(lp, mb):
     """A token-level surrogate with the global divisor passed in (SPEC: pass the divisor in)."""
     loss = -(lp * mb["adv"][:, None] * mb["mask"]).sum() / mb["divisor"]

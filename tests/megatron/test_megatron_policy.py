@@ -97,3 +97,14 @@ def test_dp2_step_equals_full_batch_step(tmp_path):
             # same gradient summed in another order (seen: 6e-8 on updates of ~0.1)
             torch.testing.assert_close(d2, d1, atol=1e-6, rtol=0, msg=f"{name} {k}")
         assert biggest > 1e-2, f"{name}: the step did not change the weights"
+
+
+def test_bad_scoring_requests_are_clear_errors(tmp_path):
+    """positions without a mask (or the reverse), positions past the sequence, a micro-batch
+    size of -1, and logprobs_at with positions alone: each a ValueError saying what is wrong."""
+    path = tmp_path / "bad.pt"
+    run_single(W.bad_positions_worker, str(path))
+    msgs = torch.load(path)
+    assert msgs[0] == msgs[1] == msgs[4] == "pass positions and mask together"
+    assert msgs[2] == f"positions must lie in [0, {W.S}), got {2 * W.S - 1}"
+    assert msgs[3] == "micro_batch_size must be >= 1, got -1"

@@ -269,6 +269,8 @@ class MegatronPolicy:
         (T = S)."""
         b, s = targets.shape
         dev = targets.device
+        if (positions is None) != (mask is None):
+            raise ValueError("pass positions and mask together")
         if positions is None:
             positions = torch.arange(s).expand(b, s)
             mask = torch.ones(b, s, dtype=torch.bool)
