@@ -77,7 +77,7 @@ class ParallelConfig:
         if self.transformer_impl not in ("local", "transformer_engine"):
             raise ValueError(f"parallel.transformer_impl must be 'local' or "
                              f"'transformer_engine', got {self.transformer_impl!r}")
-        if self.lm_head not in ("fused", "logits"):
+        if self.lm_head not in LM_HEADS:
             raise ValueError(f"parallel.lm_head must be 'fused' or 'logits', got "
                              f"{self.lm_head!r}")
         if self.device not in PARALLEL_DEVICES:

@@ -473,6 +473,8 @@ class MegatronAgents:
         from hacpo.models.megatron.build import ArchSpec
 
         self.cfg = cfg
+        # absolute: the rank actors' working directory is not the driver's
+        self.out_dir = os.path.abspath(cfg.out_dir)
         self.policies = list(policies)
         self.names = [p.name for p in policies]
         self.threads = cfg.threads if cfg.threads > 0 else 1
@@ -839,10 +841,8 @@ class MegatronAgents:
                 "make_vocab_size_divisible_by": par.make_vocab_size_divisible_by}
 
     def shard_root(self, k: int) -> str:
-        """Where agent k's ranks write their optimizer shards (one directory per save; an
-        absolute path: the rank actors' working directory is not the driver's)."""
-        return os.path.join(os.path.abspath(self.cfg.out_dir), "checkpoint-megatron",
-                            self.names[k])
+        """Where agent k's ranks write their optimizer shards (one directory per save)."""
+        return os.path.join(self.out_dir, "checkpoint-megatron", self.names[k])
 
     def state_dict(self, k: int) -> dict[str, Any]:
         """Full HF-named weights (as the torch trainer's ``model``), the layout, and the files
@@ -857,8 +857,7 @@ class MegatronAgents:
                                    for i, r in enumerate(g.ranks)])
         self._shard_dirs[k] = d
         check_shards_visible(written, f"agent {self.names[k]!r}")
-        out = os.path.abspath(self.cfg.out_dir)
-        meg = {**self._layout(k), "optim_files": [os.path.relpath(w["path"], out)
+        meg = {**self._layout(k), "optim_files": [os.path.relpath(w["path"], self.out_dir)
                                                   for w in written]}
         if self.kl:                          # the KL reference (HF names), as ref_model is
             meg["ref_hf"] = self._weights(k, reference=True)
@@ -888,8 +887,7 @@ class MegatronAgents:
                              f"with the KL term")
         g = self._groups[k]
         if "optim_files" in meg:            # written by the ranks (module docstring)
-            optim = [os.path.join(os.path.abspath(self.cfg.out_dir), f)
-                     for f in meg["optim_files"]]
+            optim = [os.path.join(self.out_dir, f) for f in meg["optim_files"]]
             if len(optim) != len(g.ranks):
                 raise ValueError(f"agent {name!r}: the checkpoint names {len(optim)} optimizer "
                                  f"shards for {len(g.ranks)} ranks")

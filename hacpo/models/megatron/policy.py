@@ -52,9 +52,9 @@ from hacpo.models.megatron.build import ArchSpec, Parallel, build_gpt_model, req
 from hacpo.models.megatron.convert import (Unit, hf_to_megatron, hf_units, load_megatron_state,
                                            megatron_to_hf, unit_megatron_names, unit_stage,
                                            unit_to_hf)
+from hacpo.models.policy import LM_HEADS   # "logits" | "fused": see the module docstring
 
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
-LM_HEADS = ("fused", "logits")      # see the module docstring
 
 
 class MegatronPolicy:
