@@ -1,5 +1,6 @@
-"""Shared by the megatron CPU benchmarks (bench_weight_pull.py, bench_megatron_lm_head.py):
-peak resident memory probes and their random HF Llama."""
+"""Shared by the megatron CPU benchmarks (bench_weight_pull.py, bench_megatron_lm_head.py,
+bench_megatron_micro_batches.py): peak resident memory probes, their random HF Llama, and the
+two-mode score / step measurement and comparison."""
 from __future__ import annotations
 
 import torch
@@ -31,3 +32,137 @@ def llama(a: dict, **config):
                       num_key_value_heads=a["kv_heads"], vocab_size=a["vocab"],
                       tie_word_embeddings=False, **config)
     return LlamaForCausalLM(cfg).eval()
+
+
+def surrogate(lp, mb):
+    """A token-level policy-gradient surrogate over the response tokens (global divisor):
+    ``mb`` holds ``adv`` [b], ``positions_mask`` [b, T] and ``divisor``."""
+    loss = -(lp * mb["adv"][:, None] * mb["positions_mask"]).sum() / mb["divisor"]
+    return loss, {}
+
+
+def measure(fn):
+    """(fn(), seconds, peak resident MiB above the level before the call), all ranks in step."""
+    import gc
+    import time
+
+    import torch.distributed as dist
+
+    gc.collect()
+    dist.barrier()
+    base = status_kb("VmRSS")
+    reset_peak()
+    t0 = time.perf_counter()
+    out = fn()
+    seconds = time.perf_counter() - t0
+    return out, seconds, (status_kb("VmHWM") - base) / 1024
+
+
+def time_calls(rank: int, world: int, pol, score, step, reps: int, out_path: str,
+               **extra) -> None:
+    """A megatron benchmark worker's measurements: one warm-up call of ``score`` (its
+    log-probs kept for the comparison across modes) and of ``step``, then ``reps`` timed calls
+    of each; rank 0 saves {"by_rank": every rank's {"score"/"step": {"seconds", "peak_mib"}},
+    "lp", "weights" (HF names, after the steps), **extra} to ``out_path``."""
+    import torch.distributed as dist
+
+    first_lp = score()
+    step()                       # warm-up (weights move: the same in every mode)
+    res = {}
+    for name, fn in (("score", score), ("step", step)):
+        times, peaks = [], []
+        for _ in range(reps):
+            _, s, p = measure(fn)
+            times.append(s)
+            peaks.append(p)
+        res[name] = {"seconds": times, "peak_mib": max(peaks)}
+    weights = pol.hf_state_dict(everywhere=False)
+    got = [None] * world
+    dist.all_gather_object(got, res)
+    if rank == 0:
+        torch.save({"by_rank": got, "lp": first_lp, "weights": weights, **extra}, out_path)
+
+
+def compare_runs(ref: dict, other: dict) -> tuple[float, float, bool]:
+    """Largest log-prob and weight differences between two modes' runs, and whether they
+    count as the same results: fp32 throughout, the same rows through other GEMM shapes or
+    reduction orders (~1e-6 in a log-prob), carried by the SGD steps (lr 1e-3) into the
+    weights at ~1e-9."""
+    lp = float((other["lp"] - ref["lp"]).abs().max())
+    w = max(float((other["weights"][k] - ref["weights"][k]).abs().max())
+            for k in ref["weights"])
+    return lp, w, lp < 1e-4 and w < 1e-6 and ref["weights"].keys() == other["weights"].keys()
+
+
+def call_rows(runs: dict, modes, **extra_of) -> list[dict]:
+    """One row per (mode, call) with p50 time and peak memory per rank; ``extra_of``:
+    name -> fn(mode, call) for further columns."""
+    import statistics
+
+    rows = []
+    for mode in modes:
+        for call in ("score", "step"):
+            by_rank = [r[call] for r in runs[mode]["by_rank"]]
+            rows.append({"mode": mode, "call": call,
+                         **{k: f(mode, call) for k, f in extra_of.items()},
+                         "seconds_p50_by_rank": [statistics.median(r["seconds"])
+                                                 for r in by_rank],
+                         "seconds_by_rank": [r["seconds"] for r in by_rank],
+                         "peak_mib_by_rank": [r["peak_mib"] for r in by_rank]})
+    return rows
+
+
+def mode_ratios(rows: list[dict], base: str, mode: str) -> dict:
+    """{call: {"time_<mode>_over_<base>", "peak_<mode>_over_<base>"}} of the slowest rank's
+    p50 time and the largest rank peak."""
+    out = {}
+    for call in ("score", "step"):
+        r0 = next(r for r in rows if r["mode"] == base and r["call"] == call)
+        r1 = next(r for r in rows if r["mode"] == mode and r["call"] == call)
+        out[call] = {f"time_{mode}_over_{base}": max(r1["seconds_p50_by_rank"]) /
+                     max(r0["seconds_p50_by_rank"]),
+                     f"peak_{mode}_over_{base}": max(r1["peak_mib_by_rank"]) /
+                     max(r0["peak_mib_by_rank"])}
+    return out
+
+
+def add_model_args(p, *, vocab: int) -> None:
+    """The layout and model flags every megatron CPU benchmark takes (Llama, untied, fp32)."""
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--ffn", type=int, default=1408)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=vocab)
+
+
+def run_modes(worker, world: int, a: dict, modes) -> dict:
+    """Each mode in fresh gloo processes (``worker(rank, world, a, mode, out_path)``, the test
+    helper's CPU patches applied), after fixing the malloc mmap threshold: large tensors get
+    their own mappings and go back to the OS when freed, so resident memory follows live
+    tensors (see bench_weight_pull.py). Returns {mode: what its rank 0 saved}."""
+    import os
+    import tempfile
+
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))
+    from tests.megatron._cpu_megatron import spawn   # test-only CUDA->CPU patches
+
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in modes:
+            path = os.path.join(tmp, f"{mode}.pt")
+            spawn(worker, world, a, mode, path)
+            runs[mode] = torch.load(path)
+    return runs
+
+
+def environment() -> dict:
+    """What the results were measured with."""
+    import os
+    import platform
+
+    return {"device": "cpu", "torch": torch.__version__,
+            "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+            "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_")}

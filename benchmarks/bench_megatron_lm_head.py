@@ -29,21 +29,18 @@ table.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
-import platform
-import statistics
 import sys
-import tempfile
-import time
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-from benchmarks._megatron_bench import llama, reset_peak, status_kb  # noqa: E402
+from benchmarks._megatron_bench import (add_model_args, call_rows, compare_runs,  # noqa: E402
+                                        environment, llama, mode_ratios, run_modes, surrogate,
+                                        time_calls)
 
 MODES = ("logits", "fused")
 
@@ -69,23 +66,6 @@ def make_batch(a):
     return ids, targets, pos, mask, adv, lens
 
 
-def _surrogate(lp, mb):
-    """A token-level policy-gradient surrogate over the response tokens (global divisor)."""
-    loss = -(lp * mb["adv"][:, None] * mb["positions_mask"]).sum() / mb["divisor"]
-    return loss, {}
-
-
-def _measure(fn):
-    gc.collect()
-    torch.distributed.barrier()
-    base = status_kb("VmRSS")
-    reset_peak()
-    t0 = time.perf_counter()
-    out = fn()
-    seconds = time.perf_counter() - t0
-    return out, seconds, (status_kb("VmHWM") - base) / 1024
-
-
 def _worker(rank, world, a, mode, out_path):
     from hacpo.models.megatron import MegatronPolicy, init_parallel
 
@@ -103,37 +83,16 @@ def _worker(rank, world, a, mode, out_path):
         return pol.token_logprobs(ids, targets, positions=pos, mask=mask)
 
     def step():
-        return pol.train_step(opt, [mb], _surrogate)
+        return pol.train_step(opt, [mb], surrogate)
 
-    first_lp = score()                       # warm-up; the log-probs compared across modes
-    step()                                   # warm-up (weights move: same in both modes)
-    res = {}
-    for name, fn in (("score", score), ("step", step)):
-        times, peaks = [], []
-        for _ in range(a["reps"]):
-            _, s, p = _measure(fn)
-            times.append(s)
-            peaks.append(p)
-        res[name] = {"seconds": times, "peak_mib": max(peaks)}
-    weights = pol.hf_state_dict(everywhere=False)
-    got = [None] * world
-    torch.distributed.all_gather_object(got, res)
-    if rank == 0:
-        torch.save({"by_rank": got, "lp": first_lp, "weights": weights,
-                    "scored_tokens": int(mask.sum()), "positions": int(ids.numel())}, out_path)
+    time_calls(rank, world, pol, score, step, a["reps"], out_path,
+               scored_tokens=int(mask.sum()), positions=int(ids.numel()))
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results_dir")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--ffn", type=int, default=1408)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=65536)
+    add_model_args(p, vocab=65536)
     p.add_argument("--rows", type=int, default=4)
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--response-min", type=int, default=128)
@@ -145,50 +104,19 @@ def main(argv=None) -> int:
         p.error("needs Linux /proc (peak RSS reset through /proc/self/clear_refs)")
     if not 1 <= args.response_min <= args.response_max or args.reps < 1 or args.rows < 1:
         p.error("need 1 <= response-min <= response-max, reps >= 1, rows >= 1")
-    # A fixed mmap threshold: large tensors get their own mappings and go back to the OS when
-    # freed, so resident memory follows live tensors (see bench_weight_pull.py).
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))
-    from tests.megatron._cpu_megatron import spawn   # test-only CUDA->CPU patches
 
     a = {k: getattr(args, k) for k in ("tp", "pp", "hidden", "ffn", "layers", "heads",
                                        "kv_heads", "vocab", "rows", "prompt", "response_min",
                                        "response_max", "reps", "threads")}
-    world = args.tp * args.pp
-    runs = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for mode in MODES:
-            path = os.path.join(tmp, f"{mode}.pt")
-            spawn(_worker, world, a, mode, path)
-            runs[mode] = torch.load(path)
-    ref, fused = runs["logits"], runs["fused"]
-    lp_diff = float((fused["lp"] - ref["lp"]).abs().max())
-    w_diff = max(float((fused["weights"][k] - ref["weights"][k]).abs().max())
-                 for k in ref["weights"])
-    # fp32 throughout: the same GEMM rows and log-softmax in another order; the SGD steps
-    # (lr 1e-3) carry ~1e-6 log-prob differences into the weights at ~1e-9
-    same = lp_diff < 1e-4 and w_diff < 1e-6 and ref["weights"].keys() == fused["weights"].keys()
-    rows = []
-    for mode in MODES:
-        for name in ("score", "step"):
-            by_rank = [r[name] for r in runs[mode]["by_rank"]]
-            rows.append({"mode": mode, "call": name,
-                         "seconds_p50_by_rank": [statistics.median(r["seconds"])
-                                                 for r in by_rank],
-                         "seconds_by_rank": [r["seconds"] for r in by_rank],
-                         "peak_mib_by_rank": [r["peak_mib"] for r in by_rank]})
-    ratios = {}
-    for name in ("score", "step"):
-        r0 = next(r for r in rows if r["mode"] == "logits" and r["call"] == name)
-        r1 = next(r for r in rows if r["mode"] == "fused" and r["call"] == name)
-        ratios[name] = {"time_fused_over_logits": max(r1["seconds_p50_by_rank"]) /
-                        max(r0["seconds_p50_by_rank"]),
-                        "peak_fused_over_logits": max(r1["peak_mib_by_rank"]) /
-                        max(r0["peak_mib_by_rank"])}
+    runs = run_modes(_worker, args.tp * args.pp, a, MODES)
+    ref = runs["logits"]
+    # fp32 throughout: the same GEMM rows and log-softmax in another order
+    lp_diff, w_diff, same = compare_runs(ref, runs["fused"])
+    rows = call_rows(runs, MODES)
+    ratios = mode_ratios(rows, "logits", "fused")
     B, P = args.rows, args.prompt
     S = P + args.response_max
-    out = {"layout": a, "device": "cpu", "torch": torch.__version__,
-           "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-           "malloc_mmap_threshold": os.environ["MALLOC_MMAP_THRESHOLD_"],
+    out = {"layout": a, **environment(),
            "scored_tokens": ref["scored_tokens"], "positions": ref["positions"],
            "logits_mib_per_rank": B * S * args.vocab / args.tp * 4 / 2 ** 20,
            "max_abs_logprob_diff": lp_diff, "max_abs_weight_diff_after_steps": w_diff,

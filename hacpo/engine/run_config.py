@@ -67,12 +67,22 @@ class ParallelConfig:
     # tensor) or "logits" (megatron's output layer over every position, then the log-softmax);
     # hacpo/models/megatron/policy.py
     lm_head: str = "fused"
+    # 0: micro-batches of ``micro_batch`` rows (the run's), rows ordered by prompt. > 0: each
+    # DP rank's rows (its share balanced by tokens) packed longest first into micro-batches of
+    # at most this many padded tokens (rows x longest row) and ``micro_batch`` rows, for the
+    # update and the old / reference log-probs (hacpo/engine/batching.py): activation memory
+    # bounded by the budget, little padding when response lengths vary
+    micro_batch_tokens: int = 0
 
     def __post_init__(self):
         for k in ("tp", "pp", "dp", "make_vocab_size_divisible_by"):
             v = getattr(self, k)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"parallel.{k} must be an integer >= 1, got {v!r}")
+        v = self.micro_batch_tokens
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"parallel.micro_batch_tokens must be an integer >= 0 (0: "
+                             f"micro-batches of micro_batch rows), got {v!r}")
         _check_bucket_mb("parallel.weight_bucket_mb", self.weight_bucket_mb)
         if self.transformer_impl not in ("local", "transformer_engine"):
             raise ValueError(f"parallel.transformer_impl must be 'local' or "
@@ -265,7 +275,7 @@ RESUMABLE_NESTED_KEYS = {("rollout", "call_timeout_s"), ("rollout", "weight_buck
 # Per-agent keys that may change on resumption ("section.key" under agents.N).
 # how weights move or log-probs are computed, not what they are
 RESUMABLE_AGENT_KEYS = {("parallel", "weight_bucket_mb"), ("parallel", "lm_head"),
-                        ("policy", "lm_head")}
+                        ("parallel", "micro_batch_tokens"), ("policy", "lm_head")}
 
 
 def fingerprint_dict(cfg: TrainConfig) -> dict[str, Any]:

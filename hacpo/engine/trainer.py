@@ -182,6 +182,9 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
                     engine.sync_weights(k)
                 metrics.update(_view_tokens(view, names[k]))
                 metrics[f"tokens/forward_prompt/{names[k]}"] = m.pop("tokens_forward_prompt", 0.0)
+                if "tokens_update_padded" in m:     # megatron groups: what their forwards ran
+                    metrics[f"tokens/update_padded/{names[k]}"] = m.pop("tokens_update_padded")
+                    metrics[f"batch/micro_batches/{names[k]}"] = m.pop("update_micro_batches")
                 if rl:
                     for kind, vals in rl.items():
                         ratio_log[f"{names[k]}/{kind}"].append(torch.cat(vals).numpy())

@@ -21,7 +21,11 @@ One update is :func:`hacpo.engine.update.update_learner`'s, split over the ranks
 - in every minibatch the self rows and the cross rows (each ordered by prompt, as in-process)
   are cut into ``dp`` contiguous shares, one per DP rank, and those into micro-batches of
   ``b`` rows (pad rows carry no loss), each padded only to its own longest row (at PP > 1 the
-  stages exchange activation shapes); megatron-core's schedule runs them (1F1B at PP>1)
+  stages exchange activation shapes); with ``parallel.micro_batch_tokens`` the shares are
+  balanced by tokens instead and packed longest first into micro-batches of at most that many
+  padded tokens (:mod:`hacpo.engine.batching`; DP ranks may then run different numbers of
+  micro-batches, and the old log-probs are cut the same way); megatron-core's schedule runs
+  them (1F1B at PP>1)
   with the minibatch's *global* divisor in :func:`~hacpo.engine.algorithm.learner_loss`, so the
   summed gradient is the whole minibatch's; only the response tokens are scored, their
   log-probs computed vocab-parallel (``parallel.lm_head``: "fused", the default, from the final
@@ -42,8 +46,12 @@ The KL term (``loss.kl_coef > 0``, self samples only, as in-process): every rank
 frozen shard of the initial (warm-started) weights, the reference policy; its token log-probs of
 the agent's own samples are computed with the old log-probs (``time/ref_logprobs/<agent>``),
 once per step, and the ranks add ``kl_coef * low_var_kl / divisor`` to the self rows' loss.
-Checkpoints carry the reference's HF weights (``megatron.ref_hf``); a resumed run reloads them.
-The reference doubles the ranks' parameter memory (no offload).
+The reference never changes, so at the run's first save every rank writes its shard of it once
+(``<out_dir>/checkpoint-megatron/<agent>/reference-<id>/rank-<i>.pt``, atomic) and every
+checkpoint names those files with their sizes; a resumed run's ranks read their own shard (a
+missing or resized file is a clear error) and its later checkpoints name the same files.
+Checkpoints from before carry the reference's HF weights (``megatron.ref_hf``) and still
+resume. The reference doubles the ranks' parameter memory (no offload).
 
 Stage times (``time/<stage>/<agent>``) are the reporting rank's (DP 0, TP 0, last PP stage):
 ``score_self`` / ``score_cross``: its forward + log-prob + loss time of self / cross
@@ -93,6 +101,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hacpo.engine import checkpoint as ckpt
 from hacpo.engine.algorithm import learner_loss, split_minibatches
+from hacpo.engine.batching import balanced_shares, pack_micro_batches
 from hacpo.engine.agents import score_temperature
 from hacpo.engine.evaluate import evaluate_policy
 from hacpo.engine.losses import low_var_kl
@@ -214,28 +223,36 @@ class MegatronRank:
 
     # -- old log-probs --------------------------------------------------------------------------
     def old_logprobs(self, prompts: list[list[int]], responses: list[list[int]],
-                     micro_batch: int, temperature: float) -> dict | None:
-        """Token log-probs of this DP rank's contiguous share of the rows (responses already cut
-        to their scored part, none empty), from the TP 0 / PP 0 rank of each DP replica (None
-        elsewhere): {"lo": first row, "toks": [token_logp of each row], "seconds"}, plus with
-        a reference shard the reference policy's ("ref_toks", "ref_seconds"): the rows are the
-        agent's own samples, exactly the ones the KL term covers, and the reference is
-        frozen, so they are computed once per step here."""
+                     micro_batch: int, temperature: float,
+                     micro_batch_tokens: int = 0) -> dict | None:
+        """Token log-probs of this DP rank's share of the rows (responses already cut to their
+        scored part, none empty; a contiguous share, or with ``micro_batch_tokens`` one
+        balanced by tokens and packed by that budget), from the TP 0 / PP 0 rank of each DP
+        replica (None elsewhere): {"rows": the share's row indices, "toks": [token_logp of each
+        of those rows], "seconds"}, plus with a reference shard the reference policy's
+        ("ref_toks", "ref_seconds"): the rows are the agent's own samples, exactly the ones the
+        KL term covers, and the reference is frozen, so they are computed once per step
+        here."""
         p, n = self.par, len(prompts)
-        lo, hi = p.dp_rank * n // p.dp, (p.dp_rank + 1) * n // p.dp
-        out = {"lo": lo}
+        if micro_batch_tokens:
+            rows = balanced_shares([len(a) + len(r) for a, r in zip(prompts, responses)],
+                                   p.dp)[p.dp_rank]
+        else:
+            rows = list(range(p.dp_rank * n // p.dp, (p.dp_rank + 1) * n // p.dp))
+        out = {"rows": rows}
         for key, pol in (("", self.pol), ("ref_", self.ref)):
             if pol is None:
                 continue
             t = time.perf_counter()
             toks: list[torch.Tensor] = []
-            if hi > lo:     # one pipelined schedule; each micro-batch cut to its longest row
-                ps_, rs = prompts[lo:hi], responses[lo:hi]
+            if rows:        # one pipelined schedule; each micro-batch cut to its longest row
+                ps_, rs = [prompts[i] for i in rows], [responses[i] for i in rows]
                 S = max(len(a) + len(b) for a, b in zip(ps_, rs))
                 ids, targets, pos, mask = _pack(ps_, rs, len(ps_), S)
                 tl = pol.token_logprobs(ids.to(self.device), targets.to(self.device),
                                         positions=pos, mask=mask, temperature=temperature,
-                                        micro_batch_size=micro_batch).cpu()
+                                        micro_batch_size=micro_batch,
+                                        micro_batch_tokens=micro_batch_tokens or None).cpu()
                 toks = [tl[i, :len(r)].clone() for i, r in enumerate(rs)]
             out[f"{key}toks"], out[f"{key}seconds"] = toks, time.perf_counter() - t
         if p.tp_rank != 0 or p.pp_rank != 0:
@@ -260,6 +277,10 @@ class MegatronRank:
         def key(j):
             return (len(view.prompt_ids[j]), tuple(view.prompt_ids[j]), len(view.response_ids[j]))
 
+        budget = req["micro_batch_tokens"]
+        lens = [len(a) + len(r) for a, r in zip(view.prompt_ids, view.response_ids)]
+        n_micro = n_padded = 0
+
         for m, mb_list in enumerate(req["minibatches"]):
             if algo.token_level:
                 divisor = sum(len(view.response_ids[j]) for j in mb_list)
@@ -267,22 +288,32 @@ class MegatronRank:
                 divisor = len(mb_list)
             parts = {part: sorted((j for j in mb_list if is_self[j] == (part == "self")),
                                   key=key) for part in ("self", "cross")}
-            shares = {part: [rows[d * len(rows) // p.dp:(d + 1) * len(rows) // p.dp]
-                             for d in range(p.dp)] for part, rows in parts.items()}
-            b = max(1, min(req["micro_batch"],
-                           max(len(s) for sh in shares.values() for s in sh)))
+            if budget:      # token-balanced DP shares, packed longest first (batching.py)
+                groups = {part: pack_micro_batches(
+                    lens, budget, req["micro_batch"], balanced_shares(lens, p.dp, rows)[p.dp_rank])
+                    for part, rows in parts.items()}
+            else:           # contiguous DP shares, micro-batches of b rows (pad rows: no loss)
+                shares = {part: [rows[d * len(rows) // p.dp:(d + 1) * len(rows) // p.dp]
+                                 for d in range(p.dp)] for part, rows in parts.items()}
+                b = max(1, min(req["micro_batch"],
+                               max(len(s) for sh in shares.values() for s in sh)))
+                groups = {part: [sh[p.dp_rank][s:s + b]
+                                 for s in range(0, len(sh[p.dp_rank]), b)]
+                          for part, sh in shares.items()}
             micro = []
             for part in ("self", "cross"):
-                mine = shares[part][p.dp_rank]
-                for s in range(0, len(mine), b):
-                    js = mine[s:s + b]
+                for js in groups[part]:
                     # padded to this micro-batch's longest row only (shapes may differ)
-                    S = max(len(view.prompt_ids[j]) + len(view.response_ids[j]) for j in js)
                     micro.append((part, js, _pack([view.prompt_ids[j] for j in js],
-                                                  [view.response_ids[j] for j in js], b, S)))
+                                                  [view.response_ids[j] for j in js],
+                                                  len(js) if budget else b,
+                                                  max(lens[j] for j in js))))
             if not micro:                     # no rows here: one pad micro-batch keeps the
-                micro.append(("self", [], _pack([], [], b, 1)))   # schedule and DP in step
+                micro.append(("self", [], _pack([], [], 1, 1)))   # schedule and DP in step
             S = max(m[2][0].shape[1] for m in micro)
+            b_max = max(m[2][0].shape[0] for m in micro)
+            n_micro += len(micro)
+            n_padded += sum(m[2][0].numel() for m in micro)
             ctx = {"total": torch.zeros((), device=self.device), "fwd": defaultdict(float),
                    "new_lp": {}, "tl": {}, "kl": {}}
 
@@ -305,7 +336,7 @@ class MegatronRank:
             self.opt.zero_grad()
             t0 = time.perf_counter()
             fb(forward_step_func=forward_step, data_iterator=iter(micro), model=[self.pol.model],
-               num_microbatches=len(micro), seq_length=S, micro_batch_size=b,
+               num_microbatches=len(micro), seq_length=S, micro_batch_size=b_max,
                forward_only=False)
             sched = time.perf_counter() - t0
             self.pol.model.eval()
@@ -346,8 +377,8 @@ class MegatronRank:
                 streak += 1
                 if streak >= req["max_nonfinite"]:
                     break
-        return {"minibatches": out, "times": dict(times),
-                "dp_rank": p.dp_rank, "reporter": self.reporter}
+        return {"minibatches": out, "times": dict(times), "micro_batches": n_micro,
+                "padded_tokens": n_padded, "dp_rank": p.dp_rank, "reporter": self.reporter}
 
     def _loss(self, output, targets, pos, mask, part, js, m, divisor, req, ctx):
         """learner_loss of a micro-batch's real rows (the first ``len(js)``) with the
@@ -389,16 +420,13 @@ class MegatronRank:
         return loss
 
     # -- weights and checkpoints ----------------------------------------------------------------
-    def hf_weights(self, units: list | None = None,
-                   reference: bool = False) -> dict[str, torch.Tensor] | None:
-        """The HF-named weights of ``units`` (None: all) of the policy (``reference``: of the
-        KL reference), a collective of the group: on rank 0, None elsewhere (no rank holds
-        more than its shard and these units; see ``MegatronPolicy.hf_state_of_units``)."""
+    def hf_weights(self, units: list | None = None) -> dict[str, torch.Tensor] | None:
+        """The policy's HF-named weights of ``units`` (None: all), a collective of the group:
+        on rank 0, None elsewhere (no rank holds more than its shard and these units; see
+        ``MegatronPolicy.hf_state_of_units``)."""
         from hacpo.models.megatron import hf_units
 
-        pol = self.ref if reference else self.pol
-        if pol is None:
-            raise RuntimeError(f"agent {self.agent!r}: this group has no reference policy")
+        pol = self.pol
         sd = pol.hf_state_of_units(hf_units(pol.arch) if units is None else
                                    [tuple(u) for u in units])
         return {k: v.detach().cpu().clone() for k, v in sd.items()} if sd is not None else None
@@ -409,21 +437,33 @@ class MegatronRank:
         ckpt.save_atomic(self.opt.state_dict(), path)
         return {"path": path, "bytes": os.path.getsize(path)}
 
+    def save_reference(self, path: str) -> dict:
+        """Write this rank's shard of the frozen KL reference (megatron names, on the host) to
+        ``path`` (atomic, fsynced); returns {"path", "bytes"}."""
+        if self.ref is None:
+            raise RuntimeError(f"agent {self.agent!r}: this group has no reference policy")
+        ckpt.save_atomic({k: v.cpu() for k, v in self.ref.local_state().items()}, path)
+        return {"path": path, "bytes": os.path.getsize(path)}
+
     def load(self, hf: dict[str, torch.Tensor], optim_state: dict | str,
-             ref_hf: dict[str, torch.Tensor] | None = None) -> int:
+             ref: dict[str, torch.Tensor] | str | None = None) -> int:
         """Load full HF-named weights (this rank's shard of them), this rank's optimizer state
         (a state dict, or the path of the file :meth:`save_optim` wrote) and, with a reference
-        shard, the reference's HF-named weights."""
+        shard, the reference: HF-named weights, or the path of this rank's shard file
+        (:meth:`save_reference`)."""
         from hacpo.models.megatron import hf_to_megatron, load_megatron_state
 
         p = self.par
-        for pol, weights in ((self.pol, hf), (self.ref, ref_hf)):
+        for pol, weights in ((self.pol, hf), (self.ref, ref)):
             if pol is None:
                 continue
             if weights is None:
                 raise ValueError(f"agent {self.agent!r}: no reference weights to load")
-            state = hf_to_megatron(weights, pol.arch, tp=p.tp, tp_rank=p.tp_rank, pp=p.pp,
-                                   pp_rank=p.pp_rank, transformer_impl=pol.transformer_impl)
+            if isinstance(weights, str):        # this rank's shard, as save_reference wrote it
+                state = ckpt.load(weights)
+            else:
+                state = hf_to_megatron(weights, pol.arch, tp=p.tp, tp_rank=p.tp_rank, pp=p.pp,
+                                       pp_rank=p.pp_rank, transformer_impl=pol.transformer_impl)
             with torch.no_grad():
                 load_megatron_state(pol.module, {k: v.to(self.device) for k, v in state.items()})
         if isinstance(optim_state, str):
@@ -506,6 +546,9 @@ class MegatronAgents:
         # optimizer shards each megatron agent's ranks wrote for the checkpoint being saved
         # (a directory under shard_root(k)); checkpoint_saved() keeps only those
         self._shard_dirs: list[str | None] = [None] * len(policies)
+        # the KL reference is frozen: its shards are written once per run (first save, or
+        # named by the checkpoint a run resumed from) and every later checkpoint names them
+        self._ref_files: list[list[dict] | None] = [None] * len(policies)
         self.cluster: RayCluster | None = None
         worlds = [a.parallel.world if a.trainer == "megatron" else 1 for a in cfg.agents]
         need = sum(worlds) * self.threads
@@ -664,7 +707,8 @@ class MegatronAgents:
             keep = [(i, n) for i, n in zip(idx, lens) if n > 0]
             prompts = [prompt_ids[k][int(pool.prompt[i])] for i, _ in keep]
             resps = [pool.response_ids[i][:n] for i, n in keep]
-            jobs.append((keep, [r.old_logprobs.remote(prompts, resps, micro_batch, temperature)
+            jobs.append((keep, [r.old_logprobs.remote(prompts, resps, micro_batch, temperature,
+                                                      g.par.micro_batch_tokens)
                                 for r in g.ranks]))
         for k, (keep, refs) in enumerate(jobs):
             seconds = 0.0
@@ -681,14 +725,14 @@ class MegatronAgents:
                 if res is None:
                     continue
                 seconds = max(seconds, res["seconds"])
-                for j, t in enumerate(res["toks"]):
-                    i = keep[res["lo"] + j][0]
+                for row, t in zip(res["rows"], res["toks"]):
+                    i = keep[row][0]
                     toks[i] = t
                     lp[i] = t.mean()
                 if "ref_toks" in res:
                     ref_seconds = max(ref_seconds, res["ref_seconds"])
-                    for j, t in enumerate(res["ref_toks"]):
-                        self._ref_tl[k][keep[res["lo"] + j][0]] = t
+                    for row, t in zip(res["rows"], res["ref_toks"]):
+                        self._ref_tl[k][keep[row][0]] = t
             key = f"time/old_logprobs/{self.names[k]}"
             sw[key] = sw.get(key, 0.0) + seconds
             if self.kl:
@@ -721,6 +765,7 @@ class MegatronAgents:
                "kl_coef": algo.loss.kl_coef, "ref_token_logp": ref_tl,
                "old_token_logp": pool.old_token_logp if algo.token_level else [],
                "minibatches": mbs, "micro_batch": cfg.micro_batch,
+               "micro_batch_tokens": self._groups[k].par.micro_batch_tokens,
                "temperature": score_temperature(cfg), "streak": nonfinite["streak"],
                "max_nonfinite": cfg.max_nonfinite}
         results = self._gather(k, [r.update.remote(req) for r in self._groups[k].ranks])
@@ -769,6 +814,11 @@ class MegatronAgents:
         sums["trained_samples"] = float(n)
         sums["trained_self"] = float(view.is_self.sum())
         sums["trained_cross"] = float((~view.is_self).sum())
+        # what the DP replicas' forwards ran on (one reporting rank each), all minibatches
+        sums["tokens_update_padded"] = float(sum(r["padded_tokens"] for r in results
+                                                 if r["reporter"]))
+        sums["update_micro_batches"] = float(sum(r["micro_batches"] for r in results
+                                                 if r["reporter"]))
         return dict(sums)
 
     def _update_torch(self, k, view, pool, generator, nonfinite, ratio_log, sw):
@@ -807,20 +857,14 @@ class MegatronAgents:
             sd.pop("lm_head.weight", None)
         return sd
 
-    def _stream_weights(self, k: int, reference: bool = False):
+    def _stream_weights(self, k: int):
         """Agent k's HF-named weights bucket by bucket (each bucket one collective call of the
         group: rank 0 holds at most its shard plus one bucket, the driver one bucket)."""
         g = self._groups[k]
         buckets = self._buckets(k)
         self.weight_buckets[k] = len(buckets)
         for units in buckets:
-            yield self._gather(k, [r.hf_weights.remote(units, reference) for r in g.ranks])[0]
-
-    def _weights(self, k: int, reference: bool = False) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        for bucket in self._stream_weights(k, reference):
-            out.update(bucket)
-        return out
+            yield self._gather(k, [r.hf_weights.remote(units) for r in g.ranks])[0]
 
     def pull_weights(self, k: int) -> None:
         """Stream agent k's trained shards as HF weights into the driver's policy (what every
@@ -859,8 +903,15 @@ class MegatronAgents:
         check_shards_visible(written, f"agent {self.names[k]!r}")
         meg = {**self._layout(k), "optim_files": [os.path.relpath(w["path"], self.out_dir)
                                                   for w in written]}
-        if self.kl:                          # the KL reference (HF names), as ref_model is
-            meg["ref_hf"] = self._weights(k, reference=True)
+        if self.kl:                          # the KL reference's shards, written once
+            if self._ref_files[k] is None:
+                ref_dir = os.path.join(self.shard_root(k), f"reference-{uuid.uuid4().hex[:12]}")
+                refs = self._gather(k, [r.save_reference.remote(
+                    os.path.join(ref_dir, f"rank-{i}.pt")) for i, r in enumerate(g.ranks)])
+                check_shards_visible(refs, f"agent {self.names[k]!r} (KL reference)")
+                self._ref_files[k] = [{"path": os.path.relpath(w["path"], self.out_dir),
+                                       "bytes": w["bytes"]} for w in refs]
+            meg["ref_files"] = self._ref_files[k]
         return {"model": self.policies[k].state_dict(), "megatron": meg}
 
     def load_state_dict(self, k: int, sd: dict[str, Any]) -> None:
@@ -880,12 +931,29 @@ class MegatronAgents:
             raise ValueError(f"agent {name!r}: the checkpoint's megatron layout {have} differs "
                              f"from this run's {want}; optimizer state is per rank and is not "
                              f"resharded: resume with the checkpoint's layout")
-        ref_hf = meg.get("ref_hf")
-        if self.kl and ref_hf is None:
+        ref = meg.get("ref_hf")          # a checkpoint from before: HF-named weights
+        g = self._groups[k]
+        if self.kl and "ref_files" in meg:  # the ranks' own shards (written once per run)
+            files = meg["ref_files"]
+            if len(files) != len(g.ranks):
+                raise ValueError(f"agent {name!r}: the checkpoint names {len(files)} KL "
+                                 f"reference shards for {len(g.ranks)} ranks")
+            bad = []
+            for f in files:
+                path = os.path.join(self.out_dir, f["path"])
+                seen = os.path.getsize(path) if os.path.isfile(path) else None
+                if seen != f["bytes"]:
+                    bad.append(f"{f['path']} ({'missing' if seen is None else f'{seen} bytes'}"
+                               f", written with {f['bytes']})")
+            if bad:
+                raise ValueError(f"agent {name!r}: the checkpoint's KL reference shards are "
+                                 f"missing or changed: {', '.join(bad)}")
+            ref = [os.path.join(self.out_dir, f["path"]) for f in files]
+            self._ref_files[k] = list(files)
+        if self.kl and ref is None:
             raise ValueError(f"agent {name!r}: the checkpoint holds no KL reference weights "
                              f"(written with algorithm.loss.kl_coef=0?); it cannot resume a run "
                              f"with the KL term")
-        g = self._groups[k]
         if "optim_files" in meg:            # written by the ranks (module docstring)
             optim = [os.path.join(self.out_dir, f) for f in meg["optim_files"]]
             if len(optim) != len(g.ranks):
@@ -900,8 +968,12 @@ class MegatronAgents:
             optim = meg["optim"]
         self.policies[k].load_state_dict(sd["model"])
         hf = {key: v for key, v in self.policies[k].model.state_dict().items()}
-        hf_ref, ref_ref = ray.put(hf), ray.put(ref_hf) if self.kl else None   # one copy each
-        self._gather(k, [r.load.remote(hf_ref, optim[i], ref_ref)
+        hf_ref = ray.put(hf)                                   # one copy for all ranks
+        if isinstance(ref, list):
+            refs = ref                                         # a shard file per rank
+        else:
+            refs = [ray.put(ref) if self.kl else None] * len(g.ranks)
+        self._gather(k, [r.load.remote(hf_ref, optim[i], refs[i])
                          for i, r in enumerate(g.ranks)])
 
     def checkpoint_saved(self) -> None:
@@ -911,10 +983,14 @@ class MegatronAgents:
         for k, d in enumerate(self._shard_dirs):
             if d is None:
                 continue
+            keep = {d}
+            if self._ref_files[k]:                 # the KL reference's shards (written once)
+                keep.add(os.path.dirname(os.path.join(self.out_dir,
+                                                      self._ref_files[k][0]["path"])))
             root = self.shard_root(k)
             for other in os.listdir(root) if os.path.isdir(root) else ():
                 path = os.path.join(root, other)
-                if path != d and os.path.isdir(path):
+                if path not in keep and os.path.isdir(path):
                     shutil.rmtree(path, ignore_errors=True)
 
     def evaluate(self, prompt_ids: list[list[list[int]]], golds: list[str], rc,

@@ -83,7 +83,8 @@ def test_config_diff_ignores_fields_added_after_a_checkpoint_at_their_default():
 
 def test_weight_bucket_sizes_are_resumable_and_validated():
     """How weights move (rollout / megatron bucket sizes) and how megatron computes log-probs
-    (parallel.lm_head, policy.lm_head) may change on resumption, like time limits; the layout
+    (parallel.lm_head, policy.lm_head) and how megatron cuts micro-batches
+    (parallel.micro_batch_tokens) may change on resumption, like time limits; the layout
     may not. Non-positive sizes and an unknown lm_head are clear errors."""
     from hacpo.engine.run_config import config_diff, fingerprint_dict, load_config
     cfg = load_config("tiny3")
@@ -91,8 +92,14 @@ def test_weight_bucket_sizes_are_resumable_and_validated():
     b = fingerprint_dict(cfg.override({"rollout.weight_bucket_mb": 8,
                                        "agents.0.parallel.weight_bucket_mb": 0.5,
                                        "agents.0.parallel.lm_head": "logits",
+                                       "agents.0.parallel.micro_batch_tokens": 4096,
                                        "agents.1.policy.lm_head": "fused"}))
     assert config_diff(a, b) == []
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=rf"parallel.micro_batch_tokens must be an integer "
+                                             rf">= 0 \(0: micro-batches of micro_batch rows\), "
+                                             rf"got {bad}"):
+            cfg.override({"agents.0.parallel.micro_batch_tokens": bad})
     with pytest.raises(ValueError, match=r"policy.lm_head must be one of logits, fused, got "
                                          r"'full'"):
         cfg.override({"agents.1.policy.lm_head": "full"})

@@ -38,3 +38,34 @@ def test_tp2pp2_and_pp2dp2_one_step_equals_torch_trainer(tmp_path):
             assert meg[0][f"time/{stage}/{name}"] > 0, (stage, name)
     _check_weights(_weights(tmp_path, "meg"), _weights(tmp_path, "torch"),
                    _initial_weights(tmp_path, AGENTS), NAMES)
+
+
+
+# parallel.micro_batch_tokens at PP=2 x DP=2 (token-balanced DP shares; micro-batches of 2 rows
+# and of 1 row through the 1F1B schedule: 3 prompts x G=2 = 6 own rows of ~45 tokens, 3 per DP
+# rank, a budget of 100 tokens) next to TP=2 (rows of ~100 characters, 210 tokens: 2 rows
+# each); both also score their old log-probs by the budget. Every row is shorter than its
+# budget, so every micro-batch holds at most its budget of padded tokens.
+BUDGETS = {"llama-pp2dp2-tok": 100, "char-tp2-tok": 210}
+BUDGET_AGENTS = (("llama-pp2dp2-tok", "llama3.2",
+                  ParallelConfig(pp=2, dp=2, micro_batch_tokens=BUDGETS["llama-pp2dp2-tok"])),
+                 ("char-tp2-tok", "char",
+                  ParallelConfig(tp=2, micro_batch_tokens=BUDGETS["char-tp2-tok"])))
+
+
+def test_token_budget_micro_batches_equal_torch_trainer(tmp_path):
+    """One step with ``parallel.micro_batch_tokens`` (hacpo/engine/batching.py) equals the
+    torch trainer's: the budget changes how rows are cut, not the loss or its gradient."""
+    names = [a[0] for a in BUDGET_AGENTS]
+    over = {"prompts_per_step": 3, "algorithm.num_minibatches": 1}
+    train(megatron_cfg(tmp_path, "torch", "torch", BUDGET_AGENTS, **over), echo=lambda *_: None)
+    train(megatron_cfg(tmp_path, "meg", "megatron", BUDGET_AGENTS, **over), echo=lambda *_: None)
+    meg, ref = _rows(tmp_path, "meg"), _rows(tmp_path, "torch")
+    _check_metrics(meg[0], ref[0], names)
+    for name in names:
+        n, padded = meg[0][f"batch/micro_batches/{name}"], meg[0][f"tokens/update_padded/{name}"]
+        real = meg[0][f"tokens/forward_self/{name}"] + meg[0][f"tokens/forward_cross/{name}"]
+        # budget packing: several micro-batches, none over its budget, padding included
+        assert n >= 3 and padded >= real and padded <= n * BUDGETS[name], (name, n, padded)
+    _check_weights(_weights(tmp_path, "meg"), _weights(tmp_path, "torch"),
+                   _initial_weights(tmp_path, BUDGET_AGENTS), names)

@@ -159,14 +159,19 @@ def test_one_step_equals_torch_trainer(tmp, torch_runs, megatron_step1):
     assert summary["before"] == torch_runs[0]["before"]
 
 
-def _initial_weights(tmp, agents=AGENTS):
-    """The agents' weights before RL (the warm start both runs share)."""
+def _warm_policies(tmp, agents=AGENTS):
+    """The agents' policies before RL (the warm start both runs share)."""
     from hacpo.engine import build
     cfg = megatron_cfg(tmp, "torch1", "torch", agents)
     data = build.load_data(cfg)
     pols = build.build_policies(cfg, data)
     build.warm_start(cfg, data, pols, echo=lambda *_: None)
-    return {p.name: p.state_dict() for p in pols}
+    return pols
+
+
+def _initial_weights(tmp, agents=AGENTS):
+    """The agents' weights before RL (the warm start both runs share)."""
+    return {p.name: p.state_dict() for p in _warm_policies(tmp, agents)}
 
 
 def _shard_dirs(tmp, name):
@@ -252,24 +257,68 @@ def test_resumed_second_step_equals_torch_two_steps(cluster, tmp, torch_runs, me
 KL = {"algorithm.loss.kl_coef": 1.0}
 
 
+def _check_reference_shards(tmp, run: str, agents=AGENTS) -> dict[str, list[str]]:
+    """Every rank's KL reference shard file, as the run's checkpoint names them (with their
+    sizes), equals its shard of the warm start (the reference never trains). Returns
+    {agent: the files}."""
+    from hacpo.models.megatron import hf_to_megatron
+    from hacpo.models.megatron.build import ArchSpec
+
+    named = {a["name"]: a["megatron"]["ref_files"]
+             for a in ckpt.load(tmp / run / "checkpoint.pt")["agents"]}
+    for pol, (name, _, par) in zip(_warm_policies(tmp, agents), agents):
+        arch = ArchSpec.from_hf(pol.model.config)
+        assert len(named[name]) == par.world, name
+        for i, f in enumerate(named[name]):
+            path = tmp / run / f["path"]
+            assert path.stat().st_size == f["bytes"] and f["path"].startswith(
+                f"checkpoint-megatron/{name}/reference-"), f
+            want = hf_to_megatron(pol.model.state_dict(), arch, tp=par.tp, tp_rank=i % par.tp,
+                                  pp=par.pp, pp_rank=i // (par.tp * par.dp))
+            got = ckpt.load(path)
+            assert got.keys() == want.keys(), (name, i)
+            assert all(torch.equal(got[k], want[k]) for k in want), (name, i)
+    return {name: [f["path"] for f in files] for name, files in named.items()}
+
+
 def test_kl_term_one_step_and_resume_equal_torch_trainer(cluster, tmp, torch_runs):
     """loss.kl_coef > 0 (a frozen reference shard on every rank, its log-probs computed with
     the old log-probs): one step, and a resumed second step (the reference reloaded from the
     checkpoint, not rebuilt from the resumed weights), equal the torch trainer's two steps with
     the same KL term; the term moves the weights well beyond the tolerance (against the no-KL
-    torch run), so leaving it out, or a wrong reference at step 2, fails. The step-1
-    checkpoint is first rewritten in the format from before the ranks wrote their optimizer
-    shards (the states inside the file, no shard files): it must still resume exactly."""
+    torch run), so leaving it out, or a wrong reference at step 2, fails.
+
+    The ranks write their reference shards once (checked against the warm start); agent 1
+    resumes from them. Agent 0's part of the step-1 checkpoint is first rewritten in the format
+    from before the ranks wrote shards (optimizer states and the reference's HF weights inside
+    the file, its shard files deleted): it must still resume exactly, and its step-2 save
+    writes reference shards anew. A run whose reference shard changed cannot resume."""
     ref_run = train(megatron_cfg(tmp, "kl-torch", "torch", steps=2, **KL), echo=lambda *_: None)
     train(megatron_cfg(tmp, "kl-meg", "megatron", **KL), echo=lambda *_: None)
     free_cpus_back()
+    before = _initial_weights(tmp)
+    refs1 = _check_reference_shards(tmp, "kl-meg")
+    # a changed shard file (here: truncated) is a clear error, before any rank loads it
+    shutil.copytree(tmp / "kl-meg", tmp / "kl-broken")
+    with open(tmp / "kl-broken" / refs1[NAMES[1]][0], "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(ValueError, match=rf"agent '{NAMES[1]}': the checkpoint's KL reference "
+                                         rf"shards are missing or changed: .*rank-0\.pt "
+                                         rf"\(100 bytes, written with \d+\)"):
+        train(megatron_cfg(tmp, "kl-broken", "megatron", steps=2, **KL), resume=True,
+              echo=lambda *_: None)
+    free_cpus_back()
     path = tmp / "kl-meg" / "checkpoint.pt"
     state = ckpt.load(path)
-    for a in state["agents"]:
-        files = a["megatron"].pop("optim_files")
-        a["megatron"]["optim"] = [ckpt.load(tmp / "kl-meg" / f) for f in files]
+    old = state["agents"][0]
+    assert old["name"] == NAMES[0]
+    files = old["megatron"].pop("optim_files")
+    old["megatron"]["optim"] = [ckpt.load(tmp / "kl-meg" / f) for f in files]
+    old["megatron"].pop("ref_files")
+    old["megatron"]["ref_hf"] = {k[len("model."):]: v for k, v in before[NAMES[0]].items()
+                                 if k.startswith("model.")}      # the warm start, HF names
     ckpt.save_atomic(state, str(path))
-    shutil.rmtree(tmp / "kl-meg" / "checkpoint-megatron")
+    shutil.rmtree(tmp / "kl-meg" / "checkpoint-megatron" / NAMES[0])
     summary = train(megatron_cfg(tmp, "kl-meg", "megatron", steps=2, **KL), resume=True,
                     echo=lambda *_: None)
     free_cpus_back()
@@ -280,17 +329,17 @@ def test_kl_term_one_step_and_resume_equal_torch_trainer(cluster, tmp, torch_run
         for name in NAMES:
             assert b[f"train/{name}/kl"] > 1e-6, name         # the reference is not the policy
             assert a[f"time/ref_logprobs/{name}"] > 0
-    before = _initial_weights(tmp)
     _check_weights(_weights(tmp, "kl-meg"), _weights(tmp, "kl-torch"), before)
     no_kl, with_kl = _weights(tmp, "torch2"), _weights(tmp, "kl-torch")
     for name in NAMES:
         gap = max((with_kl[name][k] - no_kl[name][k]).abs().max().item() for k in no_kl[name])
         assert gap > 10 * W_ATOL, f"{name}: the KL term barely moved the weights ({gap:.1e})"
-    ck = ckpt.load(tmp / "kl-meg" / "checkpoint.pt")["agents"]
-    for a in ck:                   # the reference is the warm start: unchanged by training
-        w0 = before[a["name"]]
-        assert all(torch.equal(a["megatron"]["ref_hf"][k], w0[f"model.{k}"])
-                   for k in a["megatron"]["ref_hf"]), a["name"]
+    refs2 = _check_reference_shards(tmp, "kl-meg")
+    assert refs2[NAMES[1]] == refs1[NAMES[1]]          # named again, not written again
+    assert refs2[NAMES[0]] != refs1[NAMES[0]]          # written from the old-format resume
+    for name in NAMES:      # kept: this save's optimizer shards and the reference's
+        root = tmp / "kl-meg" / "checkpoint-megatron" / name
+        assert len(list(root.iterdir())) == 2, sorted(p.name for p in root.iterdir())
     assert set(summary["after"]) == set(NAMES) and ref_run["before"] == summary["before"]
 
 

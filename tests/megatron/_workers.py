@@ -248,6 +248,11 @@ def parallel_step_worker(rank, world, tp, pp, micro_rows, cases, optimizers, out
                 # [3, 8] and [1, 7] (at PP=2 the stages exchange these shapes)
                 res["lp_at"] = pol.token_logprobs(ids, targets, positions=pos, mask=mask,
                                                   micro_batch_size=3)
+                # a budget of 14 padded tokens: rows of length 8, 6, 1, 7 (up to their last
+                # scored position) packed longest first into [row 0] [rows 3, 1] [row 2]:
+                # shapes [1, 8], [2, 7], [1, 1], not in row order
+                res["lp_tok"] = pol.token_logprobs(ids, targets, positions=pos, mask=mask,
+                                                   micro_batch_size=3, micro_batch_tokens=14)
                 ref = hf_state_dict(hf)
                 back = pol.hf_state_dict()
                 res["same"] = back.keys() == ref.keys() and all(

@@ -74,6 +74,8 @@ def _check_positions(res, case):
     torch.testing.assert_close(res["lp_at"][mask], at[mask], atol=1e-6, rtol=0, msg=str(case))
     assert (res["lp_at"][~mask] == 0).all(), f"{case}: a masked-out position was scored"
     assert (at[mask] != 0).all(), f"{case}: a zero log-prob would hide the mask check"
+    # packed by a token budget (rows out of order, see _workers): the same, in row order
+    torch.testing.assert_close(res["lp_tok"], res["lp_at"], atol=1e-6, rtol=0, msg=str(case))
 
 
 def _check_padding(par, case, tp):

@@ -98,7 +98,7 @@ def _rank_logprobs(agents, k, world, prompts, responses):
     refs = [agents.rank_actor(k, r).old_logprobs.remote(prompts, responses, 4, 1.0)
             for r in range(world)]
     got = [x for x in ray.get(refs, timeout=120) if x is not None]
-    assert len(got) == 1 and got[0]["lo"] == 0, got
+    assert len(got) == 1 and got[0]["rows"] == list(range(len(responses))), got
     return [t.tolist() for t in got[0]["toks"]]
 
 

@@ -30,7 +30,8 @@ the real V-way softmax. Micro-batches run through megatron-core's own schedule
 (``get_forward_backward_func``: no pipelining at PP=1, 1F1B at PP>1); they may differ in shape
 (at PP > 1 the stages exchange activation shapes, ``variable_seq_lengths``), so each is padded
 only to its own longest row, and :meth:`token_logprobs` cuts each micro-batch after its last
-scored position (a causal model: later tokens do not change earlier log-probs).
+scored position (a causal model: later tokens do not change earlier log-probs); with
+``micro_batch_tokens`` it packs the rows by a token budget (:mod:`hacpo.engine.batching`).
 
 Loss convention (pass the divisor in): ``loss_fn`` returns a loss already divided by the *global*
 divisor (e.g. the number of samples of the whole minibatch across micro-batches and DP ranks);
@@ -338,35 +339,52 @@ class MegatronPolicy:
     @torch.no_grad()
     def token_logprobs(self, input_ids: torch.Tensor, targets: torch.Tensor, *,
                        positions: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                       temperature: float = 1.0, micro_batch_size: int | None = None):
+                       temperature: float = 1.0, micro_batch_size: int | None = None,
+                       micro_batch_tokens: int | None = None):
         """input_ids [B, S], targets [B, S] (global token ids; usually ids shifted by one) ->
         log p(targets) [B, S] float32 on every rank (computed on the last PP stage); with
         ``positions`` / ``mask`` [B, T] only those positions: [B, T] (see :meth:`logprobs_at`),
-        each micro-batch cut after its last scored position. Micro-batches of
-        ``micro_batch_size`` rows (the last one may be smaller), one pipelined schedule."""
+        each micro-batch cut after its last scored position. One pipelined schedule over
+        micro-batches of ``micro_batch_size`` rows in order (the last one may be smaller), or
+        with ``micro_batch_tokens`` rows packed longest first (a row's length: up to its last
+        scored position) into micro-batches of at most that many padded tokens and
+        ``micro_batch_size`` rows (:func:`hacpo.engine.batching.pack_micro_batches`); the
+        result is in the input's row order either way."""
+        from hacpo.engine.batching import pack_micro_batches
+
         B, S = input_ids.shape
         if (positions is None) != (mask is None):
             raise ValueError("pass positions and mask together")
         mbs = micro_batch_size or B
         if mbs < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {mbs}")
-        mbs_list = []
-        for i in range(0, B, mbs):
-            if positions is None:
-                mbs_list.append({"input_ids": input_ids[i:i + mbs],
-                                 "targets": targets[i:i + mbs]})
-                continue
-            pos, m = positions[i:i + mbs], mask[i:i + mbs]
+        if positions is None:
+            lens = [S] * B
+        else:
             # causal: nothing after the last scored position changes the scored log-probs
-            s = int(pos[m].max()) + 1 if bool(m.any()) else 1
-            if s > S:
-                raise ValueError(f"positions must lie in [0, {S}), got {s - 1}")
-            mbs_list.append({"input_ids": input_ids[i:i + mbs, :s],
-                             "targets": targets[i:i + mbs, :s], "positions": pos,
-                             "positions_mask": m})
+            last = torch.where(mask, positions, torch.full_like(positions, -1)).max(dim=1)
+            lens = (last.values + 1).clamp(min=1).tolist() if B else []
+            if lens and max(lens) > S:
+                raise ValueError(f"positions must lie in [0, {S}), got {max(lens) - 1}")
+        if micro_batch_tokens is not None:
+            groups = pack_micro_batches(lens, micro_batch_tokens, mbs)
+        else:
+            groups = [list(range(i, min(i + mbs, B))) for i in range(0, B, mbs)]
+        mbs_list = []
+        for g in groups:
+            idx, s = torch.tensor(g), max(lens[j] for j in g)
+            mb = {"input_ids": input_ids[idx, :s], "targets": targets[idx, :s]}
+            if positions is not None:
+                mb.update(positions=positions[idx], positions_mask=mask[idx])
+            mbs_list.append(mb)
         self.model.eval()
         out = self._run(mbs_list, forward_only=True, temperature=temperature, loss_fn=None)
-        lp = torch.cat([o["logprobs"] for o in out]) if self.par.last_stage else None
+        lp = None
+        if self.par.last_stage:
+            got = torch.cat([o["logprobs"] for o in out])
+            lp = torch.empty_like(got)
+            order = torch.tensor([j for g in groups for j in g], device=got.device)
+            lp[order] = got                                  # back to the input's row order
         return self._from_last_stage(lp, (B, S if positions is None else positions.shape[1]))
 
     # -- training -------------------------------------------------------------------------------
