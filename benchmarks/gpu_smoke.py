@@ -213,6 +213,13 @@ def run(args, results: dict, timings: list) -> None:
         err_heads = float((lp - lp_other).abs().max())
         results.setdefault("logprob_max_abs_diff_lm_heads", {})[name] = err_heads
         checks[f"{name}/lm_heads_agree"] = err_heads <= tol
+        # parallel.micro_batch_tokens' packing: a budget of 3 rows' tokens packs the 4 probe
+        # rows into 2 micro-batches of 3 rows and 1; the result comes back in row order
+        lp_tok = pol.token_logprobs(ids[:, :-1], ids[:, 1:], micro_batch_size=4,
+                                    micro_batch_tokens=3 * (ids.shape[1] - 1))
+        err_tok = float((lp - lp_tok).abs().max())
+        results.setdefault("logprob_max_abs_diff_token_budget", {})[name] = err_tok
+        checks[f"{name}/token_budget_agrees"] = err_tok <= tol
         hfs[name] = hf.cpu()
         before[name] = {k: v.detach().cpu().clone() for k, v in back.items()}
         log(f"{name}: weights round-trip {'exact' if same else 'DIFFER'}; "

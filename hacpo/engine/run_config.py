@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from hacpo.models.policy import LM_HEADS, PolicyConfig
@@ -116,6 +116,15 @@ class AgentConfig:
                              f"{', '.join(LM_HEADS)}, got {self.policy.lm_head!r}")
         if self.trainer == "megatron":
             _check_megatron_agent(self)
+        else:       # a layout asked for where nothing would use it: say so, never ignore it
+            default = ParallelConfig()
+            set_ = [f"parallel.{f.name}={getattr(self.parallel, f.name)!r}"
+                    for f in fields(ParallelConfig)
+                    if getattr(self.parallel, f.name) != getattr(default, f.name)]
+            if set_:
+                raise ValueError(f"agent {self.policy.name!r}: {', '.join(set_)} only apply to "
+                                 f"trainer=megatron, but this agent has trainer="
+                                 f"{self.trainer!r}")
 
 
 def _check_megatron_agent(a: AgentConfig) -> None:

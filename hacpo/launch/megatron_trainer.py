@@ -748,7 +748,8 @@ class MegatronAgents:
             return self._update_torch(k, view, pool, generator, nonfinite, ratio_log, sw)
         n = view.idx.numel()
         if n == 0:
-            return {"trained_samples": 0.0}
+            return {"trained_samples": 0.0, "tokens_update_padded": 0.0,
+                    "update_micro_batches": 0.0}         # the same keys every step
         M = algo.num_minibatches * algo.minibatch_factor
         mbs = [mb.tolist() for mb in split_minibatches(
             pool.prompt[view.idx], view.is_self, M, algo.minibatch_order, generator)]

@@ -87,7 +87,10 @@ def test_weight_bucket_sizes_are_resumable_and_validated():
     (parallel.micro_batch_tokens) may change on resumption, like time limits; the layout
     may not. Non-positive sizes and an unknown lm_head are clear errors."""
     from hacpo.engine.run_config import config_diff, fingerprint_dict, load_config
-    cfg = load_config("tiny3")
+    # agent 0 as a megatron trainer group (an HF Llama), the only kind parallel.* applies to
+    cfg = load_config("tiny3", overrides={
+        "agents.0.policy.kind": "hf", "agents.0.policy.arch": "llama",
+        "agents.0.trainer": "megatron", "trainer_backend": "ray"})
     a = fingerprint_dict(cfg)
     b = fingerprint_dict(cfg.override({"rollout.weight_bucket_mb": 8,
                                        "agents.0.parallel.weight_bucket_mb": 0.5,
@@ -113,3 +116,18 @@ def test_weight_bucket_sizes_are_resumable_and_validated():
         for bad in (0, -1.0, float("nan")):
             with pytest.raises(ValueError, match=rf"{name} must be a number > 0, got {bad}"):
                 cfg.override({key: bad})
+
+
+def test_parallel_settings_on_a_torch_agent_are_an_error():
+    """parallel.* configures a megatron trainer group; on a trainer=torch agent nothing would
+    use it, so setting it is a clear error naming what was set (never silently ignored)."""
+    from hacpo.engine.run_config import load_config
+    cfg = load_config("tiny3")
+    assert cfg.agents[1].trainer == "torch"
+    with pytest.raises(ValueError, match=r"agent 'qwen3': parallel.tp=2, "
+                                         r"parallel.micro_batch_tokens=64 only apply to "
+                                         r"trainer=megatron, but this agent has "
+                                         r"trainer='torch'"):
+        cfg.override({"agents.1.parallel.tp": 2, "agents.1.parallel.micro_batch_tokens": 64})
+    with pytest.raises(ValueError, match=r"parallel.lm_head='logits' only apply"):
+        cfg.override({"agents.1.parallel.lm_head": "logits"})

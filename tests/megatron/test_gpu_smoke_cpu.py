@@ -34,6 +34,7 @@ def test_gpu_smoke_cpu_mode(tmp_path):
     checks = summary["checks"]
     for agent in ("llama", "qwen2"):
         for check in ("weights_roundtrip_exact", "logprobs_match_hf", "lm_heads_agree",
+                      "token_budget_agrees",
                       "weights_changed_and_finite"):
             assert checks[f"{agent}/{check}"] is True, (agent, check)
         # fp32, torch vs Triton-interpreted log-softmax: ~5e-7 seen
