@@ -31,11 +31,16 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def sample_and_score(policy, prompt_ids: list[list[int]], golds: list[str], reward_computer, *,
                      max_new_tokens: int, samples: int = 1, temperature: float = 0.0,
                      top_p: float = 1.0, batch: int = 128, seed: int = 0,
-                     where=lambda i: f"prompt {i}"):
+                     where=lambda i: f"prompt {i}", engine=None, agent: int | None = None):
     """Generate ``samples`` responses per prompt (batched) and score them with the verifier.
 
-    Returns (rewards [n][samples], texts [n][samples], stats) with stats holding
-    mean_response_tokens and eos_rate. ``where(prompt_index)`` names a prompt in errors."""
+    The responses come from ``policy`` in-process (its KV-cache sampler, a generator seeded
+    with ``seed``), or with ``engine`` from that rollout engine's agent ``agent`` (its own
+    seeds; ``policy`` then only decodes and names). Returns (rewards [n][samples],
+    texts [n][samples], stats) with stats holding mean_response_tokens and eos_rate.
+    ``where(prompt_index)`` names a prompt in errors."""
+    if engine is not None and agent is None:
+        raise ValueError("sampling with a rollout engine needs the agent index")
     was = policy.training
     policy.eval()
     gen = torch.Generator().manual_seed(seed)
@@ -45,9 +50,14 @@ def sample_and_score(policy, prompt_ids: list[list[int]], golds: list[str], rewa
     eos = 0
     try:
         for s in range(0, len(prompt_ids), batch):
-            ro = generate(policy, prompt_ids[s:s + batch], num_samples=samples,
-                          max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                          generator=gen)
+            if engine is not None:
+                ro = engine.generate(agent, prompt_ids[s:s + batch], num_samples=samples,
+                                     max_new_tokens=max_new_tokens, temperature=temperature,
+                                     top_p=top_p)
+            else:
+                ro = generate(policy, prompt_ids[s:s + batch], num_samples=samples,
+                              max_new_tokens=max_new_tokens, temperature=temperature,
+                              top_p=top_p, generator=gen)
             out = [policy.tokenizer.decode(r) for r in ro.response_ids]
             idx = [s + i for i in ro.prompt_index]
             r, _ = score_named(reward_computer, out, [golds[i] for i in idx],
@@ -66,13 +76,15 @@ def sample_and_score(policy, prompt_ids: list[list[int]], golds: list[str], rewa
 
 def evaluate_policy(policy, prompt_ids: list[list[int]], golds: list[str], reward_computer, *,
                     max_new_tokens: int, samples: int = 1, temperature: float = 0.0,
-                    top_p: float = 1.0, batch: int = 128, seed: int = 0) -> dict[str, float]:
+                    top_p: float = 1.0, batch: int = 128, seed: int = 0, engine=None,
+                    agent: int | None = None) -> dict[str, float]:
     """Accuracy of ``policy`` on the prompts. samples=1 & temperature=0: greedy avg@1.
-    With samples>1: avg@k (mean reward) and pass@k (unbiased, k = samples)."""
+    With samples>1: avg@k (mean reward) and pass@k (unbiased, k = samples). ``engine`` /
+    ``agent``: sample with that rollout engine's agent instead (:func:`sample_and_score`)."""
     rewards, _, stats = sample_and_score(
         policy, prompt_ids, golds, reward_computer, max_new_tokens=max_new_tokens,
         samples=samples, temperature=temperature, top_p=top_p, batch=batch, seed=seed,
-        where=lambda i: f"held-out prompt {i}")
+        where=lambda i: f"held-out prompt {i}", engine=engine, agent=agent)
     n = len(prompt_ids)
     per_prompt = torch.tensor(rewards).view(n, samples)
     acc = float(per_prompt.mean())

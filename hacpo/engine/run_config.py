@@ -152,6 +152,7 @@ def _check_megatron_agent(a: AgentConfig) -> None:
 
 ROLLOUT_ENGINES = ("local", "ray", "vllm")
 TRAINER_BACKENDS = ("local", "ray")
+EVAL_ENGINES = ("trainer", "rollout")
 
 
 @dataclass
@@ -229,6 +230,10 @@ class TrainConfig(ConfigMixin):
     eval_every: int = 0             # 0: evaluate before and after training only
     eval_max_new_tokens: int = 0    # 0: rollout.max_new_tokens
     eval_pass_k: int = 0            # > 1: also sample k responses per held-out prompt (pass@k)
+    eval_engine: str = "trainer"    # who samples the held-out responses: "trainer" (the
+                                    # trainer's policies; for megatron agents the driver's CPU
+                                    # copy) | "rollout" (the rollout engine, e.g. vLLM, holding
+                                    # the same weights); EVAL_ENGINES
     checkpoint_every: int = 10
     max_nonfinite: int = 3          # stop after this many non-finite updates in a row
     drop_unencodable: bool = True   # cross samples the learner's vocabulary cannot spell
@@ -256,6 +261,9 @@ class TrainConfig(ConfigMixin):
             raise ValueError(f"agent names must be unique, got {names}")
         if self.steps < 0 or self.prompts_per_step < 1 or self.max_nonfinite < 1:
             raise ValueError("steps >= 0, prompts_per_step >= 1 and max_nonfinite >= 1 needed")
+        if self.eval_engine not in EVAL_ENGINES:
+            raise ValueError(f"unknown eval_engine {self.eval_engine!r}; choose one of "
+                             f"{', '.join(EVAL_ENGINES)}")
         if self.trainer_backend not in TRAINER_BACKENDS:
             raise ValueError(f"unknown trainer_backend {self.trainer_backend!r}; choose one of "
                              f"{', '.join(TRAINER_BACKENDS)}")
@@ -273,7 +281,8 @@ class TrainConfig(ConfigMixin):
 
 # Keys that may change between a run and its resumption (they do not change the math).
 RESUMABLE_KEYS = {"steps", "out_dir", "cache_dir", "progress", "plots", "tensorboard",
-                  "checkpoint_every", "eval_every", "threads", "micro_batch", "profile_sync",
+                  "checkpoint_every", "eval_every", "eval_engine", "threads", "micro_batch",
+                  "profile_sync",
                   "trainer_backend",   # the backends give bit-identical results
                   "trainer_call_timeout_s", "trainer_setup_hook"}
 # Nested keys that may change on resumption too (time limits and how weights move are no

@@ -33,7 +33,7 @@ from .agents import build_agents, score_temperature
 from .algorithm import learner_samples, sample_omega
 from .capability import CapabilityTracker
 from .data import PromptSampler
-from .evaluate import score_named
+from .evaluate import evaluate_policy, score_named
 from .metrics import MetricsLogger
 from .pool import build_pool, learner_view
 from .rewards import RewardComputer
@@ -53,18 +53,33 @@ def score_batch(rc: RewardComputer, pool, golds: list[str], names: list[str]):
     return torch.tensor(rewards, dtype=torch.float32), stats
 
 
-def evaluate_all(cfg, data, agents, rc, pass_k: int = 0) -> dict[str, dict]:
+def evaluate_all(cfg, data, agents, engine, rc, pass_k: int = 0) -> dict[str, dict]:
     """Greedy avg@1 per agent on the held-out set; with pass_k > 1 also avg@k and pass@k of
-    k samples at the rollout temperature."""
+    k samples at the rollout temperature. ``eval_engine = "trainer"``: sampled by the
+    trainer's policies (``agents.evaluate``); ``"rollout"``: by the rollout ``engine`` (the
+    weights it holds: the last synced, i.e. the trainer's; e.g. vLLM instead of a CPU copy),
+    whose RNG state is restored afterwards, so evaluation never changes the training
+    rollouts."""
     golds = [e.answer for e in data.eval]
     max_new = cfg.eval_max_new_tokens or cfg.rollout.max_new_tokens
     prompts = [[p.tokenizer.prompt_ids(build.prompt_text(cfg, e)) for e in data.eval]
                for p in agents.policies]
-    out = agents.evaluate(prompts, golds, rc, max_new_tokens=max_new, seed=cfg.seed)
+
+    def evaluate(**kw):
+        if cfg.eval_engine == "trainer":
+            return agents.evaluate(prompts, golds, rc, **kw)
+        saved = engine.state_dict()
+        try:
+            return [evaluate_policy(p, prompts[k], golds, rc, engine=engine, agent=k, **kw)
+                    for k, p in enumerate(agents.policies)]
+        finally:
+            engine.load_state_dict(saved)
+
+    out = evaluate(max_new_tokens=max_new, seed=cfg.seed)
     if pass_k > 1:
-        sampled = agents.evaluate(prompts, golds, rc, max_new_tokens=max_new, samples=pass_k,
-                                  temperature=cfg.rollout.temperature,
-                                  top_p=cfg.rollout.top_p, seed=cfg.seed + 1)
+        sampled = evaluate(max_new_tokens=max_new, samples=pass_k,
+                           temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                           seed=cfg.seed + 1)
         for r, s in zip(out, sampled):
             r[f"avg@{pass_k}"] = s["accuracy"]
             r[f"pass@{pass_k}"] = s[f"pass@{pass_k}"]
@@ -117,9 +132,7 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
     shuffle_gen = torch.Generator().manual_seed(cfg.seed + 7)
     nonfinite = {"streak": 0, "total": 0}
     if state is None:
-        echo("[eval] held-out accuracy before RL ...")
-        before = evaluate_all(cfg, data, agents, rc)
-        start = 0
+        before, start = None, 0
     else:
         for k, s in enumerate(state["agents"]):
             agents.load_state_dict(k, s)
@@ -132,6 +145,9 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
         echo(f"[resume] {ck_path} at step {start}")
     for k in range(n):                 # engines holding weight copies start from these weights
         engine.sync_weights(k)
+    if before is None:
+        echo("[eval] held-out accuracy before RL ...")
+        before = evaluate_all(cfg, data, agents, engine, rc)
     for name in names:
         echo(f"[eval] {name}: before RL {before[name]['accuracy']:.3f} "
              f"± {before[name]['stderr']:.3f}")
@@ -196,7 +212,7 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
             metrics.update(sw)
             metrics["time/step"] = time.perf_counter() - t_step
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
-                for name, r in evaluate_all(cfg, data, agents, rc).items():
+                for name, r in evaluate_all(cfg, data, agents, engine, rc).items():
                     metrics[f"eval/{name}/accuracy"] = r["accuracy"]
             logger.log(step, metrics)
             if bar is not None:
@@ -211,7 +227,7 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
             bar.close()
         logger.close()
     echo("[eval] held-out accuracy after RL ...")
-    after = evaluate_all(cfg, data, agents, rc, pass_k=cfg.eval_pass_k)
+    after = evaluate_all(cfg, data, agents, engine, rc, pass_k=cfg.eval_pass_k)
     summary = {"before": before, "after": after, "warmup": warm, "steps": cfg.steps,
                "algorithm": algo.name, "agents": names}
     with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:

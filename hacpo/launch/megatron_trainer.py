@@ -41,7 +41,8 @@ One update is :func:`hacpo.engine.update.update_learner`'s, split over the ranks
   log-probs with update.py's own ``_minibatch_metrics``: same keys and meaning as in-process.
 
 Old log-probs (the ratio's denominator) come from the same megatron shards, so the ratio is 1 at
-m = 0 up to float rounding. Held-out evaluation runs on the driver's HF copy (same weights).
+m = 0 up to float rounding. Held-out evaluation runs on the driver's HF copy (same weights), or
+with ``eval_engine = "rollout"`` on the rollout engines (e.g. vLLM; hacpo/engine/trainer.py).
 The KL term (``loss.kl_coef > 0``, self samples only, as in-process): every rank also holds a
 frozen shard of the initial (warm-started) weights, the reference policy; its token log-probs of
 the agent's own samples are computed with the old log-probs (``time/ref_logprobs/<agent>``),

@@ -242,3 +242,59 @@ def test_fused_lm_head_run_equals_logits_run(tmp_path, monkeypatch):
     for k in keys:
         assert b[0][k] == pytest.approx(a[0][k], rel=1e-4, abs=1e-6), k
     assert any(abs(a[0][k]) > 1e-3 for k in keys if k.endswith("/loss")), "vacuous check"
+
+
+def test_eval_engine_rollout_equals_trainer(tmp_path, monkeypatch):
+    """eval_engine="rollout": the held-out responses come from the rollout engine (here the
+    local one, the same sampler on the same policies), so the greedy accuracies before, during
+    (eval_every) and after training equal eval_engine="trainer"'s, and training is unchanged;
+    every greedy request went to the engine."""
+    from hacpo.engine import rollout as ro
+    quiet = dict(echo=lambda *_: None)
+    over = {"steps": "2", "eval_every": "1", "plots": "false", "tensorboard": "false"}
+    calls = []
+    gen = ro.LocalRolloutEngine.generate
+    monkeypatch.setattr(ro.LocalRolloutEngine, "generate", lambda self, k, p, **kw: (
+        calls.append((k, len(p), kw["temperature"])) or gen(self, k, p, **kw)))
+    a = train(_cfg(tmp_path, "trainer", **over), **quiet)
+    assert calls and all(t == 1.0 for _, _, t in calls)       # training rollouts only
+    calls.clear()
+    b = train(_cfg(tmp_path, "rollout", eval_engine="rollout", **over), **quiet)
+    greedy = [(k, n) for k, n, t in calls if t == 0.0]
+    # before, after step 0 (eval_every=1; not after the last step) and after: 3 agents x 16
+    assert sorted(greedy) == sorted([(k, 16) for k in range(3)] * 3)
+    assert a["before"] == b["before"] and a["after"] == b["after"]
+    ra, rb = ([json.loads(line) for line in open(tmp_path / n / "metrics.jsonl")]
+              for n in ("trainer", "rollout"))
+    assert _strip_times(ra) == _strip_times(rb)
+    assert {"eval/char/accuracy", "train/char/loss"} <= set(rb[0])
+
+
+def test_eval_through_the_engine_keeps_its_rng(tmp_path):
+    """Sampled evaluation (pass@k at the rollout temperature) through the rollout engine draws
+    from the engine's per-agent generators; they are restored afterwards, so evaluating never
+    changes the training rollouts that follow."""
+    from hacpo.engine import build
+    from hacpo.engine.agents import build_agents
+    from hacpo.engine.rewards import RewardComputer
+    from hacpo.engine.trainer import evaluate_all
+
+    cfg = _cfg(tmp_path, eval_engine="rollout", **{"data.eval_size": "4"})
+    data = build.load_data(cfg)
+    policies = build.build_policies(cfg, data)
+    agents, engine = build_agents(cfg, policies), build.rollout_engine(cfg, policies)
+    start = [s.clone() for s in engine.state_dict()["generators"]]
+    seen = []
+    gen = engine.generate
+
+    def spy(k, prompts, **kw):
+        out = gen(k, prompts, **kw)
+        seen.append(torch.equal(engine.generators[k].get_state(), start[k]))
+        return out
+
+    engine.generate = spy
+    with RewardComputer(cfg.reward.name, num_workers=0) as rc:
+        out = evaluate_all(cfg, data, agents, engine, rc, pass_k=2)
+    assert set(out) == {"char", "qwen3", "llama"} and all("pass@2" in r for r in out.values())
+    assert False in seen, "the sampled evaluation never drew from the engine's generators"
+    assert all(torch.equal(s, e) for s, e in zip(start, engine.state_dict()["generators"]))

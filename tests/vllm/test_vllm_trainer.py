@@ -13,14 +13,22 @@ pytestmark = pytest.mark.slow
 
 
 def test_train_two_steps_with_vllm_rollouts(tmp_path, monkeypatch):
+    """... and with eval_engine="rollout" the held-out evaluation (before and after training)
+    is sampled greedily by the vLLM engines, not by the driver's copies."""
     import ray
+
+    from hacpo.launch.vllm_rollout import VLLMRolloutEngine
 
     configs = tiny_policy_configs()
     cfg = vllm_config(configs, group_size=2, max_new_tokens=8)
     cfg = cfg.override({"steps": 2, "prompts_per_step": 2, "out_dir": str(tmp_path / "run"),
                         "cache_dir": str(tmp_path / "cache"), "progress": False,
                         "plots": False, "tensorboard": False, "checkpoint_every": 2,
-                        "data.train_size": 16, "data.eval_size": 2})
+                        "data.train_size": 16, "data.eval_size": 2, "eval_engine": "rollout"})
+    calls = []
+    gen = VLLMRolloutEngine.generate
+    monkeypatch.setattr(VLLMRolloutEngine, "generate", lambda self, k, p, **kw: (
+        calls.append((k, len(p), kw["temperature"])) or gen(self, k, p, **kw)))
     engines = []
 
     def capture(cfg_, policies):
@@ -49,3 +57,8 @@ def test_train_two_steps_with_vllm_rollouts(tmp_path, monkeypatch):
     # initial one per agent by the end of step 0, 3 + 3 after step 1
     assert [r["rollout/versions"] for r in rows] == [4.0, 6.0]
     assert all(r["rollout/restarts"] == 0 and r["rollout/timeouts"] == 0 for r in rows)
+    # evaluation: greedy requests of the 2 held-out prompts per agent, before and after
+    greedy = sorted((k, n) for k, n, t in calls if t == 0.0)
+    assert greedy == [(0, 2), (0, 2), (1, 2), (1, 2)], calls
+    for when in ("before", "after"):
+        assert all(0.0 <= summary[when][c.name]["accuracy"] <= 1.0 for c in configs)
