@@ -126,16 +126,19 @@ def mode_ratios(rows: list[dict], base: str, mode: str) -> dict:
     return out
 
 
-def add_model_args(p, *, vocab: int) -> None:
-    """The layout and model flags every megatron CPU benchmark takes (Llama, untied, fp32)."""
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--ffn", type=int, default=1408)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=vocab)
+MODEL_ARGS = {"tp": 1, "pp": 1, "hidden": 512, "ffn": 1408, "layers": 2, "heads": 8,
+              "kv_heads": 2, "vocab": 32768}
+
+
+def add_model_args(p, **defaults: int) -> None:
+    """The layout and model flags every megatron CPU benchmark takes (Llama, untied, fp32):
+    ``--tp --pp --hidden --ffn --layers --heads --kv-heads --vocab``, defaults ``MODEL_ARGS``
+    updated by ``defaults``."""
+    unknown = set(defaults) - set(MODEL_ARGS)
+    if unknown:
+        raise ValueError(f"no model flag(s) {sorted(unknown)}")
+    for name, v in {**MODEL_ARGS, **defaults}.items():
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=v)
 
 
 def run_modes(worker, world: int, a: dict, modes) -> dict:

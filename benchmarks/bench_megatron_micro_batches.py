@@ -26,9 +26,9 @@ Per mode on one rank's rows (DP=1): ``score`` = ``token_logprobs`` of the respon
 (forward only, the old log-probs: in ``rows`` mode chunks of ``--micro-batch`` rows in the
 order the rows were generated, as the trainer's old log-probs; in ``tokens`` mode with
 ``micro_batch_tokens``); ``step`` = one ``train_step`` over the mode's micro-batches with a
-token-level surrogate loss and the global divisor (forward, backward, SGD). One warm-up call each, then ``--reps`` timed calls; memory
-is the peak resident memory above the level before the call (VmHWM reset through
-``/proc/self/clear_refs``), the largest over the reps, per rank. Both modes must give the same
+token-level surrogate loss and the global divisor (forward, backward, SGD). One warm-up call
+each, then ``--reps`` timed calls; memory is the peak resident memory above the level before
+the call (VmHWM reset through ``/proc/self/clear_refs``), the largest over the reps, per rank. Both modes must give the same
 log-probs and, after the same steps, the same weights (checked and printed). Writes
 RESULTS_DIR/micro_batches.json and prints a table.
 """
@@ -142,7 +142,7 @@ def _worker(rank, world, a, mode, out_path):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results_dir")
-    add_model_args(p, vocab=32768)
+    add_model_args(p)
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--group", type=int, default=4)
     p.add_argument("--prompt-min", type=int, default=32)

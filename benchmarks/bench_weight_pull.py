@@ -31,7 +31,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-from benchmarks._megatron_bench import llama, reset_peak, status_kb  # noqa: E402
+from benchmarks._megatron_bench import (add_model_args, llama, reset_peak,  # noqa: E402
+                                        status_kb)
 
 
 def _worker(rank, world, a, bucket_mb, out_path):
@@ -77,14 +78,7 @@ def _worker(rank, world, a, bucket_mb, out_path):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results_dir")
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--ffn", type=int, default=2816)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=32000)
+    add_model_args(p, tp=2, hidden=1024, ffn=2816, layers=8, heads=16, kv_heads=4, vocab=32000)
     p.add_argument("--buckets", type=float, nargs="+", default=[256.0, 128.0, 64.0],
                    help="bucket sizes in MiB (parallel.weight_bucket_mb) to compare with the "
                         "whole pull")

@@ -2,28 +2,21 @@
 benchmark's business; here: it runs both modes on every rank, scores exactly the response
 tokens, and both modes give the same log-probs and weights)."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed "
                     "(pip install -c requirements/constraints.txt megatron-core==0.16.1)")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ._bench import run_benchmark  # noqa: E402
 
 
 @pytest.mark.multiprocess
 def test_bench_lm_head_tiny(tmp_path):
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_megatron_lm_head.py"),
-         str(tmp_path), "--tp", "2", "--hidden", "64", "--ffn", "96", "--heads", "4",
-         "--kv-heads", "2", "--vocab", "97", "--rows", "3", "--prompt", "5",
-         "--response-min", "2", "--response-max", "7", "--reps", "1"],
-        capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_benchmark("bench_megatron_lm_head.py", tmp_path, "--tp", "2", "--hidden", "64",
+                         "--ffn", "96", "--heads", "4", "--kv-heads", "2", "--vocab", "97",
+                         "--rows", "3", "--prompt", "5", "--response-min", "2", "--response-max",
+                         "7", "--reps", "1")
     out = json.loads((tmp_path / "lm_head.json").read_text())
     # responses of 2, 4 (rounded 4.5) and 7 tokens; 3 rows x (5 + 7) positions
     assert out["scored_tokens"] == 2 + 4 + 7 and out["positions"] == 3 * 12

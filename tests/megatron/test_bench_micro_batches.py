@@ -2,29 +2,22 @@
 benchmark's business; here: both modes run on every rank, the token budget gives fewer
 micro-batches within the same worst case, and both give the same log-probs and weights)."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed "
                     "(pip install -c requirements/constraints.txt megatron-core==0.16.1)")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ._bench import run_benchmark  # noqa: E402
 
 
 @pytest.mark.multiprocess
 def test_bench_micro_batches_tiny(tmp_path):
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_megatron_micro_batches.py"),
-         str(tmp_path), "--tp", "2", "--hidden", "64", "--ffn", "96", "--heads", "4",
-         "--kv-heads", "2", "--vocab", "97", "--prompts", "3", "--group", "3",
-         "--prompt-min", "3", "--prompt-max", "6", "--response-mean", "4",
-         "--response-max", "12", "--micro-batch", "2", "--reps", "1"],
-        capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_benchmark("bench_megatron_micro_batches.py", tmp_path, "--tp", "2", "--hidden",
+                         "64", "--ffn", "96", "--heads", "4", "--kv-heads", "2", "--vocab", "97",
+                         "--prompts", "3", "--group", "3", "--prompt-min", "3", "--prompt-max",
+                         "6", "--response-mean", "4", "--response-max", "12", "--micro-batch", "2",
+                         "--reps", "1")
     out = json.loads((tmp_path / "micro_batches.json").read_text())
     rows = {(r["mode"], r["call"]): r for r in out["rows"]}
     assert list(rows) == [("rows", "score"), ("rows", "step"), ("tokens", "score"),

@@ -1,27 +1,20 @@
 """benchmarks/bench_weight_pull.py at a tiny size (its numbers are the benchmark's business;
 here: it runs, every mode pulls the same weights, and the buckets are the planned ones)."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed "
                     "(pip install -c requirements/constraints.txt megatron-core==0.16.1)")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ._bench import run_benchmark  # noqa: E402
 
 
 @pytest.mark.multiprocess
 def test_bench_weight_pull_tiny(tmp_path):
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_weight_pull.py"), str(tmp_path),
-         "--hidden", "64", "--ffn", "96", "--layers", "2", "--heads", "4", "--kv-heads", "2",
-         "--vocab", "96", "--buckets", "1", "0.001"],
-        capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_benchmark("bench_weight_pull.py", tmp_path, "--hidden", "64", "--ffn", "96",
+                         "--layers", "2", "--heads", "4", "--kv-heads", "2", "--vocab", "96",
+                         "--buckets", "1", "0.001")
     rows = json.loads((tmp_path / "weight_pull.json").read_text())["rows"]
     assert [r["mode"] for r in rows] == ["whole", "1 MiB buckets", "0.001 MiB buckets"]
     # 2 layers: embedding, layer 0, layer 1, final norm + output layer; 1 MiB holds them all
