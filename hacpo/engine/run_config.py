@@ -73,6 +73,10 @@ class ParallelConfig:
     # update and the old / reference log-probs (hacpo/engine/batching.py): activation memory
     # bounded by the budget, little padding when response lengths vary
     micro_batch_tokens: int = 0
+    # megatron's sequence parallelism (tp > 1): norms and residuals hold S/tp positions per TP
+    # rank (1/tp of that activation memory), all-gathers / reduce-scatters instead of
+    # all-reduces; same weights and math (hacpo/models/megatron/build.py)
+    sequence_parallel: bool = False
 
     def __post_init__(self):
         for k in ("tp", "pp", "dp", "make_vocab_size_divisible_by"):
@@ -83,6 +87,12 @@ class ParallelConfig:
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ValueError(f"parallel.micro_batch_tokens must be an integer >= 0 (0: "
                              f"micro-batches of micro_batch rows), got {v!r}")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"parallel.sequence_parallel must be true or false, got "
+                             f"{self.sequence_parallel!r}")
+        if self.sequence_parallel and self.tp < 2:
+            raise ValueError(f"parallel.sequence_parallel needs tensor parallelism "
+                             f"(parallel.tp > 1), got tp={self.tp}")
         _check_bucket_mb("parallel.weight_bucket_mb", self.weight_bucket_mb)
         if self.transformer_impl not in ("local", "transformer_engine"):
             raise ValueError(f"parallel.transformer_impl must be 'local' or "
@@ -293,7 +303,8 @@ RESUMABLE_NESTED_KEYS = {("rollout", "call_timeout_s"), ("rollout", "weight_buck
 # Per-agent keys that may change on resumption ("section.key" under agents.N).
 # how weights move or log-probs are computed, not what they are
 RESUMABLE_AGENT_KEYS = {("parallel", "weight_bucket_mb"), ("parallel", "lm_head"),
-                        ("parallel", "micro_batch_tokens"), ("policy", "lm_head")}
+                        ("parallel", "micro_batch_tokens"), ("parallel", "sequence_parallel"),
+                        ("policy", "lm_head")}
 
 
 def fingerprint_dict(cfg: TrainConfig) -> dict[str, Any]:

@@ -24,7 +24,9 @@ One update is :func:`hacpo.engine.update.update_learner`'s, split over the ranks
   stages exchange activation shapes); with ``parallel.micro_batch_tokens`` the shares are
   balanced by tokens instead and packed longest first into micro-batches of at most that many
   padded tokens (:mod:`hacpo.engine.batching`; DP ranks may then run different numbers of
-  micro-batches, and the old log-probs are cut the same way); megatron-core's schedule runs
+  micro-batches, and the old log-probs are cut the same way); with
+  ``parallel.sequence_parallel`` each row counts as its length rounded up to a multiple of tp
+  (the positions the sequence-parallel forward runs); megatron-core's schedule runs
   them (1F1B at PP>1)
   with the minibatch's *global* divisor in :func:`~hacpo.engine.algorithm.learner_loss`, so the
   summed gradient is the whole minibatch's; only the response tokens are scored, their
@@ -158,6 +160,31 @@ def check_shards_visible(written: list[dict], what: str) -> None:
                 f"out_dir must be on a filesystem shared by every node of the run")
 
 
+def check_named_shards(files: list[dict], out_dir: str, ranks: int, agent: str,
+                       kind: str) -> list[str]:
+    """On resume: the shard files a checkpoint names ({"path" relative to out_dir, "bytes": the
+    size its rank wrote, or None where an older checkpoint did not record it}) must be one per
+    rank and present with that size; returns their full paths, else a clear error naming each
+    file that is missing or changed (a half-copied run, or checkpoint.pt moved without
+    checkpoint-megatron/)."""
+    if len(files) != ranks:
+        raise ValueError(f"agent {agent!r}: the checkpoint names {len(files)} {kind} shards "
+                         f"for {ranks} ranks")
+    bad, paths = [], []
+    for f in files:
+        path = os.path.join(out_dir, f["path"])
+        seen = os.path.getsize(path) if os.path.isfile(path) else None
+        if seen is None or (f["bytes"] is not None and seen != f["bytes"]):
+            bad.append(f"{f['path']} (" + ("missing" if seen is None else
+                                           f"{seen} bytes, written with {f['bytes']}") + ")")
+        paths.append(path)
+    if bad:
+        raise ValueError(f"agent {agent!r}: the checkpoint's {kind} shards are missing or "
+                         f"changed: {', '.join(bad)}; keep checkpoint-megatron/ next to "
+                         f"checkpoint.pt")
+    return paths
+
+
 class MegatronRank:
     """One rank of an agent's megatron trainer group: its shard of the policy and optimizer."""
 
@@ -203,7 +230,7 @@ class MegatronRank:
         dtype = next(policy.model.parameters()).dtype
         build = dict(transformer_impl=par["transformer_impl"], params_dtype=dtype,
                      make_vocab_size_divisible_by=par["make_vocab_size_divisible_by"],
-                     lm_head=par["lm_head"])
+                     lm_head=par["lm_head"], sequence_parallel=par["sequence_parallel"])
         self.pol = MegatronPolicy.from_hf(policy.model, p, **build)
         self.ref = None
         if reference:
@@ -236,8 +263,8 @@ class MegatronRank:
         here."""
         p, n = self.par, len(prompts)
         if micro_batch_tokens:
-            rows = balanced_shares([len(a) + len(r) for a, r in zip(prompts, responses)],
-                                   p.dp)[p.dp_rank]
+            rows = balanced_shares([self.pol.padded_length(len(a) + len(r))
+                                    for a, r in zip(prompts, responses)], p.dp)[p.dp_rank]
         else:
             rows = list(range(p.dp_rank * n // p.dp, (p.dp_rank + 1) * n // p.dp))
         out = {"rows": rows}
@@ -279,7 +306,10 @@ class MegatronRank:
             return (len(view.prompt_ids[j]), tuple(view.prompt_ids[j]), len(view.response_ids[j]))
 
         budget = req["micro_batch_tokens"]
-        lens = [len(a) + len(r) for a, r in zip(view.prompt_ids, view.response_ids)]
+        # each row's positions in the forward (rounded up to a multiple of tp under sequence
+        # parallelism): what shares, budgets and micro-batch widths count
+        lens = [self.pol.padded_length(len(a) + len(r))
+                for a, r in zip(view.prompt_ids, view.response_ids)]
         n_micro = n_padded = 0
 
         for m, mb_list in enumerate(req["minibatches"]):
@@ -904,7 +934,8 @@ class MegatronAgents:
         self._shard_dirs[k] = d
         check_shards_visible(written, f"agent {self.names[k]!r}")
         meg = {**self._layout(k), "optim_files": [os.path.relpath(w["path"], self.out_dir)
-                                                  for w in written]}
+                                                  for w in written],
+               "optim_bytes": [w["bytes"] for w in written]}
         if self.kl:                          # the KL reference's shards, written once
             if self._ref_files[k] is None:
                 ref_dir = os.path.join(self.shard_root(k), f"reference-{uuid.uuid4().hex[:12]}")
@@ -936,35 +967,18 @@ class MegatronAgents:
         ref = meg.get("ref_hf")          # a checkpoint from before: HF-named weights
         g = self._groups[k]
         if self.kl and "ref_files" in meg:  # the ranks' own shards (written once per run)
-            files = meg["ref_files"]
-            if len(files) != len(g.ranks):
-                raise ValueError(f"agent {name!r}: the checkpoint names {len(files)} KL "
-                                 f"reference shards for {len(g.ranks)} ranks")
-            bad = []
-            for f in files:
-                path = os.path.join(self.out_dir, f["path"])
-                seen = os.path.getsize(path) if os.path.isfile(path) else None
-                if seen != f["bytes"]:
-                    bad.append(f"{f['path']} ({'missing' if seen is None else f'{seen} bytes'}"
-                               f", written with {f['bytes']})")
-            if bad:
-                raise ValueError(f"agent {name!r}: the checkpoint's KL reference shards are "
-                                 f"missing or changed: {', '.join(bad)}")
-            ref = [os.path.join(self.out_dir, f["path"]) for f in files]
-            self._ref_files[k] = list(files)
+            ref = check_named_shards(meg["ref_files"], self.out_dir, len(g.ranks), name,
+                                     "KL reference")
+            self._ref_files[k] = list(meg["ref_files"])
         if self.kl and ref is None:
             raise ValueError(f"agent {name!r}: the checkpoint holds no KL reference weights "
                              f"(written with algorithm.loss.kl_coef=0?); it cannot resume a run "
                              f"with the KL term")
         if "optim_files" in meg:            # written by the ranks (module docstring)
-            optim = [os.path.join(self.out_dir, f) for f in meg["optim_files"]]
-            if len(optim) != len(g.ranks):
-                raise ValueError(f"agent {name!r}: the checkpoint names {len(optim)} optimizer "
-                                 f"shards for {len(g.ranks)} ranks")
-            missing = [f for f in optim if not os.path.isfile(f)]
-            if missing:
-                raise ValueError(f"agent {name!r}: the checkpoint's optimizer shards are "
-                                 f"missing: {', '.join(missing)}")
+            sizes = meg.get("optim_bytes") or [None] * len(meg["optim_files"])  # older: none
+            optim = check_named_shards(
+                [{"path": f, "bytes": b} for f, b in zip(meg["optim_files"], sizes)],
+                self.out_dir, len(g.ranks), name, "optimizer")
             self._shard_dirs[k] = os.path.dirname(optim[0])
         else:                               # a checkpoint from before: states in the file
             optim = meg["optim"]

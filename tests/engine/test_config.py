@@ -84,7 +84,8 @@ def test_config_diff_ignores_fields_added_after_a_checkpoint_at_their_default():
 def test_weight_bucket_sizes_are_resumable_and_validated():
     """How weights move (rollout / megatron bucket sizes) and how megatron computes log-probs
     (parallel.lm_head, policy.lm_head) and how megatron cuts micro-batches
-    (parallel.micro_batch_tokens) may change on resumption, like time limits; the layout
+    (parallel.micro_batch_tokens, parallel.sequence_parallel) may change on resumption, like
+    time limits; the layout
     may not. Non-positive sizes and an unknown lm_head are clear errors."""
     from hacpo.engine.run_config import config_diff, fingerprint_dict, load_config
     # agent 0 as a megatron trainer group (an HF Llama), the only kind parallel.* applies to
@@ -98,6 +99,16 @@ def test_weight_bucket_sizes_are_resumable_and_validated():
                                        "agents.0.parallel.micro_batch_tokens": 4096,
                                        "agents.1.policy.lm_head": "fused"}))
     assert config_diff(a, b) == []
+    # sequence parallelism: a way to lay out activations, not the math (at tp > 1 only)
+    tp2 = cfg.override({"agents.0.parallel.tp": 2})
+    assert config_diff(fingerprint_dict(tp2), fingerprint_dict(tp2.override(
+        {"agents.0.parallel.sequence_parallel": True}))) == []
+    with pytest.raises(ValueError, match=r"parallel.sequence_parallel needs tensor "
+                                         r"parallelism \(parallel.tp > 1\), got tp=1"):
+        cfg.override({"agents.0.parallel.sequence_parallel": True})
+    with pytest.raises(ValueError, match=r"parallel.sequence_parallel must be true or false, "
+                                         r"got 2"):
+        tp2.override({"agents.0.parallel.sequence_parallel": 2})
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match=rf"parallel.micro_batch_tokens must be an integer "
                                              rf">= 0 \(0: micro-batches of micro_batch rows\), "

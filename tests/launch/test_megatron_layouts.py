@@ -43,19 +43,23 @@ def test_tp2pp2_and_pp2dp2_one_step_equals_torch_trainer(tmp_path):
 
 # parallel.micro_batch_tokens at PP=2 x DP=2 (token-balanced DP shares; micro-batches of 2 rows
 # and of 1 row through the 1F1B schedule: 3 prompts x G=2 = 6 own rows of ~45 tokens, 3 per DP
-# rank, a budget of 100 tokens) next to TP=2 (rows of ~100 characters, 210 tokens: 2 rows
-# each); both also score their old log-probs by the budget. Every row is shorter than its
-# budget, so every micro-batch holds at most its budget of padded tokens.
-BUDGETS = {"llama-pp2dp2-tok": 100, "char-tp2-tok": 210}
+# rank, a budget of 100 tokens) next to TP=2 with sequence parallelism (rows of ~100
+# characters, each rounded up to an even length, 210 tokens: 2 rows each); both also score
+# their old log-probs by the budget. Every row is shorter than its budget, so every micro-batch
+# holds at most its budget of padded tokens.
+BUDGETS = {"llama-pp2dp2-tok": 100, "char-tp2sp-tok": 210}
 BUDGET_AGENTS = (("llama-pp2dp2-tok", "llama3.2",
                   ParallelConfig(pp=2, dp=2, micro_batch_tokens=BUDGETS["llama-pp2dp2-tok"])),
-                 ("char-tp2-tok", "char",
-                  ParallelConfig(tp=2, micro_batch_tokens=BUDGETS["char-tp2-tok"])))
+                 ("char-tp2sp-tok", "char",
+                  ParallelConfig(tp=2, micro_batch_tokens=BUDGETS["char-tp2sp-tok"],
+                                 sequence_parallel=True)))
 
 
 def test_token_budget_micro_batches_equal_torch_trainer(tmp_path):
     """One step with ``parallel.micro_batch_tokens`` (hacpo/engine/batching.py) equals the
-    torch trainer's: the budget changes how rows are cut, not the loss or its gradient."""
+    torch trainer's: the budget changes how rows are cut, not the loss or its gradient; so
+    does sequence parallelism (the TP=2 agent), which lays activations out differently and
+    pads each micro-batch to an even length."""
     names = [a[0] for a in BUDGET_AGENTS]
     over = {"prompts_per_step": 3, "algorithm.num_minibatches": 1}
     train(megatron_cfg(tmp_path, "torch", "torch", BUDGET_AGENTS, **over), echo=lambda *_: None)
@@ -67,5 +71,8 @@ def test_token_budget_micro_batches_equal_torch_trainer(tmp_path):
         real = meg[0][f"tokens/forward_self/{name}"] + meg[0][f"tokens/forward_cross/{name}"]
         # budget packing: several micro-batches, none over its budget, padding included
         assert n >= 3 and padded >= real and padded <= n * BUDGETS[name], (name, n, padded)
+    # under sequence parallelism every forwarded micro-batch is a whole number of TP slices
+    sp = meg[0]["tokens/update_padded/char-tp2sp-tok"]
+    assert sp % 2 == 0 and sp > meg[0]["tokens/forward_self/char-tp2sp-tok"], sp
     _check_weights(_weights(tmp_path, "meg"), _weights(tmp_path, "torch"),
                    _initial_weights(tmp_path, BUDGET_AGENTS), names)

@@ -195,9 +195,31 @@ def test_ranks_write_their_optimizer_shards(tmp, megatron_step1):
         assert len(dirs[a["name"]]) == 1
         assert named[a["name"]] == [f"checkpoint-megatron/{a['name']}/{dirs[a['name']][0]}/"
                                     f"rank-{i}.pt" for i in range(2)]
+        # with the size each rank wrote (checked on resume)
+        assert meg["optim_bytes"] == [(tmp / "meg" / f).stat().st_size for f in named[a["name"]]]
         for f in named[a["name"]]:
             sd = ckpt.load(tmp / "meg" / f)
             assert sd["state"], f"{f}: no optimizer state (Adam moments after one step)"
+
+
+def test_named_shards_are_checked_on_resume(tmp_path):
+    """Resuming checks the shard files a checkpoint names: one per rank, each present with the
+    size its rank wrote (a checkpoint from before sizes were recorded: present)."""
+    (tmp_path / "d").mkdir()
+    for i in range(2):
+        (tmp_path / "d" / f"rank-{i}.pt").write_bytes(b"x" * 10)
+    ok = [{"path": "d/rank-0.pt", "bytes": 10}, {"path": "d/rank-1.pt", "bytes": None}]
+    assert megatron_trainer.check_named_shards(ok, str(tmp_path), 2, "a", "optimizer") == \
+        [str(tmp_path / "d" / f"rank-{i}.pt") for i in range(2)]
+    with pytest.raises(ValueError, match=r"agent 'a': the checkpoint names 2 optimizer shards "
+                                         r"for 4 ranks"):
+        megatron_trainer.check_named_shards(ok, str(tmp_path), 4, "a", "optimizer")
+    bad = [{"path": "d/rank-0.pt", "bytes": 11}, {"path": "d/rank-2.pt", "bytes": None}]
+    with pytest.raises(ValueError, match=r"agent 'a': the checkpoint's KL reference shards are "
+                                         r"missing or changed: d/rank-0\.pt \(10 bytes, written "
+                                         r"with 11\), d/rank-2\.pt \(missing\); keep "
+                                         r"checkpoint-megatron/ next to checkpoint\.pt"):
+        megatron_trainer.check_named_shards(bad, str(tmp_path), 2, "a", "KL reference")
 
 
 def test_shards_must_be_visible_to_the_driver(tmp_path):
@@ -217,8 +239,9 @@ def test_resumed_second_step_equals_torch_two_steps(cluster, tmp, torch_runs, me
     """Resume the 1-step megatron run to step 2 (fresh rank actors; HF weights and every rank's
     optimizer state from the checkpoint): both steps' metrics and the final weights equal the
     torch trainer's uninterrupted 2 steps (each rank reads its own optimizer shard; the step-1
-    shards are deleted once the step-2 checkpoint is written); a copy of the run missing one
-    rank's shard cannot resume (clear error); a different tp cannot resume it, a different
+    shards are deleted once the step-2 checkpoint is written); a copy of the run with one
+    rank's shard cut short cannot resume (clear error: the checkpoint records each shard's
+    size); a different tp cannot resume it, a different
     weight bucket size (one bucket now) and log-prob path can: step 2 runs both agents with
     ``parallel.lm_head = "logits"`` (megatron's output layer; step 1 used the fused default),
     so both paths are checked inside the trainer."""
@@ -227,9 +250,11 @@ def test_resumed_second_step_equals_torch_two_steps(cluster, tmp, torch_runs, me
             {"agents.0.parallel.tp": 1}), resume=True, echo=lambda *_: None)
     dirs1, named1 = _shard_dirs(tmp, "meg")
     shutil.copytree(tmp / "meg", tmp / "meg-broken")
-    os.unlink(tmp / "meg-broken" / named1[NAMES[1]][1])
+    with open(tmp / "meg-broken" / named1[NAMES[1]][1], "r+b") as f:   # a half-copied shard
+        f.truncate(100)
     with pytest.raises(ValueError, match=rf"agent '{NAMES[1]}': the checkpoint's optimizer "
-                                         rf"shards are missing: .*rank-1\.pt"):
+                                         rf"shards are missing or changed: .*rank-1\.pt "
+                                         rf"\(100 bytes, written with \d+\)"):
         train(megatron_cfg(tmp, "meg-broken", "megatron", steps=2), resume=True,
               echo=lambda *_: None)
     free_cpus_back()
@@ -313,6 +338,7 @@ def test_kl_term_one_step_and_resume_equal_torch_trainer(cluster, tmp, torch_run
     old = state["agents"][0]
     assert old["name"] == NAMES[0]
     files = old["megatron"].pop("optim_files")
+    old["megatron"].pop("optim_bytes")
     old["megatron"]["optim"] = [ckpt.load(tmp / "kl-meg" / f) for f in files]
     old["megatron"].pop("ref_files")
     old["megatron"]["ref_hf"] = {k[len("model."):]: v for k, v in before[NAMES[0]].items()

@@ -58,12 +58,13 @@ def case_model(case):
     return tiny_hf(arch, tie=tie, **({"vocab": vocab[0]} if vocab else {}))
 
 
-def _policy(case, tp, pp, dp=None, lm_head="fused"):
+def _policy(case, tp, pp, dp=None, lm_head="fused", sequence_parallel=False):
     from hacpo.models.megatron import MegatronPolicy, init_parallel
 
     par = init_parallel(tp, pp, dp)
     hf = case_model(case)
-    return hf, MegatronPolicy.from_hf(hf, par, lm_head=lm_head)
+    return hf, MegatronPolicy.from_hf(hf, par, lm_head=lm_head,
+                                      sequence_parallel=sequence_parallel)
 
 
 def score_positions(S_: int = S):
@@ -107,6 +108,7 @@ def bad_positions_worker(rank, world, out_path):
              for kw in (dict(positions=pos), dict(mask=mask), dict(positions=pos + S, mask=mask),
                         dict(positions=pos, mask=mask, micro_batch_size=-1))]
     calls.append(lambda: pol.logprobs_at(torch.zeros(S, B, 64), targets, positions=pos))
+    calls.append(lambda: pol.logprobs_at(torch.zeros(S + 1, B, 64), targets))
     msgs = []
     for call in calls:
         try:
@@ -222,7 +224,7 @@ def _padding_rows(pol) -> tuple[int, float, float]:
 
 
 def parallel_step_worker(rank, world, tp, pp, micro_rows, cases, optimizers, out_path,
-                         lm_head="fused"):
+                         lm_head="fused", sequence_parallel=False):
     """At TP=tp, PP=pp, DP=world/(tp*pp), for each (arch, tie) and optimizer name: token
     log-probs (2 micro-batches; "lp_at": only :func:`score_positions`'s) and the gathered
     weights, then one ``train_step`` on this DP
@@ -239,10 +241,15 @@ def parallel_step_worker(rank, world, tp, pp, micro_rows, cases, optimizers, out
     for case in cases:
         res = {"grads": {}, "after": {}, "padding": {}}
         for name in optimizers:
-            hf, pol = _policy(case, tp, pp, lm_head=lm_head)
+            hf, pol = _policy(case, tp, pp, lm_head=lm_head, sequence_parallel=sequence_parallel)
             if "lp" not in res:
                 ids, targets = batch(pol.arch.vocab_size)
+                norm = pol.module.decoder.layers[0].input_layernorm
+                seen = []      # what the first norm sees: [S/tp, b, H] under sequence parallel
+                hook = norm.register_forward_hook(lambda m, a, o: seen.append(tuple(a[0].shape)))
                 res["lp"] = pol.token_logprobs(ids, targets, micro_batch_size=B // 2)
+                hook.remove()
+                res["norm_inputs"] = seen
                 pos, mask = score_positions()
                 # micro-batches of 3 rows and 1 row, cut after their last scored position:
                 # [3, 8] and [1, 7] (at PP=2 the stages exchange these shapes)

@@ -101,10 +101,13 @@ def test_dp2_step_equals_full_batch_step(tmp_path):
 
 def test_bad_scoring_requests_are_clear_errors(tmp_path):
     """positions without a mask (or the reverse), positions past the sequence, a micro-batch
-    size of -1, and logprobs_at with positions alone: each a ValueError saying what is wrong."""
+    size of -1, logprobs_at with positions alone or on an output of another length: each a
+    ValueError saying what is wrong."""
     path = tmp_path / "bad.pt"
     run_single(W.bad_positions_worker, str(path))
     msgs = torch.load(path)
     assert msgs[0] == msgs[1] == msgs[4] == "pass positions and mask together"
     assert msgs[2] == f"positions must lie in [0, {W.S}), got {2 * W.S - 1}"
     assert msgs[3] == "micro_batch_size must be >= 1, got -1"
+    assert msgs[5] == (f"the model output ({W.S + 1}, {W.B}, 64) does not cover the {W.S} "
+                       f"positions of targets ({W.B}, {W.S})")

@@ -19,6 +19,14 @@ their logits are masked to -inf (:meth:`MegatronPolicy.logprobs_from_logits`, or
 ``vocab_size`` in :meth:`MegatronPolicy.logprobs_at`), so they get zero gradient and stay zero;
 HF names and shapes never see them.
 
+Sequence parallelism (``sequence_parallel=True``, tp > 1; megatron's: Korthikanti et al. 2022):
+between the tensor-parallel regions (norms, residual adds) each TP rank keeps only S/tp of the
+sequence positions, so those activations take 1/tp of the memory; the column-parallel linears
+all-gather the sequence and the row-parallel ones reduce-scatter it (instead of one
+all-reduce). The weights are the same as without it; S must be a multiple of tp
+(:class:`~hacpo.models.megatron.policy.MegatronPolicy` pads each micro-batch). megatron-core's
+local spec has no norm for it, so the local spec's norms become :class:`SequenceParallelRMSNorm`.
+
 megatron-core is imported inside the functions that need it, so ``import hacpo.models`` (and
 this module) never imports megatron.
 """
@@ -231,14 +239,26 @@ def resolve_transformer_impl(transformer_impl: str) -> str:
     return transformer_impl
 
 
+def check_sequence_parallel(sequence_parallel: bool, tp: int) -> None:
+    """Sequence parallelism splits activations over the TP ranks: it needs tp > 1."""
+    if not isinstance(sequence_parallel, bool):
+        raise ValueError(f"sequence_parallel must be true or false, got {sequence_parallel!r}")
+    if sequence_parallel and tp < 2:
+        raise ValueError(f"sequence_parallel needs tensor parallelism (tp > 1), got tp={tp}")
+
+
 def transformer_config(arch: ArchSpec, par: Parallel, *, params_dtype=torch.float32,
-                       transformer_impl: str = "local", use_cpu_initialization: bool = True):
+                       transformer_impl: str = "local", use_cpu_initialization: bool = True,
+                       sequence_parallel: bool = False):
     """megatron ``TransformerConfig`` for ``arch``: RMSNorm, SwiGLU, GQA, no biases except the
     Qwen2 qkv bias, qk-norm for Qwen3, no dropout, no fused kernels (they need CUDA/apex).
     At PP > 1 ``variable_seq_lengths``: stages exchange each activation's shape first, so
-    micro-batches of one schedule may differ in length (each padded to its own longest row)."""
+    micro-batches of one schedule may differ in length (each padded to its own longest row).
+    ``sequence_parallel`` (tp > 1): megatron's sequence parallelism (module docstring)."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
+
+    check_sequence_parallel(sequence_parallel, par.tp)
 
     cfg = TransformerConfig(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size,
@@ -254,6 +274,7 @@ def transformer_config(arch: ArchSpec, par: Parallel, *, params_dtype=torch.floa
         params_dtype=params_dtype, pipeline_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
         use_cpu_initialization=use_cpu_initialization, transformer_impl=transformer_impl,
+        sequence_parallel=sequence_parallel,
     )
     # set after construction: __post_init__ rejects it with the default MoE token dispatcher
     # ("allgather"), a check for MoE layers, which these dense models do not have
@@ -261,30 +282,78 @@ def transformer_config(arch: ArchSpec, par: Parallel, *, params_dtype=torch.floa
     return cfg
 
 
-def layer_spec(arch: ArchSpec, transformer_impl: str):
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """RMSNorm for megatron-core's local layer spec under sequence parallelism.
+
+    The local spec's norm (``WrappedTorchNorm``: ``torch.nn.RMSNorm``) refuses
+    ``config.sequence_parallel`` (megatron-core 0.16.1 leaves SP to transformer-engine's or
+    apex's norms). Normalizing is per token, so each TP rank can normalize its own slice of the
+    sequence; only the weight's gradient is then partial (this rank's tokens): the weight is
+    marked ``sequence_parallel`` and megatron's ``finalize_model_grads`` sums it over the TP
+    group, as it does for TE's norms. Same parameter (``weight``) and forward as the local
+    spec's norm, so checkpoints and the HF mapping do not change."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"SequenceParallelRMSNorm is an RMSNorm, the config asks for "
+                             f"{config.normalization!r}")
+        super().__init__(hidden_size, eps=eps)
+        setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
+
+
+def layer_spec(arch: ArchSpec, transformer_impl: str, *, sequence_parallel: bool = False,
+               num_layers: int | None = None):
+    """megatron-core's GPT layer spec: transformer-engine's, or the local one. With
+    ``sequence_parallel`` and the local spec, a ``TransformerBlockSubmodules`` of ``num_layers``
+    (this stage's) layers whose norms (input, pre-MLP, final, and Qwen3's q/k norms) are
+    :class:`SequenceParallelRMSNorm` (TE's norms take sequence parallelism themselves)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if transformer_impl == "transformer_engine":
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
-    return specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    spec = specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    if not sequence_parallel:
+        return spec
+    import dataclasses
+
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    sub = spec.submodules
+    attn = sub.self_attention
+    if arch.qk_norm:
+        attn = dataclasses.replace(attn, submodules=dataclasses.replace(
+            attn.submodules, q_layernorm=SequenceParallelRMSNorm,
+            k_layernorm=SequenceParallelRMSNorm))
+    spec = dataclasses.replace(spec, submodules=dataclasses.replace(
+        sub, input_layernorm=SequenceParallelRMSNorm, pre_mlp_layernorm=SequenceParallelRMSNorm,
+        self_attention=attn))
+    if num_layers is None:
+        raise ValueError("layer_spec(sequence_parallel=True) needs this stage's num_layers")
+    return TransformerBlockSubmodules(layer_specs=[spec] * num_layers,
+                                      layer_norm=SequenceParallelRMSNorm)
 
 
 def build_gpt_model(arch: ArchSpec, par: Parallel, *, transformer_impl: TransformerImpl = "local",
-                    params_dtype=torch.float32, max_sequence_length: int | None = None):
+                    params_dtype=torch.float32, max_sequence_length: int | None = None,
+                    sequence_parallel: bool = False):
     """This rank's ``GPTModel`` shard (its TP slice of its PP stage), in eval mode.
 
     Call :func:`init_parallel` first. Returns vocab-parallel logits [B, S, Vp/tp] from
     ``model(input_ids, position_ids, attention_mask=None)`` on the last stage, where
     ``Vp = arch.padded_vocab_size(tp)`` (see the module docstring; log-probs that mask the
     padded columns: :meth:`~hacpo.models.megatron.policy.MegatronPolicy.logprobs_at`).
+    ``sequence_parallel``: see the module docstring (S must then be a multiple of tp).
     """
     require_megatron()
     arch.check_parallel(par.tp, par.pp)
     impl = resolve_transformer_impl(transformer_impl)
     from megatron.core.models.gpt import GPTModel
 
-    cfg = transformer_config(arch, par, params_dtype=params_dtype, transformer_impl=impl)
-    model = GPTModel(config=cfg, transformer_layer_spec=layer_spec(arch, impl),
+    cfg = transformer_config(arch, par, params_dtype=params_dtype, transformer_impl=impl,
+                             sequence_parallel=sequence_parallel)
+    spec = layer_spec(arch, impl, sequence_parallel=sequence_parallel,
+                      num_layers=len(arch.layers_of_stage(par.pp, par.pp_rank)))
+    model = GPTModel(config=cfg, transformer_layer_spec=spec,
                      vocab_size=arch.padded_vocab_size(par.tp),
                      max_sequence_length=max_sequence_length or arch.max_position_embeddings,
                      pre_process=par.first_stage, post_process=par.last_stage,

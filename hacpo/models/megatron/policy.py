@@ -86,13 +86,14 @@ class MegatronPolicy:
     def from_hf(cls, hf_model, par: Parallel, *, transformer_impl: str = "local",
                 params_dtype=torch.float32, logprob_backend: str = "auto",
                 make_vocab_size_divisible_by: int = 1,
-                lm_head: str = "fused") -> "MegatronPolicy":
+                lm_head: str = "fused", sequence_parallel: bool = False) -> "MegatronPolicy":
         """Build this rank's GPTModel from an HF model's config and load its weights shard
-        (``make_vocab_size_divisible_by``: the vocabulary padding, see ``ArchSpec``)."""
+        (``make_vocab_size_divisible_by``: the vocabulary padding, see ``ArchSpec``;
+        ``sequence_parallel``: megatron's, see :mod:`hacpo.models.megatron.build`)."""
         arch = ArchSpec.from_hf(hf_model.config,
                                 make_vocab_size_divisible_by=make_vocab_size_divisible_by)
         model = build_gpt_model(arch, par, transformer_impl=transformer_impl,
-                                params_dtype=params_dtype)
+                                params_dtype=params_dtype, sequence_parallel=sequence_parallel)
         state = hf_to_megatron(hf_model.state_dict(), arch, tp=par.tp, tp_rank=par.tp_rank,
                                pp=par.pp, pp_rank=par.pp_rank, transformer_impl=transformer_impl)
         load_megatron_state(model, state)
@@ -212,6 +213,16 @@ class MegatronPolicy:
         return parts if p.tp_rank == 0 else None
 
     # -- forward --------------------------------------------------------------------------------
+    @property
+    def sequence_parallel(self) -> bool:
+        return bool(self.module.config.sequence_parallel)
+
+    def padded_length(self, n: int) -> int:
+        """The positions a row of ``n`` tokens occupies in :meth:`forward`: ``n``, or with
+        sequence parallelism ``n`` rounded up to a multiple of tp."""
+        m = self.par.tp if self.sequence_parallel else 1
+        return -(-n // m) * m
+
     def logprobs_from_logits(self, logits: torch.Tensor, targets: torch.Tensor,
                              temperature: float = 1.0) -> torch.Tensor:
         """This rank's vocab-parallel logits [..., Vp/tp] (rows of the last stage's model output)
@@ -247,18 +258,34 @@ class MegatronPolicy:
     def forward(self, model: torch.nn.Module, input_ids: torch.Tensor):
         """Run ``model`` (this policy's model, or megatron's schedule's handle on it) on
         ``input_ids`` [b, S]. The last stage returns what :meth:`logprobs_at` takes: final
-        hidden states [S, b, H] with ``lm_head="fused"`` (megatron's output layer skipped),
-        vocab-parallel logits [b, S, Vp/tp] with ``"logits"``; other stages their activations."""
+        hidden states [S', b, H] with ``lm_head="fused"`` (megatron's output layer skipped),
+        vocab-parallel logits [b, S', Vp/tp] with ``"logits"``; other stages their activations.
+        S' = S, or with sequence parallelism S rounded up to a multiple of tp: the rows are
+        padded with token 0 at the end, which a causal model's first S positions never see
+        (the last stage's hidden states are gathered back to the whole sequence here, as
+        megatron's output layer would)."""
         b, s = input_ids.shape
+        if self.padded_length(s) > s:
+            pad = self.padded_length(s) - s
+            input_ids = torch.cat([input_ids, input_ids.new_zeros(b, pad)], dim=1)
+            s += pad
         pos = torch.arange(s, device=input_ids.device).expand(b, s)
         if self.lm_head == "logits" or not self.par.last_stage:
             return model(input_ids, pos, attention_mask=None)
         module = self.module
         module.post_process = False     # GPTModel returns the decoder's output (final norm
         try:                            # applied) before its output layer
-            return model(input_ids, pos, attention_mask=None)
+            hidden = model(input_ids, pos, attention_mask=None)
         finally:
             module.post_process = True
+        if self.sequence_parallel:      # [S'/tp, b, H] -> [S', b, H]; the fused head's hidden
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            # gradient arrives already summed over TP (the fused head all-reduces it), so the
+            # backward only takes this rank's slice
+            hidden = gather_from_sequence_parallel_region(
+                hidden, tensor_parallel_output_grad=False, group=self.par.tp_group)
+        return hidden
 
     def logprobs_at(self, output: torch.Tensor, targets: torch.Tensor,
                     positions: torch.Tensor | None = None, mask: torch.Tensor | None = None,
@@ -267,7 +294,8 @@ class MegatronPolicy:
         the token predicted at position j) -> log-probs [b, T] float32 of
         ``targets[i, positions[i, k]]`` where ``mask[i, k]``, 0 elsewhere (no position is
         scored that the mask leaves out); differentiable. ``positions=None``: every position
-        (T = S)."""
+        (T = S). The output may cover more positions than S (sequence parallelism's padding,
+        see :meth:`forward`): only the first S are read."""
         b, s = targets.shape
         dev = targets.device
         if (positions is None) != (mask is None):
@@ -287,8 +315,12 @@ class MegatronPolicy:
                              f"{int(at.max())}")
         rows, cols, at = rows.to(dev), cols.to(dev), at.to(dev)
         tgt = targets[rows, at]
+        s_out = output.shape[0] if self.lm_head == "fused" else output.shape[1]
+        if s_out != self.padded_length(s):
+            raise ValueError(f"the model output {tuple(output.shape)} does not cover the "
+                             f"{s} positions of targets {tuple(targets.shape)}")
         if self.lm_head == "fused":
-            if output.shape[:2] != (s, b):
+            if output.shape[1] != b:
                 raise ValueError(f"hidden states {tuple(output.shape)} are not [{s}, {b}, H]")
             lp = fused_linear_token_logprobs(
                 output[at, rows], self.output_weight(), tgt, temperature=temperature,
@@ -366,8 +398,9 @@ class MegatronPolicy:
             lens = (last.values + 1).clamp(min=1).tolist() if B else []
             if lens and max(lens) > S:
                 raise ValueError(f"positions must lie in [0, {S}), got {max(lens) - 1}")
-        if micro_batch_tokens is not None:
-            groups = pack_micro_batches(lens, micro_batch_tokens, mbs)
+        if micro_batch_tokens is not None:     # by the padded tokens forward() will run
+            groups = pack_micro_batches([self.padded_length(n) for n in lens],
+                                        micro_batch_tokens, mbs)
         else:
             groups = [list(range(i, min(i + mbs, B))) for i in range(0, B, mbs)]
         mbs_list = []
