@@ -88,6 +88,42 @@ def pack(prompts, resps):
     return ids, targets, pos, mask
 
 
+def step_micro_batches(packed, prompts, resps, adv, groups) -> list[dict]:
+    """``train_step``'s micro-batches: each group of rows cut from ``packed`` (:func:`pack`'s
+    ids, targets, positions, mask) to its longest row and response, with its advantages and
+    the whole batch's divisor (its response tokens)."""
+    ids, targets, pos, mask = packed
+    divisor = mask.sum().float()
+    mbs = []
+    for g in groups:
+        idx = torch.tensor(g)
+        S = max(len(prompts[j]) + len(resps[j]) for j in g)
+        R = max(len(resps[j]) for j in g)
+        mbs.append({"input_ids": ids[idx, :S], "targets": targets[idx, :S],
+                    "positions": pos[idx, :R], "positions_mask": mask[idx, :R],
+                    "adv": adv[idx], "divisor": divisor})
+    return mbs
+
+
+def add_row_args(p, **defaults) -> None:
+    """The RL-like rows' flags (:func:`make_rows`) and ``--micro-batch``, with defaults."""
+    d = {"prompts": 8, "group": 4, "prompt_min": 32, "prompt_max": 128, "response_mean": 96.0,
+         "response_max": 768, **defaults}
+    for name in ("prompts", "group", "prompt_min", "prompt_max", "response_max"):
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=d[name])
+    p.add_argument("--response-mean", type=float, default=d["response_mean"])
+    p.add_argument("--micro-batch", type=int, default=4, help="rows per micro-batch (in order "
+                                                              "of prompt)")
+
+
+def check_row_args(p, args) -> None:
+    if not (1 <= args.prompt_min <= args.prompt_max and args.response_max >= 1
+            and args.response_mean > 0 and args.reps >= 1 and args.prompts >= 1
+            and args.group >= 1 and args.micro_batch >= 1):
+        p.error("need 1 <= prompt-min <= prompt-max, response-max >= 1, response-mean > 0, "
+                "reps, prompts, group, micro-batch >= 1")
+
+
 def plan(a, prompts, resps, mode):
     """The micro-batches (row indices) of ``mode``; a row's length is prompt + response."""
     lens = [len(p) + len(r) for p, r in zip(prompts, resps)]
@@ -118,16 +154,8 @@ def _worker(rank, world, a, mode, out_path):
     pol = MegatronPolicy.from_hf(hf, par)
     del hf
     opt = pol.build_optimizer(lr=1e-3, optimizer="sgd")
-    ids, targets, pos, mask = pack(prompts, resps)
-    divisor = mask.sum().float()
-    mbs = []
-    for g in plan(a, prompts, resps, mode):
-        idx = torch.tensor(g)
-        S = max(len(prompts[j]) + len(resps[j]) for j in g)
-        R = max(len(resps[j]) for j in g)
-        mbs.append({"input_ids": ids[idx, :S], "targets": targets[idx, :S],
-                    "positions": pos[idx, :R], "positions_mask": mask[idx, :R],
-                    "adv": adv[idx], "divisor": divisor})
+    packed = ids, targets, pos, mask = pack(prompts, resps)
+    mbs = step_micro_batches(packed, prompts, resps, adv, plan(a, prompts, resps, mode))
     kw = ({"micro_batch_tokens": a["micro_batch_tokens"], "micro_batch_size": len(resps)}
           if mode == "tokens" else {"micro_batch_size": a["micro_batch"]})
     def score():
@@ -143,13 +171,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results_dir")
     add_model_args(p)
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--group", type=int, default=4)
-    p.add_argument("--prompt-min", type=int, default=32)
-    p.add_argument("--prompt-max", type=int, default=128)
-    p.add_argument("--response-mean", type=float, default=96.0)
-    p.add_argument("--response-max", type=int, default=768)
-    p.add_argument("--micro-batch", type=int, default=4, help="rows mode: rows per micro-batch")
+    add_row_args(p)
     p.add_argument("--micro-batch-tokens", type=int, default=0,
                    help="tokens mode: padded tokens per micro-batch (0: micro-batch x the "
                         "longest row)")
@@ -158,11 +180,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not os.path.exists("/proc/self/clear_refs"):
         p.error("needs Linux /proc (peak RSS reset through /proc/self/clear_refs)")
-    if not (1 <= args.prompt_min <= args.prompt_max and args.response_max >= 1
-            and args.response_mean > 0 and args.reps >= 1 and args.prompts >= 1
-            and args.group >= 1 and args.micro_batch >= 1 and args.micro_batch_tokens >= 0):
-        p.error("need 1 <= prompt-min <= prompt-max, response-max >= 1, response-mean > 0, "
-                "reps, prompts, group, micro-batch >= 1, micro-batch-tokens >= 0")
+    check_row_args(p, args)
+    if args.micro_batch_tokens < 0:
+        p.error("need micro-batch-tokens >= 0")
 
     a = {k: getattr(args, k) for k in ("tp", "pp", "hidden", "ffn", "layers", "heads",
                                        "kv_heads", "vocab", "prompts", "group", "prompt_min",

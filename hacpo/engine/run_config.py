@@ -77,6 +77,14 @@ class ParallelConfig:
     # rank (1/tp of that activation memory), all-gathers / reduce-scatters instead of
     # all-reduces; same weights and math (hacpo/models/megatron/build.py)
     sequence_parallel: bool = False
+    # megatron's activation recomputation: "none"; "selective": the parts of every layer named
+    # in recompute_modules (comma-separated: core_attn, mlp) keep only their inputs
+    # and run again in the backward; "full": every recompute_num_layers consecutive layers keep
+    # only their input and run again whole. Same gradients, less activation memory, a backward
+    # of up to one more forward (hacpo/models/megatron/build.py: recompute_fields)
+    recompute: str = "none"
+    recompute_modules: str = "core_attn"
+    recompute_num_layers: int = 1
 
     def __post_init__(self):
         for k in ("tp", "pp", "dp", "make_vocab_size_divisible_by"):
@@ -87,12 +95,13 @@ class ParallelConfig:
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ValueError(f"parallel.micro_batch_tokens must be an integer >= 0 (0: "
                              f"micro-batches of micro_batch rows), got {v!r}")
-        if not isinstance(self.sequence_parallel, bool):
-            raise ValueError(f"parallel.sequence_parallel must be true or false, got "
-                             f"{self.sequence_parallel!r}")
-        if self.sequence_parallel and self.tp < 2:
-            raise ValueError(f"parallel.sequence_parallel needs tensor parallelism "
-                             f"(parallel.tp > 1), got tp={self.tp}")
+        from hacpo.models.megatron.build import check_sequence_parallel
+
+        try:
+            check_sequence_parallel(self.sequence_parallel, self.tp)
+            self.recompute_kwargs()
+        except ValueError as e:
+            raise ValueError(f"parallel.{e}") from None
         _check_bucket_mb("parallel.weight_bucket_mb", self.weight_bucket_mb)
         if self.transformer_impl not in ("local", "transformer_engine"):
             raise ValueError(f"parallel.transformer_impl must be 'local' or "
@@ -107,6 +116,18 @@ class ParallelConfig:
     @property
     def world(self) -> int:
         return self.tp * self.pp * self.dp
+
+    def recompute_kwargs(self) -> dict:
+        """``recompute`` / ``recompute_modules`` / ``recompute_num_layers`` as the keyword
+        arguments of :func:`hacpo.models.megatron.build.recompute_fields` (checked there)."""
+        from hacpo.models.megatron.build import recompute_fields
+
+        mods = self.recompute_modules
+        kw = {"recompute": self.recompute,
+              "modules": [m.strip() for m in mods.split(",")] if isinstance(mods, str) else mods,
+              "num_layers": self.recompute_num_layers}
+        recompute_fields(**kw)
+        return kw
 
 
 @dataclass
@@ -304,6 +325,8 @@ RESUMABLE_NESTED_KEYS = {("rollout", "call_timeout_s"), ("rollout", "weight_buck
 # how weights move or log-probs are computed, not what they are
 RESUMABLE_AGENT_KEYS = {("parallel", "weight_bucket_mb"), ("parallel", "lm_head"),
                         ("parallel", "micro_batch_tokens"), ("parallel", "sequence_parallel"),
+                        ("parallel", "recompute"), ("parallel", "recompute_modules"),
+                        ("parallel", "recompute_num_layers"),
                         ("policy", "lm_head")}
 
 

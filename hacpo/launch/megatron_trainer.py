@@ -185,6 +185,16 @@ def check_named_shards(files: list[dict], out_dir: str, ranks: int, agent: str,
     return paths
 
 
+def _built(config) -> str:
+    """What a rank's megatron model was built with, from its TransformerConfig (logged)."""
+    rc = config.recompute_granularity
+    recompute = ("none" if rc is None else
+                 f"selective:{','.join(config.recompute_modules)}" if rc == "selective" else
+                 f"full:{config.recompute_num_layers}")
+    return (f"transformer_impl={config.transformer_impl} "
+            f"sequence_parallel={config.sequence_parallel} recompute={recompute}")
+
+
 class MegatronRank:
     """One rank of an agent's megatron trainer group: its shard of the policy and optimizer."""
 
@@ -230,7 +240,8 @@ class MegatronRank:
         dtype = next(policy.model.parameters()).dtype
         build = dict(transformer_impl=par["transformer_impl"], params_dtype=dtype,
                      make_vocab_size_divisible_by=par["make_vocab_size_divisible_by"],
-                     lm_head=par["lm_head"], sequence_parallel=par["sequence_parallel"])
+                     lm_head=par["lm_head"], sequence_parallel=par["sequence_parallel"],
+                     recompute=par["recompute_kw"])
         self.pol = MegatronPolicy.from_hf(policy.model, p, **build)
         self.ref = None
         if reference:
@@ -247,7 +258,8 @@ class MegatronRank:
         self.grad_clip = optim["grad_clip"]
         self.reporter = p.last_stage and p.tp_rank == 0      # holds per-sample results
         return {"rank": self.rank, "tp_rank": p.tp_rank, "pp_rank": p.pp_rank,
-                "dp_rank": p.dp_rank, "pid": os.getpid()}
+                "dp_rank": p.dp_rank, "pid": os.getpid(),
+                "built": _built(self.pol.module.config)}
 
     # -- old log-probs --------------------------------------------------------------------------
     def old_logprobs(self, prompts: list[list[int]], responses: list[list[int]],
@@ -541,7 +553,7 @@ class MegatronAgents:
 
     def __init__(self, cfg, policies: list[Policy], *, timeout_s: float = 60.0,
                  start_timeout_s: float = 300.0):
-        from hacpo.models.megatron.build import ArchSpec
+        from hacpo.models.megatron.build import ArchSpec, recompute_fields
 
         self.cfg = cfg
         # absolute: the rank actors' working directory is not the driver's
@@ -561,9 +573,11 @@ class MegatronAgents:
                                  f"held on the driver's CPU, got kind={pol.kind!r} on "
                                  f"{pol.output_weight.device}")
             try:
-                ArchSpec.from_hf(pol.model.config, make_vocab_size_divisible_by=a.parallel
-                                 .make_vocab_size_divisible_by).check_parallel(a.parallel.tp,
-                                                                               a.parallel.pp)
+                arch = ArchSpec.from_hf(pol.model.config, make_vocab_size_divisible_by=a.parallel
+                                        .make_vocab_size_divisible_by)
+                arch.check_parallel(a.parallel.tp, a.parallel.pp)
+                recompute_fields(**a.parallel.recompute_kwargs(),
+                                 layers_per_stage=len(arch.layers_of_stage(a.parallel.pp, 0)))
             except ValueError as e:
                 raise ValueError(f"agent {pol.name!r} (trainer=megatron, tokenizer "
                                  f"{pol.tokenizer.name!r}): {e}") from None
@@ -641,7 +655,7 @@ class MegatronAgents:
             addr = self._gather(k, [g.ranks[0].rendezvous.remote(start_timeout_s)],
                                 timeout_s=start_timeout_s)[0]
             pol_ref = ray.put(self.policies[k])
-            par = dataclasses.asdict(g.par)
+            par = {**dataclasses.asdict(g.par), "recompute_kw": g.par.recompute_kwargs()}
             optim = {"lr": a.optim.lr, "weight_decay": a.optim.weight_decay,
                      "beta1": a.optim.beta1, "beta2": a.optim.beta2,
                      "grad_clip": a.optim.grad_clip}
@@ -652,7 +666,8 @@ class MegatronAgents:
             g.layout = self._gather(k, refs[k], timeout_s=start_timeout_s)
         log.info("megatron trainer groups: %s on %s",
                  ", ".join(f"{g.name} " + ("torch" if g.torch else
-                                          f"tp{g.par.tp} pp{g.par.pp} dp{g.par.dp}")
+                                          f"tp{g.par.tp} pp{g.par.pp} dp{g.par.dp} "
+                                          f"({g.layout[0]['built']})")
                            for g in self._groups), self.cluster.address)
 
     def rank_actor(self, k: int, r: int):

@@ -84,8 +84,8 @@ def test_config_diff_ignores_fields_added_after_a_checkpoint_at_their_default():
 def test_weight_bucket_sizes_are_resumable_and_validated():
     """How weights move (rollout / megatron bucket sizes) and how megatron computes log-probs
     (parallel.lm_head, policy.lm_head) and how megatron cuts micro-batches
-    (parallel.micro_batch_tokens, parallel.sequence_parallel) may change on resumption, like
-    time limits; the layout
+    (parallel.micro_batch_tokens, parallel.sequence_parallel, parallel.recompute*) may change
+    on resumption, like time limits; the layout
     may not. Non-positive sizes and an unknown lm_head are clear errors."""
     from hacpo.engine.run_config import config_diff, fingerprint_dict, load_config
     # agent 0 as a megatron trainer group (an HF Llama), the only kind parallel.* applies to
@@ -104,8 +104,27 @@ def test_weight_bucket_sizes_are_resumable_and_validated():
     assert config_diff(fingerprint_dict(tp2), fingerprint_dict(tp2.override(
         {"agents.0.parallel.sequence_parallel": True}))) == []
     with pytest.raises(ValueError, match=r"parallel.sequence_parallel needs tensor "
-                                         r"parallelism \(parallel.tp > 1\), got tp=1"):
+                                         r"parallelism \(tp > 1\), got tp=1"):
         cfg.override({"agents.0.parallel.sequence_parallel": True})
+    # activation recomputation: the same gradients, so resumable too; bad values: clear errors
+    assert config_diff(a, fingerprint_dict(cfg.override({
+        "agents.0.parallel.recompute": "selective",
+        "agents.0.parallel.recompute_modules": "mlp,core_attn"}))) == []
+    assert cfg.override({"agents.0.parallel.recompute": "full",
+                         "agents.0.parallel.recompute_num_layers": 2}).agents[0] \
+        .parallel.recompute_kwargs() == {"recompute": "full", "modules": ["core_attn"],
+                                         "num_layers": 2}
+    for key, bad, msg in (
+            ("recompute", "all", r"parallel.recompute must be one of none, selective, full, "
+                                 r"got 'all'"),
+            ("recompute_modules", "core_attn,layernorm",
+             r"parallel.recompute_modules must be distinct names from core_attn, mlp, got "
+             r"core_attn,layernorm"),
+            ("recompute_modules", "mlp,mlp", r"distinct names .* got mlp,mlp"),
+            ("recompute_num_layers", 0, r"parallel.recompute_num_layers must be an integer "
+                                        r">= 1, got 0")):
+        with pytest.raises(ValueError, match=msg):
+            cfg.override({f"agents.0.parallel.{key}": bad})
     with pytest.raises(ValueError, match=r"parallel.sequence_parallel must be true or false, "
                                          r"got 2"):
         tp2.override({"agents.0.parallel.sequence_parallel": 2})

@@ -3,9 +3,12 @@ vocab-parallel log-probs on the last stage of a 1F1B pipeline) next to a PP=2 x 
 actors; two pipelines, each training its share of every minibatch), 8 ranks in all, on the
 private Ray cluster the run starts itself (sized to the ranks; gone when the run ends), as a
 user's ``hacpo train`` does. One step's metrics and weights equal the torch trainer's
-(in-process, trainer_backend=local). tests/launch/test_megatron_trainer.py covers TP, PP and DP
-one at a time; tests/megatron the same combinations at the policy level.
+(in-process, trainer_backend=local), with activation recomputation on both.
+tests/launch/test_megatron_trainer.py covers TP, PP and DP one at a time; tests/megatron the
+same combinations at the policy level.
 """
+import logging
+
 import pytest
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed "
@@ -19,16 +22,28 @@ from hacpo.engine.trainer import train  # noqa: E402
 from .test_megatron_trainer import (_check_metrics, _check_weights, _initial_weights,  # noqa: E402
                                     _rows, _weights, megatron_cfg)
 
-AGENTS = (("llama-tp2pp2", "llama3.2", ParallelConfig(tp=2, pp=2, weight_bucket_mb=0.08)),
-          ("char-pp2dp2", "char", ParallelConfig(pp=2, dp=2)))
+# with activation recomputation (megatron's; the same gradients): the attention core and MLP
+# of every layer at TP=2 x PP=2, every layer whole at PP=2 x DP=2
+AGENTS = (("llama-tp2pp2", "llama3.2",
+           ParallelConfig(tp=2, pp=2, weight_bucket_mb=0.08, recompute="selective",
+                          recompute_modules="core_attn,mlp")),
+          ("char-pp2dp2", "char", ParallelConfig(pp=2, dp=2, recompute="full")))
 NAMES = [a[0] for a in AGENTS]
 
 
-def test_tp2pp2_and_pp2dp2_one_step_equals_torch_trainer(tmp_path):
+def test_tp2pp2_and_pp2dp2_one_step_equals_torch_trainer(tmp_path, caplog):
     assert not ray.is_initialized()            # the run starts (and stops) its own cluster
     train(megatron_cfg(tmp_path, "torch", "torch", AGENTS), echo=lambda *_: None)
-    summary = train(megatron_cfg(tmp_path, "meg", "megatron", AGENTS), echo=lambda *_: None)
+    with caplog.at_level(logging.INFO, logger="hacpo"):
+        summary = train(megatron_cfg(tmp_path, "meg", "megatron", AGENTS),
+                        echo=lambda *_: None)
     assert not ray.is_initialized()
+    # what the ranks built (their models' configs), as the driver logged it
+    built = [r.getMessage() for r in caplog.records if "megatron trainer groups" in r.message]
+    assert len(built) == 1 and (
+        "llama-tp2pp2 tp2 pp2 dp1 (transformer_impl=local sequence_parallel=False "
+        "recompute=selective:core_attn,mlp), char-pp2dp2 tp1 pp2 dp2 (transformer_impl=local "
+        "sequence_parallel=False recompute=full:1)") in built[0], built
     meg, ref = _rows(tmp_path, "meg"), _rows(tmp_path, "torch")
     assert [r["step"] for r in meg] == [0] and summary["agents"] == NAMES
     _check_metrics(meg[0], ref[0], NAMES)
@@ -55,7 +70,7 @@ BUDGET_AGENTS = (("llama-pp2dp2-tok", "llama3.2",
                                  sequence_parallel=True)))
 
 
-def test_token_budget_micro_batches_equal_torch_trainer(tmp_path):
+def test_token_budget_micro_batches_equal_torch_trainer(tmp_path, caplog):
     """One step with ``parallel.micro_batch_tokens`` (hacpo/engine/batching.py) equals the
     torch trainer's: the budget changes how rows are cut, not the loss or its gradient; so
     does sequence parallelism (the TP=2 agent), which lays activations out differently and
@@ -63,7 +78,11 @@ def test_token_budget_micro_batches_equal_torch_trainer(tmp_path):
     names = [a[0] for a in BUDGET_AGENTS]
     over = {"prompts_per_step": 3, "algorithm.num_minibatches": 1}
     train(megatron_cfg(tmp_path, "torch", "torch", BUDGET_AGENTS, **over), echo=lambda *_: None)
-    train(megatron_cfg(tmp_path, "meg", "megatron", BUDGET_AGENTS, **over), echo=lambda *_: None)
+    with caplog.at_level(logging.INFO, logger="hacpo"):
+        train(megatron_cfg(tmp_path, "meg", "megatron", BUDGET_AGENTS, **over),
+              echo=lambda *_: None)
+    assert "char-tp2sp-tok tp2 pp1 dp1 (transformer_impl=local sequence_parallel=True " \
+           "recompute=none)" in caplog.text      # what the ranks built
     meg, ref = _rows(tmp_path, "meg"), _rows(tmp_path, "torch")
     _check_metrics(meg[0], ref[0], names)
     for name in names:

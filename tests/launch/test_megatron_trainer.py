@@ -446,6 +446,13 @@ def test_config_errors(cluster, tmp):
                                          r"padded to 256.*rank 1 .*would hold only padding"):
         train(pad, echo=lambda *_: None)
     free_cpus_back()
+    # full recomputation in chunks of 2 layers, where a stage holds 1 (2 layers at PP=2)
+    deep = megatron_cfg(tmp, "bad", "megatron").override(
+        {"agents.1.parallel.recompute": "full", "agents.1.parallel.recompute_num_layers": 2})
+    with pytest.raises(ValueError, match=r"agent 'char-pp2'.*recompute_num_layers=2 does not "
+                                         r"divide a pipeline stage's 1 layer\(s\)"):
+        train(deep, echo=lambda *_: None)
+    free_cpus_back()
 
 
 def test_checkpoint_from_before_the_trainer_fields_resumes():

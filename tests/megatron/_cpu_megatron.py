@@ -7,7 +7,9 @@ mapped to CPU, as listed in /work/shared/ENVIRONMENT.md:
   ``set_rng_state`` -> CPU versions; ``tensor_parallel.random._get/_set_cuda_rng_state`` ->
   ``torch.get/set_rng_state``;
 - for pipeline schedules and the optimizer: ``torch.cuda.synchronize`` -> no-op and a
-  ``TorchFunctionMode`` mapping ``device="cuda"`` (and ``.cuda()``) to CPU.
+  ``TorchFunctionMode`` mapping ``device="cuda"`` (and ``.cuda()``) to CPU;
+- the attention's default causal mask (``fused_softmax.get_default_causal_mask``, made on
+  ``"cuda"``) on CPU: activation recomputation calls it in the backward, outside that mode.
 
 ``spawn(fn, world, *args)`` runs ``fn(rank, world, *args)`` in ``world`` gloo processes
 (MASTER_ADDR=127.0.0.1, a free port) with the patches applied in each worker.
@@ -60,9 +62,15 @@ _CUDA_NAMES = ("current_device", "manual_seed", "get_rng_state",
 @contextlib.contextmanager
 def cpu_patches():
     """Apply the CPU patches for the duration of the block and restore everything after."""
+    from megatron.core.fusions import fused_softmax
     from megatron.core.tensor_parallel import random as mrandom
 
     saved = {n: getattr(torch.cuda, n) for n in _CUDA_NAMES}
+    saved_mask = fused_softmax.get_default_causal_mask
+    # called with device="cuda" also while activation recomputation re-runs the attention in
+    # the backward, where the TorchFunctionMode below is not active
+    fused_softmax.get_default_causal_mask = \
+        lambda sq: torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
     saved_rng = (mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state)
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
@@ -78,6 +86,7 @@ def cpu_patches():
         for n, f in saved.items():
             setattr(torch.cuda, n, f)
         mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state = saved_rng
+        fused_softmax.get_default_causal_mask = saved_mask
 
 
 def free_port() -> int:

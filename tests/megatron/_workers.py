@@ -58,13 +58,27 @@ def case_model(case):
     return tiny_hf(arch, tie=tie, **({"vocab": vocab[0]} if vocab else {}))
 
 
-def _policy(case, tp, pp, dp=None, lm_head="fused", sequence_parallel=False):
+def _policy(case, tp, pp, dp=None, lm_head="fused", sequence_parallel=False, recompute=None):
     from hacpo.models.megatron import MegatronPolicy, init_parallel
 
     par = init_parallel(tp, pp, dp)
     hf = case_model(case)
     return hf, MegatronPolicy.from_hf(hf, par, lm_head=lm_head,
-                                      sequence_parallel=sequence_parallel)
+                                      sequence_parallel=sequence_parallel, recompute=recompute)
+
+
+def _count_calls(pol) -> tuple[dict, list]:
+    """Forward calls of the first layer's input norm, core attention and MLP (on a rank of the
+    first stage): ({name: count}, the hook handles)."""
+    layer = pol.module.decoder.layers[0]
+    counts = {"norm": 0, "core_attn": 0, "mlp": 0}
+    hooks = []
+    for name, mod in (("norm", layer.input_layernorm),
+                      ("core_attn", layer.self_attention.core_attention), ("mlp", layer.mlp)):
+        def hook(m, a, o, name=name):
+            counts[name] += 1
+        hooks.append(mod.register_forward_hook(hook))
+    return counts, hooks
 
 
 def score_positions(S_: int = S):
@@ -224,7 +238,7 @@ def _padding_rows(pol) -> tuple[int, float, float]:
 
 
 def parallel_step_worker(rank, world, tp, pp, micro_rows, cases, optimizers, out_path,
-                         lm_head="fused", sequence_parallel=False):
+                         lm_head="fused", sequence_parallel=False, recompute=None):
     """At TP=tp, PP=pp, DP=world/(tp*pp), for each (arch, tie) and optimizer name: token
     log-probs (2 micro-batches; "lp_at": only :func:`score_positions`'s) and the gathered
     weights, then one ``train_step`` on this DP
@@ -241,7 +255,8 @@ def parallel_step_worker(rank, world, tp, pp, micro_rows, cases, optimizers, out
     for case in cases:
         res = {"grads": {}, "after": {}, "padding": {}}
         for name in optimizers:
-            hf, pol = _policy(case, tp, pp, lm_head=lm_head, sequence_parallel=sequence_parallel)
+            hf, pol = _policy(case, tp, pp, lm_head=lm_head, sequence_parallel=sequence_parallel,
+                              recompute=recompute)
             if "lp" not in res:
                 ids, targets = batch(pol.arch.vocab_size)
                 norm = pol.module.decoder.layers[0].input_layernorm
@@ -285,7 +300,11 @@ def parallel_step_worker(rank, world, tp, pp, micro_rows, cases, optimizers, out
             dp, dp_rank = pol.par.dp, pol.par.dp_rank
             mbs = step_microbatches(pol.arch.vocab_size, dp_rank * B // dp,
                                     (dp_rank + 1) * B // dp, micro_rows)
+            counts, hooks = _count_calls(pol)
             pol.train_step(opt, mbs, sgd_loss)
+            for h in hooks:
+                h.remove()
+            res.setdefault("train_calls", counts)   # the first step's (rank 0: first stage)
             # the optimizer reads main_grad and leaves it alone: these are the step's gradients
             grads = {k: p.main_grad.detach().clone()
                      for k, p in pol.module.named_parameters()}

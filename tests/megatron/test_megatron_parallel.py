@@ -177,28 +177,44 @@ def test_pp2_step_equals_pp1(single, hf_grads, tmp_path):
         _check_step(res, one, case)
 
 
+SELECTIVE = {"recompute": "selective", "modules": ["core_attn", "mlp"]}
+FULL = {"recompute": "full", "num_layers": 1}
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("tp, pp, lm_head, cases", [
-    (2, 2, "fused", CASES),          # 4 ranks, both models, the fused head on gathered hidden
-    (2, 1, "logits", CASES[:1]),     # megatron's output layer gathers the sequence itself
-], ids=["tp2-pp2-fused", "tp2-logits"])
-def test_sequence_parallel_step_equals_tp1(single, hf_grads, tmp_path, tp, pp, lm_head, cases):
+@pytest.mark.parametrize("tp, pp, lm_head, cases, recompute", [
+    # 4 ranks, both models, the fused head on gathered hidden states; the attention core and
+    # the MLP of every layer recomputed in the backward
+    (2, 2, "fused", CASES, SELECTIVE),
+    # megatron's output layer gathers the sequence itself; every layer recomputed whole
+    (2, 1, "logits", CASES[:1], FULL),
+], ids=["tp2-pp2-fused-selective", "tp2-logits-full"])
+def test_sequence_parallel_and_recompute_step_equals_tp1(single, hf_grads, tmp_path, tp, pp,
+                                                         lm_head, cases, recompute):
     """Megatron's sequence parallelism (build.py): the norms and residuals hold S/tp positions
     per TP rank, so every micro-batch is padded to a multiple of tp (the scored micro-batches
     of 7 and 1 positions, see _workers, are odd) and the norm weights' partial gradients are
-    summed over TP. Log-probs, gradients and one step equal TP=1 as without it."""
+    summed over TP; with activation recomputation (``recompute``) the parts of each layer run
+    again in the backward. Log-probs, gradients and one step equal TP=1 as without them."""
     path = tmp_path / "sp.pt"
     spawn(W.parallel_step_worker, tp * pp, tp, pp, MICRO, cases, OPTS, str(path), lm_head,
-          True)
+          True, recompute)
     par = torch.load(path)
+    n_micro = W.B // MICRO
     for case in cases:
         one, res = single[case], par[case]
         # rank 0's first norm held half of the positions of each micro-batch (2 rows x 8)
         assert res["norm_inputs"] == [(W.S // tp, MICRO, 64)] * 2, res["norm_inputs"]
         assert one["norm_inputs"] == [(W.S, MICRO, 64)] * 2, one["norm_inputs"]
+        # in the training step each part ran once per micro-batch, and again when recomputed
+        # (the input norm only when the whole layer is)
+        assert one["train_calls"] == dict.fromkeys(("norm", "core_attn", "mlp"), n_micro)
+        again = {"norm": 2 * n_micro if recompute is FULL else n_micro,
+                 "core_attn": 2 * n_micro, "mlp": 2 * n_micro}
+        assert res["train_calls"] == again, res["train_calls"]
         assert res["same"] and res["same_first"] and res["same_units"], \
             f"{case}: weights gathered under sequence parallelism differ from the HF ones"
-        # as at TP=2 x PP=2 without it (seen: ~1e-6)
+        # as at TP=2 x PP=2 without them (seen: ~1e-6)
         torch.testing.assert_close(res["lp"], one["lp"], atol=1e-5, rtol=0, msg=str(case))
         _check_positions(res, case)
         for name in OPTS:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -247,18 +248,60 @@ def check_sequence_parallel(sequence_parallel: bool, tp: int) -> None:
         raise ValueError(f"sequence_parallel needs tensor parallelism (tp > 1), got tp={tp}")
 
 
+RECOMPUTE = ("none", "selective", "full")
+# megatron's selective recompute modules that apply to these dense layers. Not "layernorm":
+# with transformer-engine's spec the norms are fused into the next linear (nothing to
+# recompute), and with the local spec megatron-core 0.16.1 cannot run it without TE installed
+# (CheckpointWithoutOutput() sets fp8 = (False is not None) and reaches TE's FP8 state).
+RECOMPUTE_MODULES = ("core_attn", "mlp")
+
+
+def recompute_fields(recompute: str = "none", modules: Sequence[str] = ("core_attn",),
+                     num_layers: int = 1, *, layers_per_stage: int | None = None) -> dict:
+    """Megatron's activation recomputation as ``TransformerConfig`` fields, with clear errors.
+
+    ``"none"``: every activation the backward needs is kept. ``"selective"``: the listed
+    parts of each layer (``core_attn``: the attention scores / softmax; ``mlp``: the whole
+    MLP) keep only their inputs and run again in the backward. ``"full"``: every ``num_layers``
+    consecutive layers keep only their input and run again, whole, in the backward (megatron's
+    "uniform" method; ``num_layers`` must divide ``layers_per_stage``, when given). Gradients are
+    the same; the backward costs up to one more forward."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
+    mods = list(modules)
+    bad = [m for m in mods if m not in RECOMPUTE_MODULES]
+    if bad or not mods or len(set(mods)) != len(mods):
+        raise ValueError(f"recompute_modules must be distinct names from "
+                         f"{', '.join(RECOMPUTE_MODULES)}, got {','.join(mods) or '(none)'}")
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"recompute_num_layers must be an integer >= 1, got {num_layers!r}")
+    if layers_per_stage is not None and recompute == "full" and layers_per_stage % num_layers:
+        # megatron's "uniform" chunks would run past the stage's last layer
+        raise ValueError(f"recompute_num_layers={num_layers} does not divide a pipeline "
+                         f"stage's {layers_per_stage} layer(s)")
+    if recompute == "none":
+        return {}
+    if recompute == "selective":
+        return {"recompute_granularity": "selective", "recompute_modules": mods}
+    return {"recompute_granularity": "full", "recompute_method": "uniform",
+            "recompute_num_layers": num_layers}
+
+
 def transformer_config(arch: ArchSpec, par: Parallel, *, params_dtype=torch.float32,
                        transformer_impl: str = "local", use_cpu_initialization: bool = True,
-                       sequence_parallel: bool = False):
+                       sequence_parallel: bool = False, recompute: dict | None = None):
     """megatron ``TransformerConfig`` for ``arch``: RMSNorm, SwiGLU, GQA, no biases except the
     Qwen2 qkv bias, qk-norm for Qwen3, no dropout, no fused kernels (they need CUDA/apex).
     At PP > 1 ``variable_seq_lengths``: stages exchange each activation's shape first, so
     micro-batches of one schedule may differ in length (each padded to its own longest row).
-    ``sequence_parallel`` (tp > 1): megatron's sequence parallelism (module docstring)."""
+    ``sequence_parallel`` (tp > 1): megatron's sequence parallelism (module docstring).
+    ``recompute``: :func:`recompute_fields`' keyword arguments (activation recomputation)."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
     check_sequence_parallel(sequence_parallel, par.tp)
+    recompute_kw = recompute_fields(**(recompute or {}),
+                                    layers_per_stage=len(arch.layers_of_stage(par.pp, 0)))
 
     cfg = TransformerConfig(
         num_layers=arch.num_layers, hidden_size=arch.hidden_size,
@@ -274,7 +317,7 @@ def transformer_config(arch: ArchSpec, par: Parallel, *, params_dtype=torch.floa
         params_dtype=params_dtype, pipeline_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
         use_cpu_initialization=use_cpu_initialization, transformer_impl=transformer_impl,
-        sequence_parallel=sequence_parallel,
+        sequence_parallel=sequence_parallel, **recompute_kw,
     )
     # set after construction: __post_init__ rejects it with the default MoE token dispatcher
     # ("allgather"), a check for MoE layers, which these dense models do not have
@@ -335,7 +378,7 @@ def layer_spec(arch: ArchSpec, transformer_impl: str, *, sequence_parallel: bool
 
 def build_gpt_model(arch: ArchSpec, par: Parallel, *, transformer_impl: TransformerImpl = "local",
                     params_dtype=torch.float32, max_sequence_length: int | None = None,
-                    sequence_parallel: bool = False):
+                    sequence_parallel: bool = False, recompute: dict | None = None):
     """This rank's ``GPTModel`` shard (its TP slice of its PP stage), in eval mode.
 
     Call :func:`init_parallel` first. Returns vocab-parallel logits [B, S, Vp/tp] from
@@ -343,6 +386,8 @@ def build_gpt_model(arch: ArchSpec, par: Parallel, *, transformer_impl: Transfor
     ``Vp = arch.padded_vocab_size(tp)`` (see the module docstring; log-probs that mask the
     padded columns: :meth:`~hacpo.models.megatron.policy.MegatronPolicy.logprobs_at`).
     ``sequence_parallel``: see the module docstring (S must then be a multiple of tp).
+    ``recompute``: activation recomputation, :func:`recompute_fields`' keyword arguments
+    (``{"recompute": "full", "num_layers": 1}``; None: none).
     """
     require_megatron()
     arch.check_parallel(par.tp, par.pp)
@@ -350,7 +395,7 @@ def build_gpt_model(arch: ArchSpec, par: Parallel, *, transformer_impl: Transfor
     from megatron.core.models.gpt import GPTModel
 
     cfg = transformer_config(arch, par, params_dtype=params_dtype, transformer_impl=impl,
-                             sequence_parallel=sequence_parallel)
+                             sequence_parallel=sequence_parallel, recompute=recompute)
     spec = layer_spec(arch, impl, sequence_parallel=sequence_parallel,
                       num_layers=len(arch.layers_of_stage(par.pp, par.pp_rank)))
     model = GPTModel(config=cfg, transformer_layer_spec=spec,

@@ -86,14 +86,18 @@ class MegatronPolicy:
     def from_hf(cls, hf_model, par: Parallel, *, transformer_impl: str = "local",
                 params_dtype=torch.float32, logprob_backend: str = "auto",
                 make_vocab_size_divisible_by: int = 1,
-                lm_head: str = "fused", sequence_parallel: bool = False) -> "MegatronPolicy":
+                lm_head: str = "fused", sequence_parallel: bool = False,
+                recompute: dict | None = None) -> "MegatronPolicy":
         """Build this rank's GPTModel from an HF model's config and load its weights shard
         (``make_vocab_size_divisible_by``: the vocabulary padding, see ``ArchSpec``;
-        ``sequence_parallel``: megatron's, see :mod:`hacpo.models.megatron.build`)."""
+        ``sequence_parallel``: megatron's, see :mod:`hacpo.models.megatron.build`;
+        ``recompute``: activation recomputation, see
+        :func:`~hacpo.models.megatron.build.recompute_fields`)."""
         arch = ArchSpec.from_hf(hf_model.config,
                                 make_vocab_size_divisible_by=make_vocab_size_divisible_by)
         model = build_gpt_model(arch, par, transformer_impl=transformer_impl,
-                                params_dtype=params_dtype, sequence_parallel=sequence_parallel)
+                                params_dtype=params_dtype, sequence_parallel=sequence_parallel,
+                                recompute=recompute)
         state = hf_to_megatron(hf_model.state_dict(), arch, tp=par.tp, tp_rank=par.tp_rank,
                                pp=par.pp, pp_rank=par.pp_rank, transformer_impl=transformer_impl)
         load_megatron_state(model, state)
