@@ -24,8 +24,9 @@ Token log-probs (scoring and training) go through the policies' ``lm_head`` (``-
 "logits", megatron's output layer then ``hacpo.kernels.token_logprobs``), both with
 ``backend="triton"`` (an error where Triton cannot run, never a fallback). Before training,
 each policy's log-probs are checked against its HF model's (torch), the two lm_head paths
-against each other, and the weights gathered back through ``megatron_to_hf`` against the HF
-ones.
+against each other, token-budget packing against fixed micro-batches, one step's gradients
+with full activation recomputation against those without, and the weights gathered back
+through ``megatron_to_hf`` against the HF ones.
 
 Outputs: RESULTS_DIR/timings.json (per step, per stage seconds), RESULTS_DIR/summary.json and
 RESULTS_DIR/summary.txt. Exit code 0 only if every check passed.
@@ -136,6 +137,34 @@ def _micro(rows: int, micro: int) -> int:
 
 
 # -- the run ----------------------------------------------------------------------------------
+def recompute_grad_diff(hf_model, par, args, ids) -> float:
+    """One ``train_step`` (SGD, lr 0) on ``ids`` without and with full activation
+    recomputation (``parallel.recompute=full``: every layer re-run in the backward, megatron's
+    checkpointing and, on CUDA, its RNG tracker): the largest gradient difference over the
+    largest gradient."""
+    import torch
+
+    from hacpo.models.megatron import MegatronPolicy
+
+    grads = []
+    for rc in (None, {"recompute": "full", "num_layers": 1}):
+        pol = MegatronPolicy.from_hf(hf_model, par, logprob_backend="triton",
+                                     lm_head=args.lm_head, recompute=rc)
+        if pol.module.config.recompute_granularity != (rc and rc["recompute"]):
+            raise RuntimeError(f"the policy was built with recompute_granularity="
+                               f"{pol.module.config.recompute_granularity!r}, asked {rc}")
+        if ids.device.type == "cuda":
+            pol.module.cuda()
+        opt = pol.build_optimizer(lr=0.0, optimizer="sgd")
+        pol.train_step(opt, [{"input_ids": ids[:, :-1], "targets": ids[:, 1:]}],
+                       lambda lp, mb: (-lp.mean(), {}))
+        grads.append({k: p.main_grad.detach().float().cpu()
+                      for k, p in pol.module.named_parameters()})
+        del pol, opt
+    scale = max(float(g.abs().max()) for g in grads[0].values())
+    return max(float((grads[1][k] - g).abs().max()) for k, g in grads[0].items()) / scale
+
+
 def run(args, results: dict, timings: list) -> None:
     import torch
     import torch.distributed as dist
@@ -220,6 +249,9 @@ def run(args, results: dict, timings: list) -> None:
         err_tok = float((lp - lp_tok).abs().max())
         results.setdefault("logprob_max_abs_diff_token_budget", {})[name] = err_tok
         checks[f"{name}/token_budget_agrees"] = err_tok <= tol
+        err_rc = recompute_grad_diff(hf, par, args, ids)
+        results.setdefault("grad_max_rel_diff_recompute", {})[name] = err_rc
+        checks[f"{name}/recompute_agrees"] = err_rc <= (1e-5 if dev.type == "cpu" else 1e-3)
         hfs[name] = hf.cpu()
         before[name] = {k: v.detach().cpu().clone() for k, v in back.items()}
         log(f"{name}: weights round-trip {'exact' if same else 'DIFFER'}; "

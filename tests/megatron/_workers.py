@@ -246,7 +246,9 @@ def parallel_step_worker(rank, world, tp, pp, micro_rows, cases, optimizers, out
     tie) or (arch, tie, vocab). Rank 0 saves {case: {"lp", "same", "before", "grads": {opt:
     HF-named gradients (megatron's main_grad after the step: summed over micro-batches, DP, tied
     copies)}, "after": {opt: HF weights after the step}, "padding": {opt: :func:`_padding_rows`
-    after the step}}}."""
+    after the step}, "norm_inputs": the shapes the first layer's input norm saw in the "lp"
+    call, "train_calls": :func:`_count_calls` over the first step}}. ``sequence_parallel`` and
+    ``recompute``: passed to ``MegatronPolicy.from_hf``."""
     from megatron.core import parallel_state as ps
 
     from hacpo.models.megatron import hf_state_dict, hf_units
