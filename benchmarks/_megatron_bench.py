@@ -62,8 +62,9 @@ def time_calls(rank: int, world: int, pol, score, step, reps: int, out_path: str
                **extra) -> None:
     """A megatron benchmark worker's measurements: one warm-up call of ``score`` (its
     log-probs kept for the comparison across modes) and of ``step``, then ``reps`` timed calls
-    of each; rank 0 saves {"by_rank": every rank's {"score"/"step": {"seconds", "peak_mib"}},
-    "lp", "weights" (HF names, after the steps), **extra} to ``out_path``."""
+    of each, then ``score`` once more; rank 0 saves {"by_rank": every rank's {"score"/"step":
+    {"seconds", "peak_mib"}}, "lp", "lp_after" (the log-probs after the steps), "weights" (HF
+    names, after the steps), **extra} to ``out_path``."""
     import torch.distributed as dist
 
     first_lp = score()
@@ -76,19 +77,26 @@ def time_calls(rank: int, world: int, pol, score, step, reps: int, out_path: str
             times.append(s)
             peaks.append(p)
         res[name] = {"seconds": times, "peak_mib": max(peaks)}
+    lp_after = score()
     weights = pol.hf_state_dict(everywhere=False)
     got = [None] * world
     dist.all_gather_object(got, res)
     if rank == 0:
-        torch.save({"by_rank": got, "lp": first_lp, "weights": weights, **extra}, out_path)
+        torch.save({"by_rank": got, "lp": first_lp, "lp_after": lp_after, "weights": weights,
+                    **extra}, out_path)
 
 
 def compare_runs(ref: dict, other: dict) -> tuple[float, float, bool]:
-    """Largest log-prob and weight differences between two modes' runs, and whether they
-    count as the same results: fp32 throughout, the same rows through other GEMM shapes or
-    reduction orders (~1e-6 in a log-prob), carried by the SGD steps (lr 1e-3) into the
-    weights at ~1e-9."""
-    lp = float((other["lp"] - ref["lp"]).abs().max())
+    """Largest log-prob (before and after the steps) and weight differences between two modes'
+    runs, and whether they count as the same results: fp32 throughout, the same rows through
+    other GEMM shapes or reduction orders (~1e-6 in a log-prob), carried by the steps (SGD lr
+    1e-3, Adam lr 1e-4) into the weights at ~1e-9. Raises if the steps left the reference's
+    log-probs unchanged (equal weights would then prove nothing)."""
+    moved = float((ref["lp_after"] - ref["lp"]).abs().max())
+    if not moved > 1e-7:
+        raise RuntimeError(f"the steps did not change the log-probs ({moved:.1e}): the "
+                           f"comparison of the weights after them would prove nothing")
+    lp = max(float((other[k] - ref[k]).abs().max()) for k in ("lp", "lp_after"))
     w = max(float((other["weights"][k] - ref["weights"][k]).abs().max())
             for k in ref["weights"])
     return lp, w, lp < 1e-4 and w < 1e-6 and ref["weights"].keys() == other["weights"].keys()
@@ -112,17 +120,23 @@ def call_rows(runs: dict, modes, **extra_of) -> list[dict]:
     return rows
 
 
+def ratio(a: float, b: float) -> float:
+    """a / b, nan where b is 0."""
+    return a / b if b else float("nan")
+
+
 def mode_ratios(rows: list[dict], base: str, mode: str) -> dict:
     """{call: {"time_<mode>_over_<base>", "peak_<mode>_over_<base>"}} of the slowest rank's
-    p50 time and the largest rank peak."""
+    p50 time and the largest rank peak (nan where the base is 0: at tiny sizes a call may
+    add no resident page)."""
     out = {}
     for call in ("score", "step"):
         r0 = next(r for r in rows if r["mode"] == base and r["call"] == call)
         r1 = next(r for r in rows if r["mode"] == mode and r["call"] == call)
-        out[call] = {f"time_{mode}_over_{base}": max(r1["seconds_p50_by_rank"]) /
-                     max(r0["seconds_p50_by_rank"]),
-                     f"peak_{mode}_over_{base}": max(r1["peak_mib_by_rank"]) /
-                     max(r0["peak_mib_by_rank"])}
+        out[call] = {f"time_{mode}_over_{base}": ratio(max(r1["seconds_p50_by_rank"]),
+                                                       max(r0["seconds_p50_by_rank"])),
+                     f"peak_{mode}_over_{base}": ratio(max(r1["peak_mib_by_rank"]),
+                                                       max(r0["peak_mib_by_rank"]))}
     return out
 
 

@@ -25,7 +25,8 @@ Token log-probs (scoring and training) go through the policies' ``lm_head`` (``-
 ``backend="triton"`` (an error where Triton cannot run, never a fallback). Before training,
 each policy's log-probs are checked against its HF model's (torch), the two lm_head paths
 against each other, token-budget packing against fixed micro-batches, one step's gradients
-with full activation recomputation against those without, and the weights gathered back
+with full activation recomputation against those without, one Adam step of megatron's
+distributed optimizer against its plain one, and the weights gathered back
 through ``megatron_to_hf`` against the HF ones.
 
 Outputs: RESULTS_DIR/timings.json (per step, per stage seconds), RESULTS_DIR/summary.json and
@@ -165,6 +166,37 @@ def recompute_grad_diff(hf_model, par, args, ids) -> float:
     return max(float((grads[1][k] - g).abs().max()) for k, g in grads[0].items()) / scale
 
 
+def distributed_optimizer_diff(hf_model, par, args, ids) -> float:
+    """One ``train_step`` (Adam, lr 1e-3) with megatron's plain optimizer and with its
+    distributed optimizer (``parallel.distributed_optimizer``; at DP=1 one slice, but its own
+    buffers, reduce-scatter, all-gather and main-parameter copies): the largest difference of
+    the updated weights over the largest update."""
+    import torch
+
+    from hacpo.models.megatron import MegatronPolicy
+
+    after = []
+    for dist_opt in (False, True):
+        pol = MegatronPolicy.from_hf(hf_model, par, logprob_backend="triton",
+                                     lm_head=args.lm_head)
+        if ids.device.type == "cuda":
+            pol.module.cuda()
+        before = {k: p.detach().float().cpu().clone() for k, p in pol.module.named_parameters()}
+        opt = pol.build_optimizer(lr=1e-3, optimizer="adam", use_distributed_optimizer=dist_opt)
+        built = {type(o).__name__ for o in getattr(opt, "chained_optimizers", [opt])}
+        want = "DistributedOptimizer" if dist_opt else "FP32Optimizer"
+        if built != {want}:
+            raise RuntimeError(f"asked for {want}, megatron built {built}")
+        pol.train_step(opt, [{"input_ids": ids[:, :-1], "targets": ids[:, 1:]}],
+                       lambda lp, mb: (-lp.mean(), {}))
+        after.append({k: p.detach().float().cpu() for k, p in pol.module.named_parameters()})
+        del pol, opt
+    scale = max(float((w - before[k]).abs().max()) for k, w in after[0].items())
+    if not scale > 0:
+        raise RuntimeError("the Adam step did not change the weights")
+    return max(float((after[1][k] - w).abs().max()) for k, w in after[0].items()) / scale
+
+
 def run(args, results: dict, timings: list) -> None:
     import torch
     import torch.distributed as dist
@@ -252,6 +284,10 @@ def run(args, results: dict, timings: list) -> None:
         err_rc = recompute_grad_diff(hf, par, args, ids)
         results.setdefault("grad_max_rel_diff_recompute", {})[name] = err_rc
         checks[f"{name}/recompute_agrees"] = err_rc <= (1e-5 if dev.type == "cpu" else 1e-3)
+        err_do = distributed_optimizer_diff(hf, par, args, ids)
+        results.setdefault("weight_max_rel_diff_distributed_optimizer", {})[name] = err_do
+        checks[f"{name}/distributed_optimizer_agrees"] = err_do <= (1e-5 if dev.type == "cpu"
+                                                                      else 1e-3)
         hfs[name] = hf.cpu()
         before[name] = {k: v.detach().cpu().clone() for k, v in back.items()}
         log(f"{name}: weights round-trip {'exact' if same else 'DIFFER'}; "

@@ -85,12 +85,20 @@ class ParallelConfig:
     recompute: str = "none"
     recompute_modules: str = "core_attn"
     recompute_num_layers: int = 1
+    # megatron's distributed optimizer (ZeRO-1): each DP rank holds the Adam state (and, for
+    # bf16 / fp16 weights, the fp32 main weights) of 1/dp of the parameters; gradients are
+    # reduce-scattered and the updated slices all-gathered. Same update, optimizer memory / dp
+    # (hacpo/models/megatron/policy.py: build_optimizer); checkpoints hold each rank's slice
+    distributed_optimizer: bool = False
 
     def __post_init__(self):
         for k in ("tp", "pp", "dp", "make_vocab_size_divisible_by"):
             v = getattr(self, k)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"parallel.{k} must be an integer >= 1, got {v!r}")
+        if not isinstance(self.distributed_optimizer, bool):
+            raise ValueError(f"parallel.distributed_optimizer must be true or false, got "
+                             f"{self.distributed_optimizer!r}")
         v = self.micro_batch_tokens
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ValueError(f"parallel.micro_batch_tokens must be an integer >= 0 (0: "

@@ -8,11 +8,13 @@ bundle. The ranks form a ``torch.distributed`` world of their own (gloo on CPU, 
 then :func:`~hacpo.models.megatron.build.init_parallel`, build their shard with
 :meth:`MegatronPolicy.from_hf` from the driver's HF policy and megatron's DDP + optimizer (AdamW,
 eps 1e-8, the agent's lr / betas / weight decay for every parameter, as the torch trainer's
-``torch.optim.AdamW``). The driver keeps its HF :class:`~hacpo.models.policy.Policy` as the CPU
-copy that tokenizes, evaluates and feeds every rollout engine: :meth:`MegatronAgents.pull_weights`
-streams the shards back to HF names into it after each update, ``parallel.weight_bucket_mb`` at a
-time (``MegatronPolicy.hf_state_of_units``: rank 0 and the driver hold one bucket besides their
-own weights).
+``torch.optim.AdamW``; with ``parallel.distributed_optimizer`` megatron's distributed
+optimizer, which keeps each DP rank's slice of the Adam state only). The driver keeps its HF
+:class:`~hacpo.models.policy.Policy` as the CPU copy that tokenizes, evaluates and feeds every
+rollout engine: :meth:`MegatronAgents.pull_weights` streams the shards back to HF names into
+it after each update, ``parallel.weight_bucket_mb`` at a time
+(``MegatronPolicy.hf_state_of_units``: rank 0 and the driver hold one bucket besides their own
+weights).
 
 One update is :func:`hacpo.engine.update.update_learner`'s, split over the ranks:
 
@@ -69,9 +71,10 @@ Agents with ``trainer = "torch"`` may share the run: each trains in a
 
 Actors are not restarted: a dead rank is a clear error naming its agent and rank, and the run
 continues from its last checkpoint with ``--resume``. A checkpoint holds the full HF-named
-weights (the driver's copy) and the layout (tp, pp, dp, transformer_impl, vocabulary padding)
-the optimizer state belongs to; loading it into another layout is an error. The optimizer
-state never passes through the driver: every rank writes its own shard
+weights (the driver's copy) and the layout (tp, pp, dp, transformer_impl, vocabulary padding,
+distributed optimizer) the optimizer state belongs to; loading it into another layout is an
+error. The optimizer state never passes through the driver: every rank writes its own shard
+(with the distributed optimizer, its slice: ``MegatronPolicy.optimizer_state``)
 (``<out_dir>/checkpoint-megatron/<agent>/<save id>/rank-<i>.pt``, each file atomic and
 fsynced) and the checkpoint names the files; on resume each rank reads its own. The driver
 checks that it sees every file with the size the rank wrote (out_dir must be on a filesystem
@@ -185,14 +188,17 @@ def check_named_shards(files: list[dict], out_dir: str, ranks: int, agent: str,
     return paths
 
 
-def _built(config) -> str:
-    """What a rank's megatron model was built with, from its TransformerConfig (logged)."""
+def _built(config, optimizer) -> str:
+    """What a rank's megatron model and optimizer were built with, from its TransformerConfig
+    and optimizer classes (logged)."""
     rc = config.recompute_granularity
     recompute = ("none" if rc is None else
                  f"selective:{','.join(config.recompute_modules)}" if rc == "selective" else
                  f"full:{config.recompute_num_layers}")
     return (f"transformer_impl={config.transformer_impl} "
-            f"sequence_parallel={config.sequence_parallel} recompute={recompute}")
+            f"sequence_parallel={config.sequence_parallel} recompute={recompute} optimizer="
+            + "+".join(type(o).__name__
+                       for o in getattr(optimizer, "chained_optimizers", [optimizer])))
 
 
 class MegatronRank:
@@ -254,12 +260,13 @@ class MegatronRank:
                 self.ref.model.cuda()
         self.opt = self.pol.build_optimizer(lr=optim["lr"], weight_decay=optim["weight_decay"],
                                             adam_beta1=optim["beta1"], adam_beta2=optim["beta2"],
-                                            adam_eps=1e-8, clip_grad=0.0)
+                                            adam_eps=1e-8, clip_grad=0.0,
+                                            use_distributed_optimizer=par["distributed_optimizer"])
         self.grad_clip = optim["grad_clip"]
         self.reporter = p.last_stage and p.tp_rank == 0      # holds per-sample results
         return {"rank": self.rank, "tp_rank": p.tp_rank, "pp_rank": p.pp_rank,
                 "dp_rank": p.dp_rank, "pid": os.getpid(),
-                "built": _built(self.pol.module.config)}
+                "built": _built(self.pol.module.config, self.opt)}
 
     # -- old log-probs --------------------------------------------------------------------------
     def old_logprobs(self, prompts: list[list[int]], responses: list[list[int]],
@@ -476,8 +483,9 @@ class MegatronRank:
 
     def save_optim(self, path: str) -> dict:
         """Write this rank's optimizer state to ``path`` (atomic, fsynced) on this node's
-        filesystem; returns {"path", "bytes"} for the driver to check."""
-        ckpt.save_atomic(self.opt.state_dict(), path)
+        filesystem (with the distributed optimizer: its slice); returns {"path", "bytes"} for
+        the driver to check."""
+        ckpt.save_atomic(self.pol.optimizer_state(self.opt), path)
         return {"path": path, "bytes": os.path.getsize(path)}
 
     def save_reference(self, path: str) -> dict:
@@ -511,7 +519,7 @@ class MegatronRank:
                 load_megatron_state(pol.module, {k: v.to(self.device) for k, v in state.items()})
         if isinstance(optim_state, str):
             optim_state = ckpt.load(optim_state)
-        self.opt.load_state_dict(optim_state)
+        self.pol.load_optimizer_state(self.opt, optim_state)
         return os.getpid()
 
     def close(self) -> int:
@@ -929,7 +937,8 @@ class MegatronAgents:
         par = self._groups[k].par
         return {"tp": par.tp, "pp": par.pp, "dp": par.dp,
                 "transformer_impl": par.transformer_impl,
-                "make_vocab_size_divisible_by": par.make_vocab_size_divisible_by}
+                "make_vocab_size_divisible_by": par.make_vocab_size_divisible_by,
+                "distributed_optimizer": par.distributed_optimizer}
 
     def shard_root(self, k: int) -> str:
         """Where agent k's ranks write their optimizer shards (one directory per save)."""
@@ -972,9 +981,10 @@ class MegatronAgents:
         if meg is None:
             raise ValueError(f"agent {name!r}: the checkpoint holds no megatron trainer state "
                              f"(written with trainer=torch?); it cannot resume trainer=megatron")
-        # a checkpoint from before vocabulary padding existed: its layout had no padding
-        have = {key: meg.get(key, 1 if key == "make_vocab_size_divisible_by" else None)
-                for key in want}
+        # a checkpoint from before vocabulary padding / the distributed optimizer existed: its
+        # layout had neither
+        old = {"make_vocab_size_divisible_by": 1, "distributed_optimizer": False}
+        have = {key: meg.get(key, old.get(key)) for key in want}
         if have != want:
             raise ValueError(f"agent {name!r}: the checkpoint's megatron layout {have} differs "
                              f"from this run's {want}; optimizer state is per rank and is not "

@@ -85,8 +85,8 @@ def test_weight_bucket_sizes_are_resumable_and_validated():
     """How weights move (rollout / megatron bucket sizes) and how megatron computes log-probs
     (parallel.lm_head, policy.lm_head) and how megatron cuts micro-batches
     (parallel.micro_batch_tokens, parallel.sequence_parallel, parallel.recompute*) may change
-    on resumption, like time limits; the layout
-    may not. Non-positive sizes and an unknown lm_head are clear errors."""
+    on resumption, like time limits; the layout (and the distributed optimizer, whose state
+    differs) may not. Non-positive sizes and an unknown lm_head are clear errors."""
     from hacpo.engine.run_config import config_diff, fingerprint_dict, load_config
     # agent 0 as a megatron trainer group (an HF Llama), the only kind parallel.* applies to
     cfg = load_config("tiny3", overrides={
@@ -141,6 +141,14 @@ def test_weight_bucket_sizes_are_resumable_and_validated():
         cfg.override({"agents.0.parallel.lm_head": "full"})
     c = fingerprint_dict(cfg.override({"agents.0.parallel.tp": 2}))
     assert config_diff(a, c) == ["agents.0.parallel.tp"]
+    # the distributed optimizer keeps another optimizer state (per-rank slices): not resumable
+    dp2 = cfg.override({"agents.0.parallel.dp": 2})
+    assert config_diff(fingerprint_dict(dp2), fingerprint_dict(dp2.override(
+        {"agents.0.parallel.distributed_optimizer": True}))) == [
+            "agents.0.parallel.distributed_optimizer"]
+    with pytest.raises(ValueError, match=r"parallel.distributed_optimizer must be true or "
+                                         r"false, got 2"):
+        dp2.override({"agents.0.parallel.distributed_optimizer": 2})
     for key, name in (("rollout.weight_bucket_mb", "rollout.weight_bucket_mb"),
                       ("agents.0.parallel.weight_bucket_mb", "parallel.weight_bucket_mb")):
         for bad in (0, -1.0, float("nan")):

@@ -3,7 +3,9 @@ vocab-parallel log-probs on the last stage of a 1F1B pipeline) next to a PP=2 x 
 actors; two pipelines, each training its share of every minibatch), 8 ranks in all, on the
 private Ray cluster the run starts itself (sized to the ranks; gone when the run ends), as a
 user's ``hacpo train`` does. One step's metrics and weights equal the torch trainer's
-(in-process, trainer_backend=local), with activation recomputation on both.
+(in-process, trainer_backend=local), with activation recomputation on both and megatron's
+distributed optimizer on the DP=2 one; resumed for a second step they equal the torch trainer's
+two.
 tests/launch/test_megatron_trainer.py covers TP, PP and DP one at a time; tests/megatron the
 same combinations at the policy level.
 """
@@ -16,6 +18,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed "
 
 import ray  # noqa: E402
 
+from hacpo.engine import checkpoint as ckpt  # noqa: E402
 from hacpo.engine.run_config import ParallelConfig  # noqa: E402
 from hacpo.engine.trainer import train  # noqa: E402
 
@@ -23,27 +26,30 @@ from .test_megatron_trainer import (_check_metrics, _check_weights, _initial_wei
                                     _rows, _weights, megatron_cfg)
 
 # with activation recomputation (megatron's; the same gradients): the attention core and MLP
-# of every layer at TP=2 x PP=2, every layer whole at PP=2 x DP=2
+# of every layer at TP=2 x PP=2, every layer whole at PP=2 x DP=2, whose two pipelines also
+# use megatron's distributed optimizer (each DP rank steps and checkpoints its slice)
 AGENTS = (("llama-tp2pp2", "llama3.2",
            ParallelConfig(tp=2, pp=2, weight_bucket_mb=0.08, recompute="selective",
                           recompute_modules="core_attn,mlp")),
-          ("char-pp2dp2", "char", ParallelConfig(pp=2, dp=2, recompute="full")))
+          ("char-pp2dp2", "char", ParallelConfig(pp=2, dp=2, recompute="full",
+                                                 distributed_optimizer=True)))
 NAMES = [a[0] for a in AGENTS]
 
 
-def test_tp2pp2_and_pp2dp2_one_step_equals_torch_trainer(tmp_path, caplog):
+def test_tp2pp2_and_pp2dp2_one_step_and_resume_equal_torch_trainer(tmp_path, caplog):
     assert not ray.is_initialized()            # the run starts (and stops) its own cluster
     train(megatron_cfg(tmp_path, "torch", "torch", AGENTS), echo=lambda *_: None)
     with caplog.at_level(logging.INFO, logger="hacpo"):
         summary = train(megatron_cfg(tmp_path, "meg", "megatron", AGENTS),
                         echo=lambda *_: None)
     assert not ray.is_initialized()
-    # what the ranks built (their models' configs), as the driver logged it
+    # what the ranks built (their models' configs and optimizers), as the driver logged it
     built = [r.getMessage() for r in caplog.records if "megatron trainer groups" in r.message]
     assert len(built) == 1 and (
         "llama-tp2pp2 tp2 pp2 dp1 (transformer_impl=local sequence_parallel=False "
-        "recompute=selective:core_attn,mlp), char-pp2dp2 tp1 pp2 dp2 (transformer_impl=local "
-        "sequence_parallel=False recompute=full:1)") in built[0], built
+        "recompute=selective:core_attn,mlp optimizer=FP32Optimizer), char-pp2dp2 tp1 pp2 dp2 "
+        "(transformer_impl=local sequence_parallel=False recompute=full:1 "
+        "optimizer=DistributedOptimizer)") in built[0], built
     meg, ref = _rows(tmp_path, "meg"), _rows(tmp_path, "torch")
     assert [r["step"] for r in meg] == [0] and summary["agents"] == NAMES
     _check_metrics(meg[0], ref[0], NAMES)
@@ -51,8 +57,21 @@ def test_tp2pp2_and_pp2dp2_one_step_equals_torch_trainer(tmp_path, caplog):
     for name in NAMES:
         for stage in ("score_self", "backward_self", "optimizer", "old_logprobs"):
             assert meg[0][f"time/{stage}/{name}"] > 0, (stage, name)
-    _check_weights(_weights(tmp_path, "meg"), _weights(tmp_path, "torch"),
-                   _initial_weights(tmp_path, AGENTS), NAMES)
+    before = _initial_weights(tmp_path, AGENTS)
+    _check_weights(_weights(tmp_path, "meg"), _weights(tmp_path, "torch"), before, NAMES)
+    # the second step from the checkpoint: fresh ranks read their optimizer shards (the
+    # distributed optimizer's: each DP rank's slice) and equal two uninterrupted torch steps
+    layouts = {a["name"]: a["megatron"]
+               for a in ckpt.load(tmp_path / "meg" / "checkpoint.pt")["agents"]}
+    assert [layouts[n]["distributed_optimizer"] for n in NAMES] == [False, True]
+    train(megatron_cfg(tmp_path, "torch2", "torch", AGENTS, steps=2), echo=lambda *_: None)
+    train(megatron_cfg(tmp_path, "meg", "megatron", AGENTS, steps=2), resume=True,
+          echo=lambda *_: None)
+    meg, ref = _rows(tmp_path, "meg"), _rows(tmp_path, "torch2")
+    assert [r["step"] for r in meg] == [0, 1]
+    for a, b in zip(meg, ref):
+        _check_metrics(a, b, NAMES)
+    _check_weights(_weights(tmp_path, "meg"), _weights(tmp_path, "torch2"), before, NAMES)
 
 
 
@@ -82,7 +101,7 @@ def test_token_budget_micro_batches_equal_torch_trainer(tmp_path, caplog):
         train(megatron_cfg(tmp_path, "meg", "megatron", BUDGET_AGENTS, **over),
               echo=lambda *_: None)
     assert "char-tp2sp-tok tp2 pp1 dp1 (transformer_impl=local sequence_parallel=True " \
-           "recompute=none)" in caplog.text      # what the ranks built
+           "recompute=none optimizer=FP32Optimizer)" in caplog.text    # what the ranks built
     meg, ref = _rows(tmp_path, "meg"), _rows(tmp_path, "torch")
     _check_metrics(meg[0], ref[0], names)
     for name in names:

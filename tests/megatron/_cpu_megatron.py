@@ -9,7 +9,11 @@ mapped to CPU, as listed in /work/shared/ENVIRONMENT.md:
 - for pipeline schedules and the optimizer: ``torch.cuda.synchronize`` -> no-op and a
   ``TorchFunctionMode`` mapping ``device="cuda"`` (and ``.cuda()``) to CPU;
 - the attention's default causal mask (``fused_softmax.get_default_causal_mask``, made on
-  ``"cuda"``) on CPU: activation recomputation calls it in the backward, outside that mode.
+  ``"cuda"``) on CPU: activation recomputation calls it in the backward, outside that mode;
+- ``Tensor.type()`` (no argument) of a CPU float tensor -> its ``torch.cuda.*Tensor`` name:
+  megatron's distributed optimizer accepts only parameters that say they are CUDA tensors
+  (``TypeError: Wrapped parameters must be one of torch.cuda.FloatTensor, ...``); the tensors
+  themselves stay on the CPU.
 
 ``spawn(fn, world, *args)`` runs ``fn(rank, world, *args)`` in ``world`` gloo processes
 (MASTER_ADDR=127.0.0.1, a free port) with the patches applied in each worker.
@@ -55,6 +59,21 @@ class _CudaToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+_CUDA_TYPE_NAMES = {torch.float32: "torch.cuda.FloatTensor", torch.float16: "torch.cuda.HalfTensor",
+                    torch.bfloat16: "torch.cuda.BFloat16Tensor"}
+
+
+def _cuda_type_name(type_fn):
+    """``Tensor.type`` that names a CPU float tensor as its CUDA type when called without
+    arguments (what megatron's distributed optimizer checks); any other call unchanged."""
+    def type_(self, *args, **kwargs):
+        if not args and not kwargs and self.device.type == "cpu" and \
+                self.dtype in _CUDA_TYPE_NAMES:
+            return _CUDA_TYPE_NAMES[self.dtype]
+        return type_fn(self, *args, **kwargs)
+    return type_
+
+
 _CUDA_NAMES = ("current_device", "manual_seed", "get_rng_state",
                "set_rng_state", "synchronize")
 
@@ -72,6 +91,8 @@ def cpu_patches():
     fused_softmax.get_default_causal_mask = \
         lambda sq: torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
     saved_rng = (mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state)
+    saved_type = torch.Tensor.type
+    torch.Tensor.type = _cuda_type_name(saved_type)
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
     torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
@@ -86,6 +107,7 @@ def cpu_patches():
         for n, f in saved.items():
             setattr(torch.cuda, n, f)
         mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state = saved_rng
+        torch.Tensor.type = saved_type
         fused_softmax.get_default_causal_mask = saved_mask
 
 

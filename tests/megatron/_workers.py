@@ -317,3 +317,95 @@ def parallel_step_worker(rank, world, tp, pp, micro_rows, cases, optimizers, out
         results[case] = res
     if rank == 0:
         torch.save(results, out_path)
+
+
+def _adam_state_numel(opt) -> int:
+    """Elements of the Adam moments (exp_avg, exp_avg_sq) this rank's optimizer holds."""
+    return sum(t.numel() for o in getattr(opt, "chained_optimizers", [opt])
+               for st in o.optimizer.state.values() for k, t in st.items()
+               if k in ("exp_avg", "exp_avg_sq"))
+
+
+def _copy(sd: dict) -> dict:
+    """A copy of a state dict (``hf_state_dict`` may hand out the parameters themselves)."""
+    return {k: v.detach().clone() for k, v in sd.items()}
+
+
+def _through_file(obj):
+    """``obj`` after a torch.save / torch.load round trip (a checkpoint shard: a copy)."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf)
+
+
+def _policy_dtype(tp, dtype):
+    """:func:`_policy` for a tied Qwen2 at TP=tp, PP=1 with weights of ``dtype``."""
+    from hacpo.models.megatron import MegatronPolicy, init_parallel
+
+    par = init_parallel(tp, 1, None)
+    hf = case_model(("qwen2", True)).to(dtype)
+    return MegatronPolicy.from_hf(hf, par, params_dtype=dtype)
+
+
+def distributed_optimizer_worker(rank, world, tp, out_path, dtype=torch.float32):
+    """At TP=tp, DP=world/tp, weights of ``dtype``, Adam (lr 0.05), micro-batches of 1 row:
+    two ``train_step`` with
+    megatron's plain optimizer ("plain"), then with its distributed optimizer ("dist"), whose
+    state after the first step (``optimizer_state``, through a file) is loaded into a fresh
+    policy + distributed optimizer given the first step's weights, which takes the second step
+    again ("resumed"). Rank 0 saves {"before": weights, "plain" / "dist": [weights after step 1,
+    after step 2], "resumed": weights, "numel": {kind: [(tp_rank, dp_rank, Adam-state elements)
+    of every rank]}, "errors": [the ValueErrors of loading a plain state, and a dist state with
+    a cut slice, into the fresh distributed optimizer]}."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from hacpo.models.megatron import hf_to_megatron, load_megatron_state
+
+    res = {"numel": {}}
+    saved = {}
+    for kind in ("plain", "dist"):
+        pol = _policy_dtype(tp, dtype)
+        opt = pol.build_optimizer(lr=0.05, optimizer="adam",
+                                  use_distributed_optimizer=kind == "dist")
+        dp, r = pol.par.dp, pol.par.dp_rank
+        mbs = step_microbatches(pol.arch.vocab_size, r * B // dp, (r + 1) * B // dp, 1)
+        res["before"] = _copy(pol.hf_state_dict())
+        res[kind] = []
+        for step in range(2):
+            pol.train_step(opt, mbs, sgd_loss)
+            res[kind].append(_copy(pol.hf_state_dict()))
+            if step == 0:
+                saved[kind] = _through_file(pol.optimizer_state(opt))
+        everyone = [None] * world
+        dist.all_gather_object(everyone, (pol.par.tp_rank, r, _adam_state_numel(opt)))
+        res["numel"][kind] = everyone
+        ps.destroy_model_parallel()
+    pol = _policy_dtype(tp, dtype)
+    p = pol.par
+    state = hf_to_megatron(res["dist"][0], pol.arch, tp=p.tp, tp_rank=p.tp_rank, pp=p.pp,
+                           pp_rank=p.pp_rank)
+    with torch.no_grad():
+        load_megatron_state(pol.module, state)
+    opt = pol.build_optimizer(lr=0.05, optimizer="adam", use_distributed_optimizer=True)
+    res["errors"] = []
+    cut = _through_file(saved["dist"])
+    first = cut["distributed"][0]["main_params"][0]
+    first[0] = first[0][:-1]
+    for bad in (saved["plain"], cut):
+        try:
+            pol.load_optimizer_state(opt, bad)
+            res["errors"].append(None)
+        except ValueError as e:
+            res["errors"].append(str(e))
+    pol.load_optimizer_state(opt, saved["dist"])
+    mbs = step_microbatches(pol.arch.vocab_size, p.dp_rank * B // p.dp,
+                            (p.dp_rank + 1) * B // p.dp, 1)
+    pol.train_step(opt, mbs, sgd_loss)
+    res["resumed"] = pol.hf_state_dict()
+    ps.destroy_model_parallel()
+    if rank == 0:
+        torch.save(res, out_path)

@@ -34,7 +34,7 @@ def test_gpu_smoke_cpu_mode(tmp_path):
     checks = summary["checks"]
     for agent in ("llama", "qwen2"):
         for check in ("weights_roundtrip_exact", "logprobs_match_hf", "lm_heads_agree",
-                      "token_budget_agrees", "recompute_agrees",
+                      "token_budget_agrees", "recompute_agrees", "distributed_optimizer_agrees",
                       "weights_changed_and_finite"):
             assert checks[f"{agent}/{check}"] is True, (agent, check)
         # fp32, torch vs Triton-interpreted log-softmax: ~5e-7 seen
@@ -43,6 +43,8 @@ def test_gpu_smoke_cpu_mode(tmp_path):
         assert summary["max_weight_change"][agent] > 0
         # fp32 on CPU: recomputation re-runs the same ops (seen: 0)
         assert summary["grad_max_rel_diff_recompute"][agent] <= 1e-5
+        # fp32 on CPU, DP=1: the same Adam update on the same gradients (seen: 0)
+        assert summary["weight_max_rel_diff_distributed_optimizer"][agent] <= 1e-5
     assert checks["losses_and_logprobs_finite"] is True
 
     timings = json.loads((out / "timings.json").read_text())

@@ -433,10 +433,14 @@ class MegatronPolicy:
         (``get_megatron_optimizer``, fp32 params: its ``FP32Optimizer`` around torch's
         AdamW/SGD when neither TE nor apex is installed).
 
-        ``use_distributed_optimizer=True`` shards the optimizer state over DP (megatron's
-        ``DistributedOptimizer``, Adam only). It needs CUDA parameters: on CPU megatron-core
-        0.16.1 raises ``TypeError: Wrapped parameters must be one of torch.cuda.FloatTensor,
-        torch.cuda.HalfTensor, or torch.cuda.BFloat16Tensor. Received torch.FloatTensor``.
+        ``use_distributed_optimizer=True``: megatron's ``DistributedOptimizer`` (ZeRO-1): each
+        DP rank keeps the optimizer state (and, for fp16 / bf16 weights, the fp32 main weights)
+        of a 1/dp slice of the parameters; gradients are reduce-scattered over DP instead of
+        all-reduced and the updated slices all-gathered. Same update. Its ``state_dict()``
+        leaves the per-slice state out: checkpoint it with :meth:`optimizer_state`. It checks
+        that the parameters are CUDA tensors by name (``Tensor.type()``); on CPU the test
+        helper tests/megatron/_cpu_megatron.py maps that name as it maps megatron's other CUDA
+        calls.
         """
         require_megatron()
         from megatron.core.distributed import (DistributedDataParallel,
@@ -462,6 +466,54 @@ class MegatronPolicy:
                                   use_distributed_optimizer=use_distributed_optimizer)
         return get_megatron_optimizer(opt_cfg, [self.model])
 
+    @staticmethod
+    def optimizer_state(optimizer) -> dict:
+        """This rank's optimizer state (a checkpoint shard for :meth:`load_optimizer_state`).
+
+        megatron's ``state_dict()``, except for the distributed optimizer, whose ``state_dict()``
+        holds no parameter state (megatron saves that through a separate call that gathers it
+        on DP rank 0): then, per optimizer of the chain, the torch optimizer's state over this
+        rank's parameter slices (Adam moments, step) and those slices' fp32 main weights (views
+        of the weights for fp32 weights; the only full-precision copy for fp16 / bf16)."""
+        opts = _distributed(optimizer)
+        if opts is None:
+            return optimizer.state_dict()
+        return {"distributed": [{"optimizer": o.optimizer.state_dict(),
+                                 "main_params": [[p.detach().clone() for p in g["params"]]
+                                                 for g in o.optimizer.param_groups]}
+                                for o in opts]}
+
+    @staticmethod
+    def load_optimizer_state(optimizer, state: dict) -> None:
+        """Load what :meth:`optimizer_state` returned (into an optimizer of the same layout,
+        after the weights). A state of the other kind, or slices of other shapes (another
+        layout), is a clear error."""
+        opts = _distributed(optimizer)
+        if (opts is not None) != ("distributed" in state):
+            raise ValueError("the optimizer state was written " +
+                             ("without" if opts is not None else "with") + " megatron's "
+                             "distributed optimizer, which this optimizer " +
+                             ("is" if opts is not None else "is not"))
+        if opts is None:
+            optimizer.load_state_dict(state)
+            return
+        saved = state["distributed"]
+        if len(saved) != len(opts):
+            raise ValueError(f"the optimizer state holds {len(saved)} optimizers, this "
+                             f"optimizer chains {len(opts)}")
+        for o, s in zip(opts, saved):
+            mains = [p for g in o.optimizer.param_groups for p in g["params"]]
+            got = [t for g in s["main_params"] for t in g]
+            have = [tuple(p.shape) for p in mains]
+            if have != [tuple(t.shape) for t in got]:
+                raise ValueError(f"the optimizer state's parameter slices "
+                                 f"{[tuple(t.shape) for t in got]} are not this rank's {have}: "
+                                 f"written with another layout")
+            o.optimizer.load_state_dict(s["optimizer"])
+            with torch.no_grad():
+                for p, t in zip(mains, got):
+                    p.copy_(t)
+
     def train_step(self, optimizer, microbatches: Sequence[dict], loss_fn: LossFn, *,
                    temperature: float = 1.0) -> list[dict]:
         """One optimizer step over ``microbatches`` (this DP rank's share of the minibatch).
@@ -483,3 +535,15 @@ class MegatronPolicy:
             raise RuntimeError("megatron optimizer step was skipped (non-finite gradients)")
         self.model.eval()
         return out
+
+
+def _distributed(optimizer) -> list | None:
+    """The optimizers chained in ``optimizer`` if they are megatron's distributed optimizers,
+    None if none is (a mix is an error)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    opts = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    kinds = {isinstance(o, DistributedOptimizer) for o in opts}
+    if len(kinds) > 1:
+        raise ValueError("a chain of distributed and other megatron optimizers is not supported")
+    return opts if kinds == {True} else None
