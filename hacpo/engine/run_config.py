@@ -330,8 +330,10 @@ RESUMABLE_NESTED_KEYS = {("rollout", "call_timeout_s"), ("rollout", "weight_buck
 
 
 # Per-agent keys that may change on resumption ("section.key" under agents.N).
-# how weights move or log-probs are computed, not what they are
-RESUMABLE_AGENT_KEYS = {("parallel", "weight_bucket_mb"), ("parallel", "lm_head"),
+# how weights move or log-probs are computed, not what they are; the megatron layout's tp / pp
+# / dp too (the plain optimizer's state moves to the new layout, hacpo/launch/megatron_trainer.py)
+RESUMABLE_AGENT_KEYS = {("parallel", "tp"), ("parallel", "pp"), ("parallel", "dp"),
+                        ("parallel", "weight_bucket_mb"), ("parallel", "lm_head"),
                         ("parallel", "micro_batch_tokens"), ("parallel", "sequence_parallel"),
                         ("parallel", "recompute"), ("parallel", "recompute_modules"),
                         ("parallel", "recompute_num_layers"),

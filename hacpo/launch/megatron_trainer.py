@@ -72,9 +72,14 @@ Agents with ``trainer = "torch"`` may share the run: each trains in a
 Actors are not restarted: a dead rank is a clear error naming its agent and rank, and the run
 continues from its last checkpoint with ``--resume``. A checkpoint holds the full HF-named
 weights (the driver's copy) and the layout (tp, pp, dp, transformer_impl, vocabulary padding,
-distributed optimizer) the optimizer state belongs to; loading it into another layout is an
-error. The optimizer state never passes through the driver: every rank writes its own shard
-(with the distributed optimizer, its slice: ``MegatronPolicy.optimizer_state``)
+distributed optimizer) the optimizer state belongs to. A resume may change tp / pp / dp: the
+plain optimizer's shards name their parameters, and the driver gathers Adam's moments from
+DP rank 0 of every (tp, pp) shard to HF names (:func:`moments_of_shards`; the moments move as
+the weights do), which each new rank cuts for itself (``MegatronPolicy.load_named_moments``);
+the KL reference's shards likewise (:func:`weights_of_shards`, written anew at the next save).
+Any other layout change, or shards that name no parameters, is an error. Otherwise the
+optimizer state never passes through the driver: every rank writes its own shard (with the
+distributed optimizer, its slice: ``MegatronPolicy.optimizer_state``)
 (``<out_dir>/checkpoint-megatron/<agent>/<save id>/rank-<i>.pt``, each file atomic and
 fsynced) and the checkpoint names the files; on resume each rank reads its own. The driver
 checks that it sees every file with the size the rank wrote (out_dir must be on a filesystem
@@ -186,6 +191,54 @@ def check_named_shards(files: list[dict], out_dir: str, ranks: int, agent: str,
                          f"changed: {', '.join(bad)}; keep checkpoint-megatron/ next to "
                          f"checkpoint.pt")
     return paths
+
+
+def rank_coords(i: int, tp: int, dp: int) -> tuple[int, int, int]:
+    """Group rank i's (tp_rank, pp_rank, dp_rank): megatron's default order, TP fastest, then
+    DP, then PP (checked against what every rank reports when the group starts)."""
+    return i % tp, i // (tp * dp), (i // tp) % dp
+
+
+def moments_of_shards(files: list[str], old: dict, arch_of, agent: str):
+    """Adam's state in a checkpoint's optimizer shards (one file per rank of layout ``old``,
+    {"tp", "pp", "dp", "transformer_impl", ...}) as (step, {moment: HF-named full tensors}),
+    from DP rank 0 of every (tp, pp) shard: what a resume with another tp / pp / dp cuts for
+    its own ranks. ``arch_of``: the model's ArchSpec."""
+    from hacpo.models.megatron.convert import moments_to_hf
+    from hacpo.models.megatron.policy import named_moments
+
+    tp, pp, dp = old["tp"], old["pp"], old["dp"]
+    shards = [[None] * tp for _ in range(pp)]
+    for i, path in enumerate(files):
+        tp_rank, pp_rank, dp_rank = rank_coords(i, tp, dp)
+        if dp_rank:
+            continue
+        named = named_moments(ckpt.load(path))
+        if named is None:
+            raise ValueError(f"agent {agent!r}: the checkpoint's optimizer shards name no "
+                             f"parameters (the distributed optimizer, fp16 / bf16 weights, or "
+                             f"written before they did), so they cannot move to another "
+                             f"layout: resume with the checkpoint's {old}")
+        shards[pp_rank][tp_rank] = named
+    try:
+        return moments_to_hf(shards, arch_of, transformer_impl=old["transformer_impl"])
+    except ValueError as e:
+        raise ValueError(f"agent {agent!r}: the checkpoint's optimizer shards cannot move to "
+                         f"another layout: {e}") from None
+
+
+def weights_of_shards(files: list[str], old: dict, arch_of) -> dict[str, torch.Tensor]:
+    """A checkpoint's per-rank megatron weight shards (the KL reference's, layout ``old``) ->
+    full HF-named weights (DP rank 0 of every (tp, pp) shard)."""
+    from hacpo.models.megatron import megatron_to_hf
+
+    tp, dp = old["tp"], old["dp"]
+    shards = [[None] * tp for _ in range(old["pp"])]
+    for i, path in enumerate(files):
+        tp_rank, pp_rank, dp_rank = rank_coords(i, tp, dp)
+        if not dp_rank:
+            shards[pp_rank][tp_rank] = ckpt.load(path)
+    return megatron_to_hf(shards, arch_of, transformer_impl=old["transformer_impl"])
 
 
 def _built(config, optimizer) -> str:
@@ -519,7 +572,16 @@ class MegatronRank:
                 load_megatron_state(pol.module, {k: v.to(self.device) for k, v in state.items()})
         if isinstance(optim_state, str):
             optim_state = ckpt.load(optim_state)
-        self.pol.load_optimizer_state(self.opt, optim_state)
+        if "hf_moments" in optim_state:      # from another layout: this rank's cut of them
+            from hacpo.models.megatron.convert import moments_from_hf
+
+            if optim_state["hf_moments"]:         # (none: no update had run, a fresh state)
+                self.pol.load_named_moments(self.opt, moments_from_hf(
+                    optim_state["step"], optim_state["hf_moments"], self.pol.arch, tp=p.tp,
+                    tp_rank=p.tp_rank, pp=p.pp, pp_rank=p.pp_rank,
+                    transformer_impl=self.pol.transformer_impl))
+        else:
+            self.pol.load_optimizer_state(self.opt, optim_state)
         return os.getpid()
 
     def close(self) -> int:
@@ -672,6 +734,11 @@ class MegatronAgents:
                          for r in g.ranks])
         for k, g in enumerate(self._groups):
             g.layout = self._gather(k, refs[k], timeout_s=start_timeout_s)
+            for i, lay in enumerate(g.layout):   # shard files are found by this order
+                if (lay["tp_rank"], lay["pp_rank"], lay["dp_rank"]) != rank_coords(i, g.par.tp,
+                                                                                   g.par.dp):
+                    raise RuntimeError(f"agent {g.name!r}: rank {i} is at {lay}, not at "
+                                       f"{rank_coords(i, g.par.tp, g.par.dp)} (tp, pp, dp)")
         log.info("megatron trainer groups: %s on %s",
                  ", ".join(f"{g.name} " + ("torch" if g.torch else
                                           f"tp{g.par.tp} pp{g.par.pp} dp{g.par.dp} "
@@ -940,6 +1007,13 @@ class MegatronAgents:
                 "make_vocab_size_divisible_by": par.make_vocab_size_divisible_by,
                 "distributed_optimizer": par.distributed_optimizer}
 
+    def _arch(self, k: int):
+        """Agent k's ArchSpec (its vocabulary padding)."""
+        from hacpo.models.megatron.build import ArchSpec
+
+        return ArchSpec.from_hf(self.policies[k].model.config, make_vocab_size_divisible_by=self
+                                ._groups[k].par.make_vocab_size_divisible_by)
+
     def shard_root(self, k: int) -> str:
         """Where agent k's ranks write their optimizer shards (one directory per save)."""
         return os.path.join(self.out_dir, "checkpoint-megatron", self.names[k])
@@ -985,16 +1059,24 @@ class MegatronAgents:
         # layout had neither
         old = {"make_vocab_size_divisible_by": 1, "distributed_optimizer": False}
         have = {key: meg.get(key, old.get(key)) for key in want}
-        if have != want:
+        # another tp / pp / dp: the plain optimizer's state moves (by parameter name, through
+        # HF names, as the weights); anything else is an error
+        moved = have != want
+        if moved and ({key for key in want if have[key] != want[key]} - {"tp", "pp", "dp"}
+                      or want["distributed_optimizer"]):
             raise ValueError(f"agent {name!r}: the checkpoint's megatron layout {have} differs "
-                             f"from this run's {want}; optimizer state is per rank and is not "
-                             f"resharded: resume with the checkpoint's layout")
+                             f"from this run's {want}; optimizer state moves to another tp / "
+                             f"pp / dp only for megatron's plain optimizer: resume with the "
+                             f"checkpoint's layout")
         ref = meg.get("ref_hf")          # a checkpoint from before: HF-named weights
         g = self._groups[k]
         if self.kl and "ref_files" in meg:  # the ranks' own shards (written once per run)
-            ref = check_named_shards(meg["ref_files"], self.out_dir, len(g.ranks), name,
-                                     "KL reference")
+            ref = check_named_shards(meg["ref_files"], self.out_dir,
+                                     have["tp"] * have["pp"] * have["dp"], name, "KL reference")
             self._ref_files[k] = list(meg["ref_files"])
+            if moved:                       # gathered to HF names; this layout's shards are
+                ref = weights_of_shards(ref, have, self._arch(k))   # written at the next save
+                self._ref_files[k] = None
         if self.kl and ref is None:
             raise ValueError(f"agent {name!r}: the checkpoint holds no KL reference weights "
                              f"(written with algorithm.loss.kl_coef=0?); it cannot resume a run "
@@ -1003,8 +1085,16 @@ class MegatronAgents:
             sizes = meg.get("optim_bytes") or [None] * len(meg["optim_files"])  # older: none
             optim = check_named_shards(
                 [{"path": f, "bytes": b} for f, b in zip(meg["optim_files"], sizes)],
-                self.out_dir, len(g.ranks), name, "optimizer")
+                self.out_dir, have["tp"] * have["pp"] * have["dp"], name, "optimizer")
             self._shard_dirs[k] = os.path.dirname(optim[0])
+            if moved:
+                step, hf_moments = moments_of_shards(optim, have, self._arch(k), name)
+                optim = [ray.put({"step": step, "hf_moments": hf_moments})] * len(g.ranks)
+                del hf_moments
+        elif moved:
+            raise ValueError(f"agent {name!r}: the checkpoint's optimizer state (inside the "
+                             f"file, an older format) cannot move to another layout: resume "
+                             f"with the checkpoint's {have}")
         else:                               # a checkpoint from before: states in the file
             optim = meg["optim"]
         self.policies[k].load_state_dict(sd["model"])

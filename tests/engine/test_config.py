@@ -85,8 +85,8 @@ def test_weight_bucket_sizes_are_resumable_and_validated():
     """How weights move (rollout / megatron bucket sizes) and how megatron computes log-probs
     (parallel.lm_head, policy.lm_head) and how megatron cuts micro-batches
     (parallel.micro_batch_tokens, parallel.sequence_parallel, parallel.recompute*) may change
-    on resumption, like time limits; the layout (and the distributed optimizer, whose state
-    differs) may not. Non-positive sizes and an unknown lm_head are clear errors."""
+    on resumption, like time limits, and so may the megatron layout's tp / pp / dp; the
+    vocabulary padding and the distributed optimizer (whose state differs) may not. Non-positive sizes and an unknown lm_head are clear errors."""
     from hacpo.engine.run_config import config_diff, fingerprint_dict, load_config
     # agent 0 as a megatron trainer group (an HF Llama), the only kind parallel.* applies to
     cfg = load_config("tiny3", overrides={
@@ -139,8 +139,13 @@ def test_weight_bucket_sizes_are_resumable_and_validated():
     with pytest.raises(ValueError, match=r"parallel.lm_head must be 'fused' or 'logits', got "
                                          r"'full'"):
         cfg.override({"agents.0.parallel.lm_head": "full"})
-    c = fingerprint_dict(cfg.override({"agents.0.parallel.tp": 2}))
-    assert config_diff(a, c) == ["agents.0.parallel.tp"]
+    # the layout's tp / pp / dp may change (the trainer moves the optimizer state), the
+    # vocabulary padding may not
+    assert config_diff(a, fingerprint_dict(cfg.override({"agents.0.parallel.tp": 2,
+                                                         "agents.0.parallel.pp": 2,
+                                                         "agents.0.parallel.dp": 2}))) == []
+    c = fingerprint_dict(cfg.override({"agents.0.parallel.make_vocab_size_divisible_by": 8}))
+    assert config_diff(a, c) == ["agents.0.parallel.make_vocab_size_divisible_by"]
     # the distributed optimizer keeps another optimizer state (per-rank slices): not resumable
     dp2 = cfg.override({"agents.0.parallel.dp": 2})
     assert config_diff(fingerprint_dict(dp2), fingerprint_dict(dp2.override(

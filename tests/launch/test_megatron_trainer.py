@@ -199,7 +199,10 @@ def test_ranks_write_their_optimizer_shards(tmp, megatron_step1):
         assert meg["optim_bytes"] == [(tmp / "meg" / f).stat().st_size for f in named[a["name"]]]
         for f in named[a["name"]]:
             sd = ckpt.load(tmp / "meg" / f)
-            assert sd["state"], f"{f}: no optimizer state (Adam moments after one step)"
+            assert sd["plain"]["state"], f"{f}: no optimizer state (Adam moments after a step)"
+            # every parameter's state by its megatron name (what moves to another layout)
+            assert [len(g) for g in sd["names"][0]] == [
+                len(g["params"]) for g in sd["plain"]["param_groups"]]
 
 
 def test_named_shards_are_checked_on_resume(tmp_path):
@@ -222,6 +225,70 @@ def test_named_shards_are_checked_on_resume(tmp_path):
         megatron_trainer.check_named_shards(bad, str(tmp_path), 2, "a", "KL reference")
 
 
+def test_optimizer_state_that_cannot_move_is_clear_error(tmp_path):
+    """A resume in another layout reads the ranks' shards by megatron name: the rank order it
+    assumes; shards that name no parameters (the distributed optimizer's slices, fp16 / bf16
+    weights' state, a bare state dict from before the names), a state that is not Adam's,
+    shards at different steps or missing a parameter, and a layout change with the
+    distributed optimizer: each a clear error. Shards without any state (no update ran yet)
+    move as nothing (a fresh optimizer)."""
+    from types import SimpleNamespace
+
+    from hacpo.models.megatron import ArchSpec
+    from hacpo.models.megatron.convert import moments_to_hf
+    from tests.megatron._workers import tiny_hf
+
+    # megatron's order: TP fastest, then DP, then PP (tp=2, dp=2, pp=2)
+    assert [megatron_trainer.rank_coords(i, 2, 2) for i in range(8)] == [
+        (0, 0, 0), (1, 0, 0), (0, 0, 1), (1, 0, 1), (0, 1, 0), (1, 1, 0), (0, 1, 1), (1, 1, 1)]
+    arch = ArchSpec.from_hf(tiny_hf("llama").config)
+    old = {"tp": 1, "pp": 1, "dp": 1, "transformer_impl": "local"}
+    path = str(tmp_path / "rank-0.pt")
+    for state in ({"distributed": []}, {"plain": {"state": {}, "param_groups": []}, "names": None},
+                  {"state": {}, "param_groups": []}):
+        ckpt.save_atomic(state, path)
+        with pytest.raises(ValueError, match=r"agent 'a': the checkpoint's optimizer shards name "
+                                             r"no parameters .* resume with the checkpoint's "
+                                             r"\{'tp': 1"):
+            megatron_trainer.moments_of_shards([path], old, arch, "a")
+
+    def adam(step):
+        return {"step": torch.tensor(float(step)), "exp_avg": torch.zeros(64),
+                "exp_avg_sq": torch.zeros(64)}
+
+    for shard, msg in (
+            ({"decoder.final_layernorm.weight": {"step": torch.tensor(1.0),
+                                                 "momentum_buffer": torch.zeros(64)}},
+             r"optimizer state of 'decoder.final_layernorm.weight' has \['momentum_buffer', "
+             r"'step'\], not Adam's"),
+            ({"decoder.final_layernorm.weight": adam(1), "decoder.layers.0.x": adam(2)},
+             r"the optimizer shards are at different steps \[1.0, 2.0\]"),
+            ({"decoder.final_layernorm.weight": adam(1)},
+             r"the optimizer shards hold no state for parameter 'embedding.word_embeddings")):
+        with pytest.raises(ValueError, match=msg):
+            moments_to_hf([[shard]], arch)
+    ckpt.save_atomic({"plain": {"state": {0: adam(1)}, "param_groups": [{"params": [0]}]},
+                      "names": [[["decoder.final_layernorm.weight"]]]}, path)
+    with pytest.raises(ValueError, match=r"agent 'a': the checkpoint's optimizer shards cannot "
+                                         r"move to another layout: the optimizer shards hold no "
+                                         r"state for parameter"):
+        megatron_trainer.moments_of_shards([path], old, arch, "a")
+    assert moments_to_hf([[{}]], arch) == (0.0, {})
+    # the distributed optimizer's state does not move, even to another dp alone
+    agents = object.__new__(megatron_trainer.MegatronAgents)
+    agents.names = ["a"]
+    agents._groups = [SimpleNamespace(torch=False, ranks=[None] * 2,
+                                      par=ParallelConfig(dp=2, distributed_optimizer=True))]
+    sd = {"model": {}, "megatron": {"tp": 1, "pp": 1, "dp": 4, "transformer_impl": "local",
+                                    "make_vocab_size_divisible_by": 1,
+                                    "distributed_optimizer": True}}
+    with pytest.raises(ValueError, match=r"agent 'a': the checkpoint's megatron layout .*'dp': 4"
+                                         r".* differs from this run's .*'dp': 2.*; optimizer "
+                                         r"state moves to another tp / pp / dp only for "
+                                         r"megatron's plain optimizer"):
+        agents.load_state_dict(0, sd)
+
+
 def test_shards_must_be_visible_to_the_driver(tmp_path):
     f = tmp_path / "rank-0.pt"
     f.write_bytes(b"x" * 10)
@@ -241,13 +308,16 @@ def test_resumed_second_step_equals_torch_two_steps(cluster, tmp, torch_runs, me
     torch trainer's uninterrupted 2 steps (each rank reads its own optimizer shard; the step-1
     shards are deleted once the step-2 checkpoint is written); a copy of the run with one
     rank's shard cut short cannot resume (clear error: the checkpoint records each shard's
-    size); a different tp cannot resume it, a different
-    weight bucket size (one bucket now) and log-prob path can: step 2 runs both agents with
-    ``parallel.lm_head = "logits"`` (megatron's output layer; step 1 used the fused default),
-    so both paths are checked inside the trainer."""
-    with pytest.raises(ValueError, match=r"cannot resume.*agents\.0\.parallel\.tp"):
+    size); turning the distributed optimizer on cannot resume it. Step 2 runs in another
+    layout (the TP=2 agent at PP=2, the PP=2 one at TP=2: Adam's state moves by parameter name
+    through HF names, as the weights do), with another weight bucket size (one bucket now)
+    and log-prob path: ``parallel.lm_head = "logits"`` (megatron's output layer; step 1 used
+    the fused default), so both paths are checked inside the trainer."""
+    with pytest.raises(ValueError, match=r"cannot resume.*agents\.0\.parallel\."
+                                         r"distributed_optimizer"):
         train(megatron_cfg(tmp, "meg", "megatron", steps=2).override(
-            {"agents.0.parallel.tp": 1}), resume=True, echo=lambda *_: None)
+            {"agents.0.parallel.distributed_optimizer": True}), resume=True,
+            echo=lambda *_: None)
     dirs1, named1 = _shard_dirs(tmp, "meg")
     shutil.copytree(tmp / "meg", tmp / "meg-broken")
     with open(tmp / "meg-broken" / named1[NAMES[1]][1], "r+b") as f:   # a half-copied shard
@@ -264,7 +334,9 @@ def test_resumed_second_step_equals_torch_two_steps(cluster, tmp, torch_runs, me
     (stale / "rank-0.pt").write_bytes(b"partial")
     summary = train(megatron_cfg(tmp, "meg", "megatron", steps=2).override(
         {"agents.0.parallel.weight_bucket_mb": 1024, "agents.0.parallel.lm_head": "logits",
-         "agents.1.parallel.lm_head": "logits"}), resume=True, echo=lambda *_: None)
+         "agents.1.parallel.lm_head": "logits", "agents.0.parallel.tp": 1,
+         "agents.0.parallel.pp": 2, "agents.1.parallel.tp": 2, "agents.1.parallel.pp": 1}),
+        resume=True, echo=lambda *_: None)
     free_cpus_back()
     meg, ref = _rows(tmp, "meg"), _rows(tmp, "torch2")
     assert [r["step"] for r in meg] == [0, 1]
@@ -314,8 +386,10 @@ def test_kl_term_one_step_and_resume_equal_torch_trainer(cluster, tmp, torch_run
     torch run), so leaving it out, or a wrong reference at step 2, fails.
 
     The ranks write their reference shards once (checked against the warm start); agent 1
-    resumes from them. Agent 0's part of the step-1 checkpoint is first rewritten in the format
-    from before the ranks wrote shards (optimizer states and the reference's HF weights inside
+    resumes at TP=2 instead of PP=2: its reference shards are gathered to HF names and cut for
+    the new layout (written anew at the step-2 save), its Adam state moved likewise. Agent 0's
+    part of the step-1 checkpoint is first rewritten in the format from before the ranks wrote
+    shards (optimizer states and the reference's HF weights inside
     the file, its shard files deleted): it must still resume exactly, and its step-2 save
     writes reference shards anew. A run whose reference shard changed cannot resume."""
     ref_run = train(megatron_cfg(tmp, "kl-torch", "torch", steps=2, **KL), echo=lambda *_: None)
@@ -345,8 +419,9 @@ def test_kl_term_one_step_and_resume_equal_torch_trainer(cluster, tmp, torch_run
                                  if k.startswith("model.")}      # the warm start, HF names
     ckpt.save_atomic(state, str(path))
     shutil.rmtree(tmp / "kl-meg" / "checkpoint-megatron" / NAMES[0])
-    summary = train(megatron_cfg(tmp, "kl-meg", "megatron", steps=2, **KL), resume=True,
-                    echo=lambda *_: None)
+    summary = train(megatron_cfg(tmp, "kl-meg", "megatron", steps=2, **KL).override(
+        {"agents.1.parallel.tp": 2, "agents.1.parallel.pp": 1}), resume=True,
+        echo=lambda *_: None)
     free_cpus_back()
     meg, ref = _rows(tmp, "kl-meg"), _rows(tmp, "kl-torch")
     assert [r["step"] for r in meg] == [0, 1]
@@ -360,8 +435,9 @@ def test_kl_term_one_step_and_resume_equal_torch_trainer(cluster, tmp, torch_run
     for name in NAMES:
         gap = max((with_kl[name][k] - no_kl[name][k]).abs().max().item() for k in no_kl[name])
         assert gap > 10 * W_ATOL, f"{name}: the KL term barely moved the weights ({gap:.1e})"
-    refs2 = _check_reference_shards(tmp, "kl-meg")
-    assert refs2[NAMES[1]] == refs1[NAMES[1]]          # named again, not written again
+    refs2 = _check_reference_shards(tmp, "kl-meg", (AGENTS[0], (NAMES[1], "char",
+                                                                ParallelConfig(tp=2))))
+    assert refs2[NAMES[1]] != refs1[NAMES[1]]          # written anew for the TP=2 layout
     assert refs2[NAMES[0]] != refs1[NAMES[0]]          # written from the old-format resume
     for name in NAMES:      # kept: this save's optimizer shards and the reference's
         root = tmp / "kl-meg" / "checkpoint-megatron" / name
@@ -468,7 +544,11 @@ def test_checkpoint_from_before_the_trainer_fields_resumes():
                        defaults=default_fingerprint(torch_cfg)) == []
     meg = megatron_cfg(Path("/nonexistent"), "x", "megatron")
     diff = config_diff(old, fingerprint_dict(meg), defaults=default_fingerprint(meg))
-    assert {"agents.0.trainer", "agents.0.parallel", "agents.1.trainer"} <= set(diff), diff
+    # (the layouts' tp / pp may change on resumption: no difference there)
+    assert {"agents.0.trainer", "agents.1.trainer"} <= set(diff), diff
+    vocab = meg.override({"agents.0.parallel.make_vocab_size_divisible_by": 8})
+    assert "agents.0.parallel" in config_diff(old, fingerprint_dict(vocab),
+                                              defaults=default_fingerprint(vocab))
 
 
 def test_missing_setup_hook_is_clear_error(cluster, tmp):

@@ -409,3 +409,46 @@ def distributed_optimizer_worker(rank, world, tp, out_path, dtype=torch.float32)
     ps.destroy_model_parallel()
     if rank == 0:
         torch.save(res, out_path)
+
+
+def reshard_worker(rank, world, tp, pp, in_path, out_path):
+    """Adam (lr 0.05) on a tied Llama at TP=tp, PP=pp (DP = the rest), micro-batches of 1 row
+    (no qkv biases: the key bias's true gradient is 0, and Adam normalizes its rounding noise,
+    which differs between layouts, to updates of up to lr).
+    Without ``in_path``: two ``train_step``; rank 0 saves {"w1", "w2": weights after each
+    step, "shards": every rank's ((pp_rank, tp_rank, dp_rank), ``optimizer_state`` after
+    step 1, through a file)}. With ``in_path`` ({"w1", "step", "hf": ``moments_to_hf`` of
+    another layout's step-1 shards}): load w1, set the optimizer from the moments moved to this
+    layout (``moments_from_hf`` + ``load_named_moments``), take step 2; rank 0 saves {"w2"}."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from hacpo.models.megatron import hf_to_megatron, load_megatron_state
+    from hacpo.models.megatron.convert import moments_from_hf
+
+    _, pol = _policy(("llama", True), tp, pp)
+    p = pol.par
+    opt = pol.build_optimizer(lr=0.05, optimizer="adam")
+    mbs = step_microbatches(pol.arch.vocab_size, p.dp_rank * B // p.dp,
+                            (p.dp_rank + 1) * B // p.dp, 1)
+    res = {}
+    if in_path is None:
+        pol.train_step(opt, mbs, sgd_loss)
+        res["w1"] = _copy(pol.hf_state_dict())
+        shard = ((p.pp_rank, p.tp_rank, p.dp_rank), _through_file(pol.optimizer_state(opt)))
+        every = [None] * world
+        dist.all_gather_object(every, shard)
+        res["shards"] = every
+    else:
+        got = torch.load(in_path)
+        with torch.no_grad():
+            load_megatron_state(pol.module, hf_to_megatron(
+                got["w1"], pol.arch, tp=p.tp, tp_rank=p.tp_rank, pp=p.pp, pp_rank=p.pp_rank))
+        res["set"] = pol.load_named_moments(opt, moments_from_hf(
+            got["step"], got["hf"], pol.arch, tp=p.tp, tp_rank=p.tp_rank, pp=p.pp,
+            pp_rank=p.pp_rank))
+    pol.train_step(opt, mbs, sgd_loss)
+    res["w2"] = _copy(pol.hf_state_dict())
+    ps.destroy_model_parallel()
+    if rank == 0:
+        torch.save(res, out_path)

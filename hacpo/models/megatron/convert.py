@@ -258,6 +258,54 @@ def megatron_to_hf(shards: Sequence[Sequence[Mapping[str, Tensor]]], arch: ArchS
     return dict(iter_hf_weights(shards, arch, transformer_impl=transformer_impl))
 
 
+# -- optimizer state across layouts ---------------------------------------------------------------
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def moments_to_hf(shards: Sequence[Sequence[Mapping[str, Mapping[str, Tensor]]]], arch: ArchSpec,
+                  *, transformer_impl: str = "local") -> tuple[float, dict[str, dict[str, Tensor]]]:
+    """Adam's per-parameter state of every (pp_rank, tp_rank) shard of one layout
+    (``shards[pp_rank][tp_rank]``: ``{megatron name: {"step", "exp_avg", "exp_avg_sq"}}``, as
+    :func:`hacpo.models.megatron.policy.named_moments` reads a shard) -> (step, {moment: full
+    HF-named tensors}). The moments have their parameters' shapes and are elementwise, so they
+    move between layouts exactly as the weights do (:func:`megatron_to_hf`; padded vocabulary
+    rows dropped). Every parameter must have Adam's state, all at one step; shards without any
+    state (no update has run yet) give (0.0, {})."""
+    if not any(shard for row in shards for shard in row):
+        return 0.0, {}
+    steps = set()
+    for row in shards:
+        for shard in row:
+            for name, st in shard.items():
+                if set(st) != {"step", *ADAM_MOMENTS}:
+                    raise ValueError(f"optimizer state of {name!r} has {sorted(st)}, not Adam's "
+                                     f"step / exp_avg / exp_avg_sq")
+                steps.add(float(st["step"]))
+    if len(steps) != 1:
+        raise ValueError(f"the optimizer shards are at different steps {sorted(steps)}")
+    hf = {}
+    for key in ADAM_MOMENTS:
+        try:
+            hf[key] = megatron_to_hf([[{n: st[key] for n, st in shard.items()} for shard in row]
+                                      for row in shards], arch,
+                                     transformer_impl=transformer_impl)
+        except KeyError as e:
+            raise ValueError(f"the optimizer shards hold no state for parameter {e}") from None
+    return steps.pop(), hf
+
+
+def moments_from_hf(step: float, hf: Mapping[str, Mapping[str, Tensor]], arch: ArchSpec, *,
+                    tp: int = 1, tp_rank: int = 0, pp: int = 1, pp_rank: int = 0,
+                    transformer_impl: str = "local") -> dict[str, dict[str, Tensor]]:
+    """:func:`moments_to_hf`'s result -> shard (tp_rank, pp_rank)'s per-parameter Adam state
+    ``{megatron name: {"step", "exp_avg", "exp_avg_sq"}}`` (padded vocabulary rows: zeros)."""
+    per = {key: hf_to_megatron(hf[key], arch, tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank,
+                               transformer_impl=transformer_impl) for key in ADAM_MOMENTS}
+    return {name: {"step": torch.tensor(step, dtype=torch.float32),
+                   **{key: per[key][name] for key in ADAM_MOMENTS}}
+            for name in per[ADAM_MOMENTS[0]]}
+
+
 def hf_state_dict(model) -> dict[str, Tensor]:
     """An HF causal LM's state dict in the names :func:`megatron_to_hf` produces (without the
     tied ``lm_head.weight``)."""

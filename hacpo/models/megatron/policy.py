@@ -466,28 +466,44 @@ class MegatronPolicy:
                                   use_distributed_optimizer=use_distributed_optimizer)
         return get_megatron_optimizer(opt_cfg, [self.model])
 
-    @staticmethod
-    def optimizer_state(optimizer) -> dict:
+    def optimizer_state(self, optimizer) -> dict:
         """This rank's optimizer state (a checkpoint shard for :meth:`load_optimizer_state`).
 
-        megatron's ``state_dict()``, except for the distributed optimizer, whose ``state_dict()``
-        holds no parameter state (megatron saves that through a separate call that gathers it
-        on DP rank 0): then, per optimizer of the chain, the torch optimizer's state over this
-        rank's parameter slices (Adam moments, step) and those slices' fp32 main weights (views
-        of the weights for fp32 weights; the only full-precision copy for fp16 / bf16)."""
+        ``{"plain": megatron's state_dict(), "names": ...}``: with fp32 weights (megatron's
+        ``FP32Optimizer``: the torch optimizer steps the weights themselves) ``names`` lists
+        the megatron name of every parameter in the torch optimizer's order (per chained
+        optimizer, per group), so :func:`named_moments` can read the state by name and a
+        resume can move it to another layout; None otherwise. For the distributed optimizer,
+        whose ``state_dict()`` holds no parameter state (megatron saves that through a
+        separate call that gathers it on DP rank 0): ``{"distributed": ...}``, per optimizer of
+        the chain the torch optimizer's state over this rank's parameter slices (Adam moments,
+        step) and those slices' fp32 main weights (views of the weights for fp32 weights; the
+        only full-precision copy for fp16 / bf16)."""
         opts = _distributed(optimizer)
         if opts is None:
-            return optimizer.state_dict()
+            return {"plain": optimizer.state_dict(), "names": self._optimizer_names(optimizer)}
         return {"distributed": [{"optimizer": o.optimizer.state_dict(),
                                  "main_params": [[p.detach().clone() for p in g["params"]]
                                                  for g in o.optimizer.param_groups]}
                                 for o in opts]}
 
-    @staticmethod
-    def load_optimizer_state(optimizer, state: dict) -> None:
+    def _optimizer_names(self, optimizer) -> list | None:
+        """[[[megatron name of each parameter] per group] per chained optimizer], if every
+        chained optimizer steps the model's parameters themselves (fp32); else None."""
+        from megatron.core.optimizer.optimizer import FP32Optimizer
+
+        opts = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+        if not all(isinstance(o, FP32Optimizer) for o in opts):
+            return None
+        name_of = {id(p): k for k, p in self.module.named_parameters()}
+        return [[[name_of[id(p)] for p in g["params"]] for g in o.optimizer.param_groups]
+                for o in opts]
+
+    def load_optimizer_state(self, optimizer, state: dict) -> None:
         """Load what :meth:`optimizer_state` returned (into an optimizer of the same layout,
-        after the weights). A state of the other kind, or slices of other shapes (another
-        layout), is a clear error."""
+        after the weights; a bare megatron state dict, as checkpoints before the names held,
+        too). A state of the other kind, or slices of other shapes (another layout), is a
+        clear error."""
         opts = _distributed(optimizer)
         if (opts is not None) != ("distributed" in state):
             raise ValueError("the optimizer state was written " +
@@ -495,7 +511,7 @@ class MegatronPolicy:
                              "distributed optimizer, which this optimizer " +
                              ("is" if opts is not None else "is not"))
         if opts is None:
-            optimizer.load_state_dict(state)
+            optimizer.load_state_dict(state["plain"] if "plain" in state else state)
             return
         saved = state["distributed"]
         if len(saved) != len(opts):
@@ -513,6 +529,33 @@ class MegatronPolicy:
             with torch.no_grad():
                 for p, t in zip(mains, got):
                     p.copy_(t)
+
+    def load_named_moments(self, optimizer, moments: dict[str, dict[str, torch.Tensor]]
+                           ) -> int:
+        """Set the state of a plain fp32 optimizer from per-parameter states by megatron name
+        (:func:`named_moments` of another layout's shards, moved to this rank's shards:
+        ``{name: {"step", "exp_avg", "exp_avg_sq"}}``). Every parameter must have one, of its
+        shape. Returns the number of parameters set."""
+        names = self._optimizer_names(optimizer)
+        if names is None or _distributed(optimizer) is not None:
+            raise ValueError("optimizer state can be moved to another layout only for "
+                             "megatron's plain optimizer over fp32 weights")
+        n = 0
+        for o, groups in zip(getattr(optimizer, "chained_optimizers", [optimizer]), names):
+            for g, group_names in zip(o.optimizer.param_groups, groups):
+                for prm, name in zip(g["params"], group_names):
+                    st = moments.get(name)
+                    if st is None:
+                        raise ValueError(f"no optimizer state for parameter {name!r}")
+                    if tuple(st["exp_avg"].shape) != tuple(prm.shape):
+                        raise ValueError(f"optimizer state of {name!r} has shape "
+                                         f"{tuple(st['exp_avg'].shape)}, the parameter "
+                                         f"{tuple(prm.shape)}")
+                    o.optimizer.state[prm] = {
+                        k: (v.detach().clone().to(prm.device) if k != "step" else
+                            v.detach().clone()) for k, v in st.items()}
+                    n += 1
+        return n
 
     def train_step(self, optimizer, microbatches: Sequence[dict], loss_fn: LossFn, *,
                    temperature: float = 1.0) -> list[dict]:
@@ -547,3 +590,25 @@ def _distributed(optimizer) -> list | None:
     if len(kinds) > 1:
         raise ValueError("a chain of distributed and other megatron optimizers is not supported")
     return opts if kinds == {True} else None
+
+
+def named_moments(state: dict) -> dict[str, dict[str, torch.Tensor]] | None:
+    """A plain optimizer shard of :meth:`MegatronPolicy.optimizer_state` -> its per-parameter
+    states by megatron name (``{name: {"step", "exp_avg", "exp_avg_sq", ...}}``); None for a
+    shard without names (the distributed optimizer, fp16 / bf16 weights, or a checkpoint from
+    before the names)."""
+    if "plain" not in state or state.get("names") is None:
+        return None
+    sds = state["plain"] if isinstance(state["plain"], list) else [state["plain"]]
+    if len(sds) != len(state["names"]):
+        raise ValueError(f"the optimizer shard names {len(state['names'])} optimizers and "
+                         f"holds {len(sds)}")
+    out = {}
+    for sd, groups in zip(sds, state["names"]):
+        for g, group_names in zip(sd["param_groups"], groups):
+            if len(g["params"]) != len(group_names):
+                raise ValueError("the optimizer shard's names do not match its parameter groups")
+            for idx, name in zip(g["params"], group_names):
+                if idx in sd["state"]:
+                    out[name] = dict(sd["state"][idx])
+    return out
