@@ -138,30 +138,43 @@ def _micro(rows: int, micro: int) -> int:
 
 
 # -- the run ----------------------------------------------------------------------------------
+def _one_step(hf_model, par, args, ids, *, optimizer: str, lr: float, recompute=None,
+              distributed: bool = False):
+    """A fresh policy from ``hf_model`` (``recompute`` as asked, on ``ids``' device) and one
+    ``train_step`` on ``ids`` with megatron's ``optimizer`` (``distributed``: its distributed
+    optimizer): (policy, the weights before the step on the host). Raises if megatron built
+    another recomputation or optimizer than asked."""
+    from hacpo.models.megatron import MegatronPolicy
+
+    pol = MegatronPolicy.from_hf(hf_model, par, logprob_backend="triton", lm_head=args.lm_head,
+                                 recompute=recompute)
+    if pol.module.config.recompute_granularity != (recompute and recompute["recompute"]):
+        raise RuntimeError(f"the policy was built with recompute_granularity="
+                           f"{pol.module.config.recompute_granularity!r}, asked {recompute}")
+    if ids.device.type == "cuda":
+        pol.module.cuda()
+    before = {k: p.detach().float().cpu().clone() for k, p in pol.module.named_parameters()}
+    opt = pol.build_optimizer(lr=lr, optimizer=optimizer, use_distributed_optimizer=distributed)
+    built = {type(o).__name__ for o in getattr(opt, "chained_optimizers", [opt])}
+    want = "DistributedOptimizer" if distributed else "FP32Optimizer"
+    if built != {want}:
+        raise RuntimeError(f"asked for {want}, megatron built {built}")
+    pol.train_step(opt, [{"input_ids": ids[:, :-1], "targets": ids[:, 1:]}],
+                   lambda lp, mb: (-lp.mean(), {}))
+    return pol, before
+
+
 def recompute_grad_diff(hf_model, par, args, ids) -> float:
     """One ``train_step`` (SGD, lr 0) on ``ids`` without and with full activation
     recomputation (``parallel.recompute=full``: every layer re-run in the backward, megatron's
     checkpointing and, on CUDA, its RNG tracker): the largest gradient difference over the
     largest gradient."""
-    import torch
-
-    from hacpo.models.megatron import MegatronPolicy
-
     grads = []
     for rc in (None, {"recompute": "full", "num_layers": 1}):
-        pol = MegatronPolicy.from_hf(hf_model, par, logprob_backend="triton",
-                                     lm_head=args.lm_head, recompute=rc)
-        if pol.module.config.recompute_granularity != (rc and rc["recompute"]):
-            raise RuntimeError(f"the policy was built with recompute_granularity="
-                               f"{pol.module.config.recompute_granularity!r}, asked {rc}")
-        if ids.device.type == "cuda":
-            pol.module.cuda()
-        opt = pol.build_optimizer(lr=0.0, optimizer="sgd")
-        pol.train_step(opt, [{"input_ids": ids[:, :-1], "targets": ids[:, 1:]}],
-                       lambda lp, mb: (-lp.mean(), {}))
+        pol, _ = _one_step(hf_model, par, args, ids, optimizer="sgd", lr=0.0, recompute=rc)
         grads.append({k: p.main_grad.detach().float().cpu()
                       for k, p in pol.module.named_parameters()})
-        del pol, opt
+        del pol
     scale = max(float(g.abs().max()) for g in grads[0].values())
     return max(float((grads[1][k] - g).abs().max()) for k, g in grads[0].items()) / scale
 
@@ -171,26 +184,12 @@ def distributed_optimizer_diff(hf_model, par, args, ids) -> float:
     distributed optimizer (``parallel.distributed_optimizer``; at DP=1 one slice, but its own
     buffers, reduce-scatter, all-gather and main-parameter copies): the largest difference of
     the updated weights over the largest update."""
-    import torch
-
-    from hacpo.models.megatron import MegatronPolicy
-
     after = []
     for dist_opt in (False, True):
-        pol = MegatronPolicy.from_hf(hf_model, par, logprob_backend="triton",
-                                     lm_head=args.lm_head)
-        if ids.device.type == "cuda":
-            pol.module.cuda()
-        before = {k: p.detach().float().cpu().clone() for k, p in pol.module.named_parameters()}
-        opt = pol.build_optimizer(lr=1e-3, optimizer="adam", use_distributed_optimizer=dist_opt)
-        built = {type(o).__name__ for o in getattr(opt, "chained_optimizers", [opt])}
-        want = "DistributedOptimizer" if dist_opt else "FP32Optimizer"
-        if built != {want}:
-            raise RuntimeError(f"asked for {want}, megatron built {built}")
-        pol.train_step(opt, [{"input_ids": ids[:, :-1], "targets": ids[:, 1:]}],
-                       lambda lp, mb: (-lp.mean(), {}))
+        pol, before = _one_step(hf_model, par, args, ids, optimizer="adam", lr=1e-3,
+                                distributed=dist_opt)
         after.append({k: p.detach().float().cpu() for k, p in pol.module.named_parameters()})
-        del pol, opt
+        del pol
     scale = max(float((w - before[k]).abs().max()) for k, w in after[0].items())
     if not scale > 0:
         raise RuntimeError("the Adam step did not change the weights")

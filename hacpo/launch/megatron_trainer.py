@@ -1070,9 +1070,10 @@ class MegatronAgents:
                              f"checkpoint's layout")
         ref = meg.get("ref_hf")          # a checkpoint from before: HF-named weights
         g = self._groups[k]
+        written_by = have["tp"] * have["pp"] * have["dp"]     # ranks that wrote the shards
         if self.kl and "ref_files" in meg:  # the ranks' own shards (written once per run)
-            ref = check_named_shards(meg["ref_files"], self.out_dir,
-                                     have["tp"] * have["pp"] * have["dp"], name, "KL reference")
+            ref = check_named_shards(meg["ref_files"], self.out_dir, written_by, name,
+                                     "KL reference")
             self._ref_files[k] = list(meg["ref_files"])
             if moved:                       # gathered to HF names; this layout's shards are
                 ref = weights_of_shards(ref, have, self._arch(k))   # written at the next save
@@ -1085,7 +1086,7 @@ class MegatronAgents:
             sizes = meg.get("optim_bytes") or [None] * len(meg["optim_files"])  # older: none
             optim = check_named_shards(
                 [{"path": f, "bytes": b} for f, b in zip(meg["optim_files"], sizes)],
-                self.out_dir, have["tp"] * have["pp"] * have["dp"], name, "optimizer")
+                self.out_dir, written_by, name, "optimizer")
             self._shard_dirs[k] = os.path.dirname(optim[0])
             if moved:
                 step, hf_moments = moments_of_shards(optim, have, self._arch(k), name)
