@@ -50,8 +50,10 @@ MODES = ("plain", "distributed")
 
 def adam_state_bytes(opt) -> int:
     """Bytes of the Adam moments (exp_avg, exp_avg_sq) held by a megatron optimizer."""
+    from hacpo.models.megatron.policy import chained
+
     return sum(t.numel() * t.element_size()
-               for o in getattr(opt, "chained_optimizers", [opt])
+               for o in chained(opt)
                for st in o.optimizer.state.values() for k, t in st.items()
                if k in ("exp_avg", "exp_avg_sq"))
 
@@ -60,6 +62,7 @@ def _worker(rank, world, a, mode, out_path):
     import torch.distributed as dist
 
     from hacpo.models.megatron import MegatronPolicy, init_parallel
+    from hacpo.models.megatron.policy import chained
 
     torch.set_num_threads(a["threads"])
     base_kb = status_kb("VmRSS")     # the process before any model (torch, megatron imported)
@@ -86,8 +89,7 @@ def _worker(rank, world, a, mode, out_path):
     gc.collect()
     mine = {"adam_state_mib": adam_state_bytes(opt) / 2**20,
             "resident_mib": (status_kb("VmRSS") - base_kb) / 1024,
-            "optimizer": "+".join(type(o).__name__
-                                  for o in getattr(opt, "chained_optimizers", [opt]))}
+            "optimizer": "+".join(type(o).__name__ for o in chained(opt))}
     every = [None] * world
     dist.all_gather_object(every, mine)
     time_calls(rank, world, pol, score, step, a["reps"], out_path, memory_by_rank=every)

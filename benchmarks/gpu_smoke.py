@@ -145,6 +145,7 @@ def _one_step(hf_model, par, args, ids, *, optimizer: str, lr: float, recompute=
     optimizer): (policy, the weights before the step on the host). Raises if megatron built
     another recomputation or optimizer than asked."""
     from hacpo.models.megatron import MegatronPolicy
+    from hacpo.models.megatron.policy import chained
 
     pol = MegatronPolicy.from_hf(hf_model, par, logprob_backend="triton", lm_head=args.lm_head,
                                  recompute=recompute)
@@ -155,7 +156,7 @@ def _one_step(hf_model, par, args, ids, *, optimizer: str, lr: float, recompute=
         pol.module.cuda()
     before = {k: p.detach().float().cpu().clone() for k, p in pol.module.named_parameters()}
     opt = pol.build_optimizer(lr=lr, optimizer=optimizer, use_distributed_optimizer=distributed)
-    built = {type(o).__name__ for o in getattr(opt, "chained_optimizers", [opt])}
+    built = {type(o).__name__ for o in chained(opt)}
     want = "DistributedOptimizer" if distributed else "FP32Optimizer"
     if built != {want}:
         raise RuntimeError(f"asked for {want}, megatron built {built}")

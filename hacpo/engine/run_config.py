@@ -88,7 +88,8 @@ class ParallelConfig:
     # megatron's distributed optimizer (ZeRO-1): each DP rank holds the Adam state (and, for
     # bf16 / fp16 weights, the fp32 main weights) of 1/dp of the parameters; gradients are
     # reduce-scattered and the updated slices all-gathered. Same update, optimizer memory / dp
-    # (hacpo/models/megatron/policy.py: build_optimizer); checkpoints hold each rank's slice
+    # (hacpo/models/megatron/policy.py: build_optimizer); checkpoints hold each rank's slice,
+    # and a resume may turn it on or off (the state moves, as for another tp / pp / dp)
     distributed_optimizer: bool = False
 
     def __post_init__(self):
@@ -331,8 +332,10 @@ RESUMABLE_NESTED_KEYS = {("rollout", "call_timeout_s"), ("rollout", "weight_buck
 
 # Per-agent keys that may change on resumption ("section.key" under agents.N).
 # how weights move or log-probs are computed, not what they are; the megatron layout's tp / pp
-# / dp too (the plain optimizer's state moves to the new layout, hacpo/launch/megatron_trainer.py)
+# / dp and optimizer kind too (the optimizer state moves to the new layout,
+# hacpo/launch/megatron_trainer.py)
 RESUMABLE_AGENT_KEYS = {("parallel", "tp"), ("parallel", "pp"), ("parallel", "dp"),
+                        ("parallel", "distributed_optimizer"),
                         ("parallel", "weight_bucket_mb"), ("parallel", "lm_head"),
                         ("parallel", "micro_batch_tokens"), ("parallel", "sequence_parallel"),
                         ("parallel", "recompute"), ("parallel", "recompute_modules"),

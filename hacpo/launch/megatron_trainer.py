@@ -72,14 +72,17 @@ Agents with ``trainer = "torch"`` may share the run: each trains in a
 Actors are not restarted: a dead rank is a clear error naming its agent and rank, and the run
 continues from its last checkpoint with ``--resume``. A checkpoint holds the full HF-named
 weights (the driver's copy) and the layout (tp, pp, dp, transformer_impl, vocabulary padding,
-distributed optimizer) the optimizer state belongs to. A resume may change tp / pp / dp: the
-plain optimizer's shards name their parameters, and the driver gathers Adam's moments from
-DP rank 0 of every (tp, pp) shard to HF names (:func:`moments_of_shards`; the moments move as
-the weights do), which each new rank cuts for itself (``MegatronPolicy.load_named_moments``);
-the KL reference's shards likewise (:func:`weights_of_shards`, written anew at the next save).
-Any other layout change, or shards that name no parameters, is an error. Otherwise the
-optimizer state never passes through the driver: every rank writes its own shard (with the
-distributed optimizer, its slice: ``MegatronPolicy.optimizer_state``)
+distributed optimizer) the optimizer state belongs to. A resume may change tp / pp / dp and
+turn the distributed optimizer on or off: the shards name their parameters (and the
+distributed optimizer's the slice each DP rank holds), and the driver gathers Adam's moments
+(with the fp32 main weights of bf16 / fp16 weights) to HF names (:func:`moments_of_shards`:
+from DP rank 0 of every (tp, pp) shard, or the slices of all its DP ranks joined; the moments
+move as the weights do), which each new rank cuts for itself
+(``MegatronPolicy.load_named_moments``, a slice of it with the distributed optimizer); the KL
+reference's shards likewise (:func:`weights_of_shards`, written anew at the next save). Any
+other layout change, or shards that name no parameters (written before they did), is an
+error. Otherwise the optimizer state never passes through the driver: every rank writes its
+own shard (with the distributed optimizer, its slice: ``MegatronPolicy.optimizer_state``)
 (``<out_dir>/checkpoint-megatron/<agent>/<save id>/rank-<i>.pt``, each file atomic and
 fsynced) and the checkpoint names the files; on resume each rank reads its own. The driver
 checks that it sees every file with the size the rank wrote (out_dir must be on a filesystem
@@ -193,6 +196,9 @@ def check_named_shards(files: list[dict], out_dir: str, ranks: int, agent: str,
     return paths
 
 
+MOVABLE_LAYOUT = ("tp", "pp", "dp", "distributed_optimizer")   # a resume may change these
+
+
 def rank_coords(i: int, tp: int, dp: int) -> tuple[int, int, int]:
     """Group rank i's (tp_rank, pp_rank, dp_rank): megatron's default order, TP fastest, then
     DP, then PP (checked against what every rank reports when the group starts)."""
@@ -201,30 +207,39 @@ def rank_coords(i: int, tp: int, dp: int) -> tuple[int, int, int]:
 
 def moments_of_shards(files: list[str], old: dict, arch_of, agent: str):
     """Adam's state in a checkpoint's optimizer shards (one file per rank of layout ``old``,
-    {"tp", "pp", "dp", "transformer_impl", ...}) as (step, {moment: HF-named full tensors}),
-    from DP rank 0 of every (tp, pp) shard: what a resume with another tp / pp / dp cuts for
-    its own ranks. ``arch_of``: the model's ArchSpec."""
+    {"tp", "pp", "dp", "transformer_impl", "distributed_optimizer", ...}) as (step, {moment:
+    HF-named full tensors}, loss scaler states), from DP rank 0 of every (tp, pp) shard, or
+    with the distributed optimizer the slices of all its DP ranks joined: what a resume with
+    another layout cuts for its own ranks. ``arch_of``: the model's ArchSpec."""
     from hacpo.models.megatron.convert import moments_to_hf
-    from hacpo.models.megatron.policy import named_moments
+    from hacpo.models.megatron.policy import grad_scaler_states, join_slices, named_moments
 
     tp, pp, dp = old["tp"], old["pp"], old["dp"]
-    shards = [[None] * tp for _ in range(pp)]
+    sliced = bool(old.get("distributed_optimizer"))
+    parts = [[[] for _ in range(tp)] for _ in range(pp)]
+    scalers = None
     for i, path in enumerate(files):
         tp_rank, pp_rank, dp_rank = rank_coords(i, tp, dp)
-        if dp_rank:
+        if dp_rank and not sliced:
             continue
-        named = named_moments(ckpt.load(path))
+        state = ckpt.load(path)
+        named = named_moments(state)
         if named is None:
             raise ValueError(f"agent {agent!r}: the checkpoint's optimizer shards name no "
-                             f"parameters (the distributed optimizer, fp16 / bf16 weights, or "
-                             f"written before they did), so they cannot move to another "
-                             f"layout: resume with the checkpoint's {old}")
-        shards[pp_rank][tp_rank] = named
+                             f"parameters (written before they did), so they cannot move to "
+                             f"another layout: resume with the checkpoint's {old}")
+        if i == 0:
+            scalers = grad_scaler_states(state)
+        parts[pp_rank][tp_rank].append(named)
+        del state
     try:
-        return moments_to_hf(shards, arch_of, transformer_impl=old["transformer_impl"])
+        shards = [[join_slices(p) if sliced else p[0] for p in row] for row in parts]
+        del parts
+        step, hf = moments_to_hf(shards, arch_of, transformer_impl=old["transformer_impl"])
     except ValueError as e:
         raise ValueError(f"agent {agent!r}: the checkpoint's optimizer shards cannot move to "
                          f"another layout: {e}") from None
+    return step, hf, scalers
 
 
 def weights_of_shards(files: list[str], old: dict, arch_of) -> dict[str, torch.Tensor]:
@@ -244,14 +259,15 @@ def weights_of_shards(files: list[str], old: dict, arch_of) -> dict[str, torch.T
 def _built(config, optimizer) -> str:
     """What a rank's megatron model and optimizer were built with, from its TransformerConfig
     and optimizer classes (logged)."""
+    from hacpo.models.megatron.policy import chained
+
     rc = config.recompute_granularity
     recompute = ("none" if rc is None else
                  f"selective:{','.join(config.recompute_modules)}" if rc == "selective" else
                  f"full:{config.recompute_num_layers}")
     return (f"transformer_impl={config.transformer_impl} "
             f"sequence_parallel={config.sequence_parallel} recompute={recompute} optimizer="
-            + "+".join(type(o).__name__
-                       for o in getattr(optimizer, "chained_optimizers", [optimizer])))
+            + "+".join(type(o).__name__ for o in chained(optimizer)))
 
 
 class MegatronRank:
@@ -457,8 +473,10 @@ class MegatronRank:
             if finite:
                 coef = self.grad_clip / (gnorm + 1e-6)     # as clip_grad_norm_ (and megatron's
                 if self.grad_clip > 0 and coef < 1:         # CUDA-only clip_grad_by_total_norm)
+                    from hacpo.models.megatron.policy import chained
+
                     with torch.no_grad():
-                        for o in getattr(self.opt, "chained_optimizers", [self.opt]):
+                        for o in chained(self.opt):
                             for prm in o.get_parameters():
                                 if prm.grad is not None:
                                     prm.grad.mul_(coef)
@@ -579,7 +597,8 @@ class MegatronRank:
                 self.pol.load_named_moments(self.opt, moments_from_hf(
                     optim_state["step"], optim_state["hf_moments"], self.pol.arch, tp=p.tp,
                     tp_rank=p.tp_rank, pp=p.pp, pp_rank=p.pp_rank,
-                    transformer_impl=self.pol.transformer_impl))
+                    transformer_impl=self.pol.transformer_impl),
+                    grad_scalers=optim_state.get("grad_scalers"))
         else:
             self.pol.load_optimizer_state(self.opt, optim_state)
         return os.getpid()
@@ -1059,15 +1078,14 @@ class MegatronAgents:
         # layout had neither
         old = {"make_vocab_size_divisible_by": 1, "distributed_optimizer": False}
         have = {key: meg.get(key, old.get(key)) for key in want}
-        # another tp / pp / dp: the plain optimizer's state moves (by parameter name, through
+        # another tp / pp / dp / optimizer kind: the state moves (by parameter name, through
         # HF names, as the weights); anything else is an error
         moved = have != want
-        if moved and ({key for key in want if have[key] != want[key]} - {"tp", "pp", "dp"}
-                      or want["distributed_optimizer"]):
+        if moved and {key for key in want if have[key] != want[key]} - set(MOVABLE_LAYOUT):
             raise ValueError(f"agent {name!r}: the checkpoint's megatron layout {have} differs "
-                             f"from this run's {want}; optimizer state moves to another tp / "
-                             f"pp / dp only for megatron's plain optimizer: resume with the "
-                             f"checkpoint's layout")
+                             f"from this run's {want}; optimizer state moves to another "
+                             f"{' / '.join(MOVABLE_LAYOUT)} only: resume with the checkpoint's "
+                             f"layout")
         ref = meg.get("ref_hf")          # a checkpoint from before: HF-named weights
         g = self._groups[k]
         written_by = have["tp"] * have["pp"] * have["dp"]     # ranks that wrote the shards
@@ -1089,8 +1107,9 @@ class MegatronAgents:
                 self.out_dir, written_by, name, "optimizer")
             self._shard_dirs[k] = os.path.dirname(optim[0])
             if moved:
-                step, hf_moments = moments_of_shards(optim, have, self._arch(k), name)
-                optim = [ray.put({"step": step, "hf_moments": hf_moments})] * len(g.ranks)
+                step, hf_moments, scalers = moments_of_shards(optim, have, self._arch(k), name)
+                optim = [ray.put({"step": step, "hf_moments": hf_moments,
+                                  "grad_scalers": scalers})] * len(g.ranks)
                 del hf_moments
         elif moved:
             raise ValueError(f"agent {name!r}: the checkpoint's optimizer state (inside the "

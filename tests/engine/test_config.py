@@ -139,18 +139,16 @@ def test_weight_bucket_sizes_are_resumable_and_validated():
     with pytest.raises(ValueError, match=r"parallel.lm_head must be 'fused' or 'logits', got "
                                          r"'full'"):
         cfg.override({"agents.0.parallel.lm_head": "full"})
-    # the layout's tp / pp / dp may change (the trainer moves the optimizer state), the
-    # vocabulary padding may not
+    # the layout's tp / pp / dp and optimizer kind may change (the trainer moves the
+    # optimizer state), the vocabulary padding may not
     assert config_diff(a, fingerprint_dict(cfg.override({"agents.0.parallel.tp": 2,
                                                          "agents.0.parallel.pp": 2,
                                                          "agents.0.parallel.dp": 2}))) == []
     c = fingerprint_dict(cfg.override({"agents.0.parallel.make_vocab_size_divisible_by": 8}))
     assert config_diff(a, c) == ["agents.0.parallel.make_vocab_size_divisible_by"]
-    # the distributed optimizer keeps another optimizer state (per-rank slices): not resumable
     dp2 = cfg.override({"agents.0.parallel.dp": 2})
     assert config_diff(fingerprint_dict(dp2), fingerprint_dict(dp2.override(
-        {"agents.0.parallel.distributed_optimizer": True}))) == [
-            "agents.0.parallel.distributed_optimizer"]
+        {"agents.0.parallel.distributed_optimizer": True}))) == []
     with pytest.raises(ValueError, match=r"parallel.distributed_optimizer must be true or "
                                          r"false, got 2"):
         dp2.override({"agents.0.parallel.distributed_optimizer": 2})

@@ -4,8 +4,9 @@ actors; two pipelines, each training its share of every minibatch), 8 ranks in a
 private Ray cluster the run starts itself (sized to the ranks; gone when the run ends), as a
 user's ``hacpo train`` does. One step's metrics and weights equal the torch trainer's
 (in-process, trainer_backend=local), with activation recomputation on both and megatron's
-distributed optimizer on the DP=2 one; resumed for a second step they equal the torch trainer's
-two.
+distributed optimizer on the DP=2 one; resumed for a second step in other layouts (TP=2 x DP=2
+and DP=4, both with the distributed optimizer: the optimizer state moves from the plain
+optimizer and from the other layout's slices) they equal the torch trainer's two.
 tests/launch/test_megatron_trainer.py covers TP, PP and DP one at a time; tests/megatron the
 same combinations at the policy level.
 """
@@ -59,14 +60,23 @@ def test_tp2pp2_and_pp2dp2_one_step_and_resume_equal_torch_trainer(tmp_path, cap
             assert meg[0][f"time/{stage}/{name}"] > 0, (stage, name)
     before = _initial_weights(tmp_path, AGENTS)
     _check_weights(_weights(tmp_path, "meg"), _weights(tmp_path, "torch"), before, NAMES)
-    # the second step from the checkpoint: fresh ranks read their optimizer shards (the
-    # distributed optimizer's: each DP rank's slice) and equal two uninterrupted torch steps
+    # the second step from the checkpoint, in other layouts of the same 4 ranks: the driver
+    # gathers the optimizer state by parameter name (the PP=2 x DP=2 slices joined) and every
+    # new rank takes its slice; equal to two uninterrupted torch steps
     layouts = {a["name"]: a["megatron"]
                for a in ckpt.load(tmp_path / "meg" / "checkpoint.pt")["agents"]}
     assert [layouts[n]["distributed_optimizer"] for n in NAMES] == [False, True]
     train(megatron_cfg(tmp_path, "torch2", "torch", AGENTS, steps=2), echo=lambda *_: None)
-    train(megatron_cfg(tmp_path, "meg", "megatron", AGENTS, steps=2), resume=True,
-          echo=lambda *_: None)
+    train(megatron_cfg(tmp_path, "meg", "megatron", AGENTS, steps=2).override(
+        {"agents.0.parallel.pp": 1, "agents.0.parallel.dp": 2,
+         "agents.0.parallel.distributed_optimizer": True,
+         "agents.1.parallel.pp": 1, "agents.1.parallel.dp": 4}), resume=True,
+        echo=lambda *_: None)
+    layouts = {a["name"]: a["megatron"]
+               for a in ckpt.load(tmp_path / "meg" / "checkpoint.pt")["agents"]}
+    assert [(layouts[n]["tp"], layouts[n]["pp"], layouts[n]["dp"],
+             layouts[n]["distributed_optimizer"]) for n in NAMES] == [(2, 1, 2, True),
+                                                                      (1, 1, 4, True)]
     meg, ref = _rows(tmp_path, "meg"), _rows(tmp_path, "torch2")
     assert [r["step"] for r in meg] == [0, 1]
     for a, b in zip(meg, ref):

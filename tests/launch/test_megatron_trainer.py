@@ -201,8 +201,10 @@ def test_ranks_write_their_optimizer_shards(tmp, megatron_step1):
             sd = ckpt.load(tmp / "meg" / f)
             assert sd["plain"]["state"], f"{f}: no optimizer state (Adam moments after a step)"
             # every parameter's state by its megatron name (what moves to another layout)
-            assert [len(g) for g in sd["names"][0]] == [
+            assert [len(g) for g in sd["params"][0]] == [
                 len(g["params"]) for g in sd["plain"]["param_groups"]]
+            assert all(e["name"] and e["range"] is None and not e["main"]
+                       for g in sd["params"][0] for e in g)
 
 
 def test_named_shards_are_checked_on_resume(tmp_path):
@@ -227,15 +229,17 @@ def test_named_shards_are_checked_on_resume(tmp_path):
 
 def test_optimizer_state_that_cannot_move_is_clear_error(tmp_path):
     """A resume in another layout reads the ranks' shards by megatron name: the rank order it
-    assumes; shards that name no parameters (the distributed optimizer's slices, fp16 / bf16
-    weights' state, a bare state dict from before the names), a state that is not Adam's,
-    shards at different steps or missing a parameter, and a layout change with the
-    distributed optimizer: each a clear error. Shards without any state (no update ran yet)
-    move as nothing (a fresh optimizer)."""
+    assumes; shards that name no parameters (written before they did: the distributed
+    optimizer's, fp16 / bf16 weights', a bare state dict), a state that is not Adam's, shards
+    at different steps or missing a parameter, main weights for some parameters only, the
+    distributed optimizer's slices that do not cover a parameter once, and a change of the
+    layout other than tp / pp / dp / distributed optimizer: each a clear error. Shards
+    without any state (no update ran yet) move as nothing (a fresh optimizer)."""
     from types import SimpleNamespace
 
     from hacpo.models.megatron import ArchSpec
     from hacpo.models.megatron.convert import moments_to_hf
+    from hacpo.models.megatron.policy import join_slices
     from tests.megatron._workers import tiny_hf
 
     # megatron's order: TP fastest, then DP, then PP (tp=2, dp=2, pp=2)
@@ -264,7 +268,10 @@ def test_optimizer_state_that_cannot_move_is_clear_error(tmp_path):
             ({"decoder.final_layernorm.weight": adam(1), "decoder.layers.0.x": adam(2)},
              r"the optimizer shards are at different steps \[1.0, 2.0\]"),
             ({"decoder.final_layernorm.weight": adam(1)},
-             r"the optimizer shards hold no state for parameter 'embedding.word_embeddings")):
+             r"the optimizer shards hold no state for parameter 'embedding.word_embeddings"),
+            ({"decoder.final_layernorm.weight": adam(1),
+              "decoder.layers.0.x": {**adam(1), "main": torch.zeros(64)}},
+             r"the optimizer shards hold fp32 main weights for some parameters only")):
         with pytest.raises(ValueError, match=msg):
             moments_to_hf([[shard]], arch)
     ckpt.save_atomic({"plain": {"state": {0: adam(1)}, "param_groups": [{"params": [0]}]},
@@ -274,18 +281,40 @@ def test_optimizer_state_that_cannot_move_is_clear_error(tmp_path):
                                          r"state for parameter"):
         megatron_trainer.moments_of_shards([path], old, arch, "a")
     assert moments_to_hf([[{}]], arch) == (0.0, {})
-    # the distributed optimizer's state does not move, even to another dp alone
+
+    # the distributed optimizer's slices of one (tp, pp) shard, one per DP rank
+    def piece(a, b, step=1.0, n=6):
+        return {"step": torch.tensor(step), "exp_avg": torch.arange(a, b, dtype=torch.float32),
+                "exp_avg_sq": torch.ones(b - a), "range": (a, b), "shape": (2, n // 2)}
+
+    whole = join_slices([{"w": piece(3, 6)}, {"w": piece(0, 3)}])["w"]   # any rank order
+    assert torch.equal(whole["exp_avg"], torch.arange(6.0).reshape(2, 3))
+    assert set(whole) == {"step", "exp_avg", "exp_avg_sq"}
+    for parts, msg in (
+            ([{"w": piece(0, 3)}, {"w": piece(4, 6)}],
+             r"the optimizer slices of 'w' cover \[\(0, 3\), \(4, 6\)\] of its 6 elements"),
+            ([{"w": piece(0, 4)}, {"w": piece(3, 6)}], r"cover \[\(0, 4\), \(3, 6\)\]"),
+            ([{"w": piece(0, 3)}], r"cover \[\(0, 3\)\] of its 6 elements"),
+            ([{"w": piece(0, 3)}, {"w": piece(3, 6, step=2.0)}],
+             r"the optimizer slices of 'w' are at different steps"),
+            ([{"w": piece(0, 3)}, {"w": {**piece(3, 6), "main": torch.zeros(3)}}],
+             r"the optimizer slices of 'w' hold different states"),
+            ([{"w": adam(1)}], r"the optimizer state of 'w' is not a slice")):
+        with pytest.raises(ValueError, match=msg):
+            join_slices(parts)
+    # tp / pp / dp and the optimizer kind may change together; the vocabulary padding not
     agents = object.__new__(megatron_trainer.MegatronAgents)
     agents.names = ["a"]
     agents._groups = [SimpleNamespace(torch=False, ranks=[None] * 2,
                                       par=ParallelConfig(dp=2, distributed_optimizer=True))]
-    sd = {"model": {}, "megatron": {"tp": 1, "pp": 1, "dp": 4, "transformer_impl": "local",
-                                    "make_vocab_size_divisible_by": 1,
-                                    "distributed_optimizer": True}}
-    with pytest.raises(ValueError, match=r"agent 'a': the checkpoint's megatron layout .*'dp': 4"
-                                         r".* differs from this run's .*'dp': 2.*; optimizer "
-                                         r"state moves to another tp / pp / dp only for "
-                                         r"megatron's plain optimizer"):
+    sd = {"model": {}, "megatron": {"tp": 2, "pp": 1, "dp": 2, "transformer_impl": "local",
+                                    "make_vocab_size_divisible_by": 128,
+                                    "distributed_optimizer": False}}
+    with pytest.raises(ValueError, match=r"agent 'a': the checkpoint's megatron layout .*'tp': 2"
+                                         r".* differs from this run's .*'tp': 1.*; optimizer "
+                                         r"state moves to another tp / pp / dp / "
+                                         r"distributed_optimizer only: resume with the "
+                                         r"checkpoint's layout"):
         agents.load_state_dict(0, sd)
 
 
@@ -308,15 +337,16 @@ def test_resumed_second_step_equals_torch_two_steps(cluster, tmp, torch_runs, me
     torch trainer's uninterrupted 2 steps (each rank reads its own optimizer shard; the step-1
     shards are deleted once the step-2 checkpoint is written); a copy of the run with one
     rank's shard cut short cannot resume (clear error: the checkpoint records each shard's
-    size); turning the distributed optimizer on cannot resume it. Step 2 runs in another
-    layout (the TP=2 agent at PP=2, the PP=2 one at TP=2: Adam's state moves by parameter name
-    through HF names, as the weights do), with another weight bucket size (one bucket now)
-    and log-prob path: ``parallel.lm_head = "logits"`` (megatron's output layer; step 1 used
-    the fused default), so both paths are checked inside the trainer."""
+    size); another vocabulary padding cannot resume it. Step 2 runs in another layout (the
+    TP=2 agent at PP=2, the PP=2 one at DP=2 with megatron's distributed optimizer: Adam's
+    state moves by parameter name through HF names, as the weights do, and each DP rank takes
+    its slice), with another weight bucket size (one bucket now) and log-prob path:
+    ``parallel.lm_head = "logits"`` (megatron's output layer; step 1 used the fused default),
+    so both paths are checked inside the trainer."""
     with pytest.raises(ValueError, match=r"cannot resume.*agents\.0\.parallel\."
-                                         r"distributed_optimizer"):
+                                         r"make_vocab_size_divisible_by"):
         train(megatron_cfg(tmp, "meg", "megatron", steps=2).override(
-            {"agents.0.parallel.distributed_optimizer": True}), resume=True,
+            {"agents.0.parallel.make_vocab_size_divisible_by": 8}), resume=True,
             echo=lambda *_: None)
     dirs1, named1 = _shard_dirs(tmp, "meg")
     shutil.copytree(tmp / "meg", tmp / "meg-broken")
@@ -335,7 +365,8 @@ def test_resumed_second_step_equals_torch_two_steps(cluster, tmp, torch_runs, me
     summary = train(megatron_cfg(tmp, "meg", "megatron", steps=2).override(
         {"agents.0.parallel.weight_bucket_mb": 1024, "agents.0.parallel.lm_head": "logits",
          "agents.1.parallel.lm_head": "logits", "agents.0.parallel.tp": 1,
-         "agents.0.parallel.pp": 2, "agents.1.parallel.tp": 2, "agents.1.parallel.pp": 1}),
+         "agents.0.parallel.pp": 2, "agents.1.parallel.dp": 2, "agents.1.parallel.pp": 1,
+         "agents.1.parallel.distributed_optimizer": True}),
         resume=True, echo=lambda *_: None)
     free_cpus_back()
     meg, ref = _rows(tmp, "meg"), _rows(tmp, "torch2")

@@ -321,7 +321,9 @@ def parallel_step_worker(rank, world, tp, pp, micro_rows, cases, optimizers, out
 
 def _adam_state_numel(opt) -> int:
     """Elements of the Adam moments (exp_avg, exp_avg_sq) this rank's optimizer holds."""
-    return sum(t.numel() for o in getattr(opt, "chained_optimizers", [opt])
+    from hacpo.models.megatron.policy import chained
+
+    return sum(t.numel() for o in chained(opt)
                for st in o.optimizer.state.values() for k, t in st.items()
                if k in ("exp_avg", "exp_avg_sq"))
 
@@ -356,8 +358,10 @@ def distributed_optimizer_worker(rank, world, tp, out_path, dtype=torch.float32)
     megatron's plain optimizer ("plain"), then with its distributed optimizer ("dist"), whose
     state after the first step (``optimizer_state``, through a file) is loaded into a fresh
     policy + distributed optimizer given the first step's weights, which takes the second step
-    again ("resumed"). Rank 0 saves {"before": weights, "plain" / "dist": [weights after step 1,
-    after step 2], "resumed": weights, "numel": {kind: [(tp_rank, dp_rank, Adam-state elements)
+    again ("resumed"; the plain optimizer's state likewise: "resumed_plain"), each given the
+    step-1 weights in ``dtype`` (as a checkpoint's HF copy holds them). Rank 0 saves {"before":
+    weights, "plain" / "dist": [weights after step 1, after step 2], "resumed",
+    "resumed_plain": weights, "numel": {kind: [(tp_rank, dp_rank, Adam-state elements)
     of every rank]}, "errors": [the ValueErrors of loading a plain state, and a dist state with
     a cut slice, into the fresh distributed optimizer]}."""
     import torch.distributed as dist
@@ -384,12 +388,27 @@ def distributed_optimizer_worker(rank, world, tp, out_path, dtype=torch.float32)
         dist.all_gather_object(everyone, (pol.par.tp_rank, r, _adam_state_numel(opt)))
         res["numel"][kind] = everyone
         ps.destroy_model_parallel()
-    pol = _policy_dtype(tp, dtype)
-    p = pol.par
-    state = hf_to_megatron(res["dist"][0], pol.arch, tp=p.tp, tp_rank=p.tp_rank, pp=p.pp,
-                           pp_rank=p.pp_rank)
-    with torch.no_grad():
-        load_megatron_state(pol.module, state)
+
+    def resumed_policy():
+        """A fresh policy with the step-1 weights as a checkpoint's HF copy holds them: in the
+        policy's dtype (megatron's fp32 norm weights too; the optimizer state restores them)."""
+        pol = _policy_dtype(tp, dtype)
+        p = pol.par
+        state = hf_to_megatron({k: v.to(dtype) for k, v in res["dist"][0].items()}, pol.arch,
+                               tp=p.tp, tp_rank=p.tp_rank, pp=p.pp, pp_rank=p.pp_rank)
+        with torch.no_grad():
+            load_megatron_state(pol.module, state)
+        return pol, p
+
+    pol, p = resumed_policy()                          # the plain optimizer, resumed
+    opt = pol.build_optimizer(lr=0.05, optimizer="adam")
+    pol.load_optimizer_state(opt, saved["plain"])
+    mbs = step_microbatches(pol.arch.vocab_size, p.dp_rank * B // p.dp,
+                            (p.dp_rank + 1) * B // p.dp, 1)
+    pol.train_step(opt, mbs, sgd_loss)
+    res["resumed_plain"] = _copy(pol.hf_state_dict())
+    ps.destroy_model_parallel()
+    pol, p = resumed_policy()
     opt = pol.build_optimizer(lr=0.05, optimizer="adam", use_distributed_optimizer=True)
     res["errors"] = []
     cut = _through_file(saved["dist"])
@@ -411,24 +430,33 @@ def distributed_optimizer_worker(rank, world, tp, out_path, dtype=torch.float32)
         torch.save(res, out_path)
 
 
-def reshard_worker(rank, world, tp, pp, in_path, out_path):
-    """Adam (lr 0.05) on a tied Llama at TP=tp, PP=pp (DP = the rest), micro-batches of 1 row
-    (no qkv biases: the key bias's true gradient is 0, and Adam normalizes its rounding noise,
-    which differs between layouts, to updates of up to lr).
+def reshard_worker(rank, world, tp, pp, in_path, out_path, distributed=False,
+                   dtype=torch.float32):
+    """Adam (lr 0.05) on a tied Llama with weights of ``dtype`` at TP=tp, PP=pp (DP = the
+    rest), megatron's distributed optimizer if ``distributed``, micro-batches of 1 row (no qkv
+    biases: the key bias's true gradient is 0, and Adam normalizes its rounding noise, which
+    differs between layouts, to updates of up to lr).
     Without ``in_path``: two ``train_step``; rank 0 saves {"w1", "w2": weights after each
     step, "shards": every rank's ((pp_rank, tp_rank, dp_rank), ``optimizer_state`` after
     step 1, through a file)}. With ``in_path`` ({"w1", "step", "hf": ``moments_to_hf`` of
-    another layout's step-1 shards}): load w1, set the optimizer from the moments moved to this
-    layout (``moments_from_hf`` + ``load_named_moments``), take step 2; rank 0 saves {"w2"}."""
+    another layout's step-1 shards, "scalers": the loss scalers' states}): load w1 (in
+    ``dtype``, as a checkpoint's HF copy holds it), set the optimizer from the moments moved to
+    this layout (``moments_from_hf`` + ``load_named_moments``), take step 2; rank 0 saves
+    {"w2", "set": the parameters set}. Either way rank 0 also saves "scalers" (the loss
+    scalers' states before step 2) and, for fp16 / bf16 weights at TP=PP=1, "main2": the
+    full-precision weights after step 2 by megatron name (the DP ranks' slices joined)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from hacpo.models.megatron import hf_to_megatron, load_megatron_state
+    from hacpo.models.megatron import (MegatronPolicy, hf_to_megatron, init_parallel,
+                                       load_megatron_state)
     from hacpo.models.megatron.convert import moments_from_hf
+    from hacpo.models.megatron.policy import chained, join_slices, named_moments
 
-    _, pol = _policy(("llama", True), tp, pp)
+    par = init_parallel(tp, pp, None)
+    pol = MegatronPolicy.from_hf(case_model(("llama", True)).to(dtype), par, params_dtype=dtype)
     p = pol.par
-    opt = pol.build_optimizer(lr=0.05, optimizer="adam")
+    opt = pol.build_optimizer(lr=0.05, optimizer="adam", use_distributed_optimizer=distributed)
     mbs = step_microbatches(pol.arch.vocab_size, p.dp_rank * B // p.dp,
                             (p.dp_rank + 1) * B // p.dp, 1)
     res = {}
@@ -441,14 +469,22 @@ def reshard_worker(rank, world, tp, pp, in_path, out_path):
         res["shards"] = every
     else:
         got = torch.load(in_path)
-        with torch.no_grad():
+        w1 = {k: v.to(dtype) for k, v in got["w1"].items()}   # as a checkpoint's HF copy: the
+        with torch.no_grad():                                  # norms' fp32 weights rounded too
             load_megatron_state(pol.module, hf_to_megatron(
-                got["w1"], pol.arch, tp=p.tp, tp_rank=p.tp_rank, pp=p.pp, pp_rank=p.pp_rank))
+                w1, pol.arch, tp=p.tp, tp_rank=p.tp_rank, pp=p.pp, pp_rank=p.pp_rank))
         res["set"] = pol.load_named_moments(opt, moments_from_hf(
             got["step"], got["hf"], pol.arch, tp=p.tp, tp_rank=p.tp_rank, pp=p.pp,
-            pp_rank=p.pp_rank))
+            pp_rank=p.pp_rank), grad_scalers=got.get("scalers"))
+    res["scalers"] = [o.grad_scaler.state_dict() if getattr(o, "grad_scaler", None) else None
+                      for o in chained(opt)]
     pol.train_step(opt, mbs, sgd_loss)
     res["w2"] = _copy(pol.hf_state_dict())
+    if dtype != torch.float32 and tp == pp == 1:
+        every = [None] * world
+        dist.all_gather_object(every, _through_file(named_moments(pol.optimizer_state(opt))))
+        whole = join_slices(every) if distributed else every[0]
+        res["main2"] = {name: st["main"] for name, st in whole.items()}
     ps.destroy_model_parallel()
     if rank == 0:
         torch.save(res, out_path)

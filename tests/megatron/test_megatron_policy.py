@@ -7,6 +7,7 @@ Pipeline parallelism runs megatron-core's own 1F1B schedule (``get_forward_backw
 not a hand-written send/recv.
 """
 import logging
+import math
 
 import pytest
 import torch
@@ -127,6 +128,10 @@ def test_distributed_optimizer_equals_plain_and_resumes(tmp_path, tp, world, dty
     assert res["resumed"]["model.embed_tokens.weight"].dtype == dtype
     for k in before:
         torch.testing.assert_close(res["resumed"][k], dist_[1][k], atol=1e-6, rtol=0, msg=k)
+        # the plain optimizer's state likewise (with bf16 weights: megatron's fp32 norm
+        # weights come back from it, not from the rounded HF copy)
+        torch.testing.assert_close(res["resumed_plain"][k], plain[1][k], atol=1e-6, rtol=0,
+                                   msg=k)
     numel = res["numel"]
     for tp_rank in range(tp):
         full = {n for t, _, n in numel["plain"] if t == tp_rank}
@@ -141,43 +146,138 @@ def test_distributed_optimizer_equals_plain_and_resumes(tmp_path, tp, world, dty
         res["errors"][1].endswith("written with another layout"), res["errors"][1]
 
 
+def _moved(res: dict, arch, path, distributed: bool = False) -> float:
+    """The step-1 optimizer shards of a :func:`W.reshard_worker` run read by name
+    (``named_moments``; the distributed optimizer's DP slices joined, ``join_slices``),
+    gathered to HF names (``moments_to_hf``) and written to ``path`` with the step-1 weights
+    for another layout's workers, as a resume in another layout does. Returns the step."""
+    from hacpo.models.megatron.convert import moments_to_hf
+    from hacpo.models.megatron.policy import grad_scaler_states, join_slices, named_moments
+
+    pp = 1 + max(pp_rank for (pp_rank, _, _), _ in res["shards"])
+    tp = 1 + max(tp_rank for (_, tp_rank, _), _ in res["shards"])
+    parts = [[[] for _ in range(tp)] for _ in range(pp)]
+    for (pp_rank, tp_rank, dp_rank), state in res["shards"]:
+        assert len(state["params"]) == 1 and all(
+            e["name"] for g in state["params"][0] for e in g)
+        if distributed or dp_rank == 0:
+            parts[pp_rank][tp_rank].append(named_moments(state))
+    shards = [[join_slices(p) if distributed else p[0] for p in row] for row in parts]
+    step, hf = moments_to_hf(shards, arch)
+    assert step == 1.0 and hf["exp_avg"].keys() == res["w1"].keys()
+    assert max(v.abs().max().item() for v in hf["exp_avg_sq"].values()) > 0
+    torch.save({"w1": res["w1"], "step": step, "hf": hf,
+                "scalers": grad_scaler_states(res["shards"][0][1])}, path)
+    return step
+
+
+def _step1_moved_weights(res: dict) -> float:
+    return max((res["w2"][k] - res["w1"][k]).abs().max().item() for k in res["w1"])
+
+
 @pytest.mark.multiprocess
 def test_optimizer_state_moves_to_another_layout(tmp_path):
     """Adam's state written by the ranks of one layout (TP=2, every rank's
     ``optimizer_state`` with its parameter names) read by name (``named_moments``), gathered to
     HF names (``moments_to_hf``: the moments move as the weights do) and cut for another layout
-    (TP=1 x PP=2 ... and DP=2) continues the run: step 2 there equals step 2 in the first
-    layout. What a resume with another tp / pp / dp does."""
+    (TP=1 x PP=2, DP=2, and DP=2 with the distributed optimizer, each DP rank taking its slice)
+    continues the run: step 2 there equals step 2 in the first layout. What a resume with
+    another tp / pp / dp does."""
     from hacpo.models.megatron import ArchSpec
-    from hacpo.models.megatron.convert import moments_to_hf
-    from hacpo.models.megatron.policy import named_moments
 
     a = tmp_path / "a.pt"
     spawn(W.reshard_worker, 2, 2, 1, None, str(a))
     res = torch.load(a)
     arch = ArchSpec.from_hf(W.case_model(("llama", True)).config)
-    shards = [[None] * 2]
-    for (pp_rank, tp_rank, dp_rank), state in res["shards"]:
-        assert state["names"] is not None
-        shards[pp_rank][tp_rank] = named_moments(state)
-    step, hf = moments_to_hf(shards, arch)
-    assert step == 1.0 and hf["exp_avg"].keys() == res["w1"].keys()
-    assert max(v.abs().max().item() for v in hf["exp_avg_sq"].values()) > 0
     moved = tmp_path / "moved.pt"
-    torch.save({"w1": res["w1"], "step": step, "hf": hf}, moved)
-    for tp, pp, world in ((1, 2, 2), (1, 1, 2)):           # PP=2; DP=2
-        b = tmp_path / f"b-{tp}-{pp}-{world}.pt"
-        spawn(W.reshard_worker, world, tp, pp, str(moved), str(b))
+    _moved(res, arch, moved)
+    assert _step1_moved_weights(res) > 1e-2                  # step 2 moved the weights
+    for tp, pp, world, distributed in ((1, 2, 2, False), (1, 1, 2, False), (1, 1, 2, True)):
+        b = tmp_path / f"b-{tp}-{pp}-{world}-{distributed}.pt"
+        spawn(W.reshard_worker, world, tp, pp, str(moved), str(b), distributed)
         got = torch.load(b)
         assert got["set"] > 0
-        step1 = max((res["w2"][k] - res["w1"][k]).abs().max().item() for k in res["w1"])
-        assert step1 > 1e-2                                  # step 2 moved the weights
         for k in res["w2"]:
             # the same update from the same state in another layout: TP=1's gradients differ
             # from TP=2's by rounding (~1e-7), which Adam at lr 0.05 carries into the weights
             # (seen: <= 3.4e-6); a step from a fresh state differs by ~1e-2
             torch.testing.assert_close(got["w2"][k], res["w2"][k], atol=2e-5, rtol=0,
-                                       msg=f"tp{tp} pp{pp} dp{world // (tp * pp)} {k}")
+                                       msg=f"tp{tp} pp{pp} dp{world // (tp * pp)} "
+                                           f"distributed={distributed} {k}")
+
+
+@pytest.mark.multiprocess
+def test_distributed_and_bf16_state_moves_to_another_layout(tmp_path):
+    """The distributed optimizer's state (each DP rank's slices, joined by ``join_slices``)
+    and bf16 weights' state (Adam's moments plus the fp32 main weights, the only
+    full-precision copy) move to another layout like the plain fp32 state: the distributed
+    optimizer's TP=2 x DP=2 slices continue at PP=2 with the plain optimizer (step 2 equal to
+    the first layout's within rounding); bf16 at DP=2 with the distributed optimizer continues
+    with the plain optimizer at DP=1 (megatron's Float16Optimizer) and with the distributed
+    one at DP=3 (slices cut anew, of unequal sizes): the fp32 main weights after step 2 equal
+    the first layout's (without the moved main weights they would be off by bf16 rounding,
+    ~1e-3), and the bf16 weights are theirs rounded. fp16 likewise (plain at DP=1 to the
+    distributed optimizer at DP=2), with the dynamic loss scaler's state."""
+    from hacpo.models.megatron import ArchSpec, hf_to_megatron
+    from hacpo.models.megatron.policy import grad_scaler_states
+
+    arch = ArchSpec.from_hf(W.case_model(("llama", True)).config)
+    a = tmp_path / "a.pt"
+    spawn(W.reshard_worker, 4, 2, 1, None, str(a), True)
+    res = torch.load(a)
+    # each rank holds slices: ranges within its parameters, not whole ones
+    entries = [e for _, st in res["shards"] for g in st["params"][0] for e in g]
+    assert all(e["range"] is not None for e in entries)
+    assert any(e["range"][1] - e["range"][0] < math.prod(e["shape"]) for e in entries)
+    moved = tmp_path / "moved.pt"
+    _moved(res, arch, moved, distributed=True)
+    assert _step1_moved_weights(res) > 1e-2
+    b = tmp_path / "b.pt"
+    spawn(W.reshard_worker, 2, 1, 2, str(moved), str(b))
+    got = torch.load(b)
+    assert got["set"] > 0
+    for k in res["w2"]:
+        torch.testing.assert_close(got["w2"][k], res["w2"][k], atol=2e-5, rtol=0, msg=k)
+
+    a = tmp_path / "a16.pt"
+    spawn(W.reshard_worker, 2, 1, 1, None, str(a), True, torch.bfloat16)
+    res = torch.load(a)
+    assert res["w1"]["model.embed_tokens.weight"].dtype == torch.bfloat16
+    # megatron steps the bf16 weights through fp32 main copies, its fp32 norm weights directly
+    mains = [e["main"] for _, st in res["shards"] for g in st["params"][0] for e in g]
+    assert any(mains) and not all(mains)
+    _moved(res, arch, moved, distributed=True)
+    main1 = torch.load(moved)["hf"]["main"]
+    # the main weights are not the bf16 weights: they hold what bf16 rounds away
+    assert max((main1[k] - res["w1"][k].float()).abs().max().item() for k in main1) > 1e-4
+    for world, distributed in ((1, False), (3, True)):
+        b = tmp_path / f"b16-{world}-{distributed}.pt"
+        spawn(W.reshard_worker, world, 1, 1, str(moved), str(b), distributed, torch.bfloat16)
+        got = torch.load(b)
+        assert got["set"] > 0 and got["main2"].keys() == res["main2"].keys()
+        for k in res["main2"]:
+            # the same fp32 update; gradients summed in another order (rounding ~1e-7 of them)
+            torch.testing.assert_close(got["main2"][k], res["main2"][k], atol=1e-6, rtol=0,
+                                       msg=f"dp{world} distributed={distributed} {k}")
+        # the bf16 weights are the main weights rounded, the fp32 ones the main weights
+        w2 = hf_to_megatron(got["w2"], arch)
+        assert w2.keys() == got["main2"].keys()
+        assert {w.dtype for w in w2.values()} == {torch.bfloat16, torch.float32}
+        for k, w in w2.items():
+            assert torch.equal(w, got["main2"][k].to(w.dtype)), k
+
+    a = tmp_path / "a-fp16.pt"
+    spawn(W.reshard_worker, 1, 1, 1, None, str(a), False, torch.float16)
+    res = torch.load(a)
+    _moved(res, arch, moved)
+    b = tmp_path / "b-fp16.pt"
+    spawn(W.reshard_worker, 2, 1, 1, str(moved), str(b), True, torch.float16)
+    got = torch.load(b)
+    # the loss scaler's state after step 1 (a fresh one has counted no step: tracker 0)
+    assert got["scalers"][0]["growth_tracker"] == 1
+    assert got["scalers"] == grad_scaler_states(res["shards"][0][1])
+    for k in res["main2"]:
+        torch.testing.assert_close(got["main2"][k], res["main2"][k], atol=1e-6, rtol=0, msg=k)
 
 
 def test_bad_scoring_requests_are_clear_errors(tmp_path):

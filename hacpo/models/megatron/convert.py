@@ -260,31 +260,38 @@ def megatron_to_hf(shards: Sequence[Sequence[Mapping[str, Tensor]]], arch: ArchS
 
 # -- optimizer state across layouts ---------------------------------------------------------------
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+MAIN_WEIGHTS = "main"      # the fp32 main weights of fp16 / bf16 weights, moved as a moment
 
 
 def moments_to_hf(shards: Sequence[Sequence[Mapping[str, Mapping[str, Tensor]]]], arch: ArchSpec,
                   *, transformer_impl: str = "local") -> tuple[float, dict[str, dict[str, Tensor]]]:
     """Adam's per-parameter state of every (pp_rank, tp_rank) shard of one layout
-    (``shards[pp_rank][tp_rank]``: ``{megatron name: {"step", "exp_avg", "exp_avg_sq"}}``, as
-    :func:`hacpo.models.megatron.policy.named_moments` reads a shard) -> (step, {moment: full
-    HF-named tensors}). The moments have their parameters' shapes and are elementwise, so they
-    move between layouts exactly as the weights do (:func:`megatron_to_hf`; padded vocabulary
-    rows dropped). Every parameter must have Adam's state, all at one step; shards without any
-    state (no update has run yet) give (0.0, {})."""
+    (``shards[pp_rank][tp_rank]``: ``{megatron name: {"step", "exp_avg", "exp_avg_sq"[,
+    "main"]}}``, as :func:`hacpo.models.megatron.policy.named_moments` reads a shard, whole
+    parameters) -> (step, {moment: full HF-named tensors}). The moments (and the fp32 main
+    weights of fp16 / bf16 weights, "main") have their parameters' shapes and are elementwise,
+    so they move between layouts exactly as the weights do (:func:`megatron_to_hf`; padded
+    vocabulary rows dropped). Every parameter must have Adam's state (with main weights for
+    all or none), all at one step; shards without any state (no update has run yet) give
+    (0.0, {})."""
     if not any(shard for row in shards for shard in row):
         return 0.0, {}
-    steps = set()
+    steps, kinds = set(), set()
     for row in shards:
         for shard in row:
             for name, st in shard.items():
-                if set(st) != {"step", *ADAM_MOMENTS}:
+                keys = set(st) - {"step", MAIN_WEIGHTS}
+                if keys != set(ADAM_MOMENTS) or "step" not in st:
                     raise ValueError(f"optimizer state of {name!r} has {sorted(st)}, not Adam's "
                                      f"step / exp_avg / exp_avg_sq")
                 steps.add(float(st["step"]))
+                kinds.add(MAIN_WEIGHTS in st)
     if len(steps) != 1:
         raise ValueError(f"the optimizer shards are at different steps {sorted(steps)}")
+    if len(kinds) != 1:
+        raise ValueError("the optimizer shards hold fp32 main weights for some parameters only")
     hf = {}
-    for key in ADAM_MOMENTS:
+    for key in ADAM_MOMENTS + ((MAIN_WEIGHTS,) if kinds.pop() else ()):
         try:
             hf[key] = megatron_to_hf([[{n: st[key] for n, st in shard.items()} for shard in row]
                                       for row in shards], arch,
@@ -298,11 +305,12 @@ def moments_from_hf(step: float, hf: Mapping[str, Mapping[str, Tensor]], arch: A
                     tp: int = 1, tp_rank: int = 0, pp: int = 1, pp_rank: int = 0,
                     transformer_impl: str = "local") -> dict[str, dict[str, Tensor]]:
     """:func:`moments_to_hf`'s result -> shard (tp_rank, pp_rank)'s per-parameter Adam state
-    ``{megatron name: {"step", "exp_avg", "exp_avg_sq"}}`` (padded vocabulary rows: zeros)."""
+    ``{megatron name: {"step", "exp_avg", "exp_avg_sq"[, "main"]}}`` (padded vocabulary rows:
+    zeros)."""
     per = {key: hf_to_megatron(hf[key], arch, tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank,
-                               transformer_impl=transformer_impl) for key in ADAM_MOMENTS}
+                               transformer_impl=transformer_impl) for key in hf}
     return {name: {"step": torch.tensor(step, dtype=torch.float32),
-                   **{key: per[key][name] for key in ADAM_MOMENTS}}
+                   **{key: per[key][name] for key in per}}
             for name in per[ADAM_MOMENTS[0]]}
 
 

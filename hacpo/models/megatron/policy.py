@@ -41,6 +41,7 @@ depend on how the batch is split.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -467,43 +468,97 @@ class MegatronPolicy:
         return get_megatron_optimizer(opt_cfg, [self.model])
 
     def optimizer_state(self, optimizer) -> dict:
-        """This rank's optimizer state (a checkpoint shard for :meth:`load_optimizer_state`).
+        """This rank's optimizer state (a checkpoint shard for :meth:`load_optimizer_state`),
+        with ``"params"``: what each parameter the torch optimizer steps is
+        (:meth:`param_entries`), so that :func:`named_moments` can read the state by parameter
+        name and a resume can move it to another layout.
 
-        ``{"plain": megatron's state_dict(), "names": ...}``: with fp32 weights (megatron's
-        ``FP32Optimizer``: the torch optimizer steps the weights themselves) ``names`` lists
-        the megatron name of every parameter in the torch optimizer's order (per chained
-        optimizer, per group), so :func:`named_moments` can read the state by name and a
-        resume can move it to another layout; None otherwise. For the distributed optimizer,
-        whose ``state_dict()`` holds no parameter state (megatron saves that through a
-        separate call that gathers it on DP rank 0): ``{"distributed": ...}``, per optimizer of
-        the chain the torch optimizer's state over this rank's parameter slices (Adam moments,
-        step) and those slices' fp32 main weights (views of the weights for fp32 weights; the
-        only full-precision copy for fp16 / bf16)."""
+        The plain optimizer: ``{"plain": megatron's state_dict(), "params": ...,
+        "fp32_params": ...}``; for fp16 / bf16 weights (megatron's Float16Optimizer), whose
+        state_dict holds the fp32 main weights of the 16-bit parameters, "fp32_params" holds
+        the parameters that are fp32 themselves (megatron keeps e.g. the norms' weights in
+        fp32), per chained optimizer, per group, in order (None per FP32Optimizer): the
+        checkpoint's HF weights hold them in the policy's dtype only. The distributed
+        optimizer, whose ``state_dict()`` holds no parameter state (megatron saves
+        that through a separate call that gathers it on DP rank 0): ``{"distributed": ...,
+        "params": ...}``, per optimizer of the chain the torch optimizer's state over this
+        rank's parameter slices (Adam moments, step), those slices' fp32 main weights (views of
+        the weights for fp32 weights; the only full-precision copy for fp16 / bf16) and, for
+        fp16, the loss scaler's state."""
+        entries = self.param_entries(optimizer)
         opts = _distributed(optimizer)
         if opts is None:
-            return {"plain": optimizer.state_dict(), "names": self._optimizer_names(optimizer)}
+            return {"plain": optimizer.state_dict(), "params": entries,
+                    "fp32_params": self._fp32_params(optimizer, entries)}
         return {"distributed": [{"optimizer": o.optimizer.state_dict(),
                                  "main_params": [[p.detach().clone() for p in g["params"]]
-                                                 for g in o.optimizer.param_groups]}
-                                for o in opts]}
+                                                 for g in o.optimizer.param_groups],
+                                 **({"grad_scaler": o.grad_scaler.state_dict()}
+                                    if getattr(o, "grad_scaler", None) else {})}
+                                for o in opts], "params": entries}
 
-    def _optimizer_names(self, optimizer) -> list | None:
-        """[[[megatron name of each parameter] per group] per chained optimizer], if every
-        chained optimizer steps the model's parameters themselves (fp32); else None."""
-        from megatron.core.optimizer.optimizer import FP32Optimizer
+    @staticmethod
+    def _fp32_params(optimizer, entries: list | None) -> list | None:
+        """Copies of the parameters a Float16Optimizer steps themselves (not through an fp32
+        main copy), per chained optimizer (None for others), per group, in order."""
+        from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
-        opts = list(getattr(optimizer, "chained_optimizers", [optimizer]))
-        if not all(isinstance(o, FP32Optimizer) for o in opts):
+        if entries is None:
             return None
+        return [[[p.detach().clone() for p, e in zip(g["params"], ents) if not e["main"]]
+                 for g, ents in zip(o.optimizer.param_groups, groups)]
+                if isinstance(o, Float16OptimizerWithFloat16Params) else None
+                for o, groups in zip(chained(optimizer), entries)]
+
+    def param_entries(self, optimizer) -> list | None:
+        """What each parameter the torch optimizer steps is, per chained optimizer, per group,
+        in ``param_groups`` order: ``{"name": the megatron name of its model parameter,
+        "shape": that parameter's shape, "range": [start, end) of the parameter's flattened
+        elements it holds (the distributed optimizer's slice of this DP rank) or None (all of
+        them), "main": whether it is a separate fp32 copy of fp16 / bf16 weights}``. None for
+        an optimizer other than megatron's FP32Optimizer, Float16OptimizerWithFloat16Params or
+        DistributedOptimizer."""
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+        from megatron.core.optimizer.optimizer import (Float16OptimizerWithFloat16Params,
+                                                       FP32Optimizer)
+
         name_of = {id(p): k for k, p in self.module.named_parameters()}
-        return [[[name_of[id(p)] for p in g["params"]] for g in o.optimizer.param_groups]
-                for o in opts]
+
+        def entry(model_param, rng=None, main=False) -> dict:
+            return {"name": name_of[id(model_param)], "shape": list(model_param.shape),
+                    "range": rng, "main": main}
+
+        out = []
+        for o in chained(optimizer):
+            groups = o.optimizer.param_groups
+            if isinstance(o, DistributedOptimizer):
+                entries = [[None] * len(g["params"]) for g in groups]
+                for prm, (gi, go) in o.model_param_group_index_map.items():
+                    r = o._get_model_param_range_map(prm)["param"]
+                    entries[gi][go] = entry(prm, [r.start, r.end],
+                                            prm.dtype in (torch.float16, torch.bfloat16))
+                if any(e is None for g in entries for e in g):
+                    raise RuntimeError("megatron's distributed optimizer steps a parameter its "
+                                       "model_param_group_index_map does not name")
+            elif isinstance(o, Float16OptimizerWithFloat16Params):
+                model_of = {id(main): prm for g16, g32 in zip(o.float16_groups,
+                                                              o.fp32_from_float16_groups)
+                            for prm, main in zip(g16, g32)}
+                entries = [[entry(model_of[id(p)], main=True) if id(p) in model_of else entry(p)
+                            for p in g["params"]] for g in groups]
+            elif isinstance(o, FP32Optimizer):
+                entries = [[entry(p) for p in g["params"]] for g in groups]
+            else:
+                return None
+            out.append(entries)
+        return out
 
     def load_optimizer_state(self, optimizer, state: dict) -> None:
         """Load what :meth:`optimizer_state` returned (into an optimizer of the same layout,
         after the weights; a bare megatron state dict, as checkpoints before the names held,
         too). A state of the other kind, or slices of other shapes (another layout), is a
-        clear error."""
+        clear error: another layout's state moves through :func:`named_moments` and
+        :meth:`load_named_moments`."""
         opts = _distributed(optimizer)
         if (opts is not None) != ("distributed" in state):
             raise ValueError("the optimizer state was written " +
@@ -512,6 +567,20 @@ class MegatronPolicy:
                              ("is" if opts is not None else "is not"))
         if opts is None:
             optimizer.load_state_dict(state["plain"] if "plain" in state else state)
+            if state.get("fp32_params"):           # fp32 parameters of a 16-bit model
+                entries = self.param_entries(optimizer)
+                for o, groups, saved in zip(chained(optimizer), entries, state["fp32_params"]):
+                    if saved is None:
+                        continue
+                    with torch.no_grad():
+                        for g, ents, got in zip(o.optimizer.param_groups, groups, saved):
+                            own = [p for p, e in zip(g["params"], ents) if not e["main"]]
+                            if [tuple(p.shape) for p in own] != [tuple(t.shape) for t in got]:
+                                raise ValueError("the optimizer state's fp32 parameters do not "
+                                                 "match this optimizer's: written with "
+                                                 "another layout")
+                            for p, t in zip(own, got):
+                                p.copy_(t)
             return
         saved = state["distributed"]
         if len(saved) != len(opts):
@@ -529,32 +598,63 @@ class MegatronPolicy:
             with torch.no_grad():
                 for p, t in zip(mains, got):
                     p.copy_(t)
+            if getattr(o, "grad_scaler", None) and "grad_scaler" in s:
+                o.grad_scaler.load_state_dict(s["grad_scaler"])
+        _weights_from_slices(opts)
 
-    def load_named_moments(self, optimizer, moments: dict[str, dict[str, torch.Tensor]]
-                           ) -> int:
-        """Set the state of a plain fp32 optimizer from per-parameter states by megatron name
+    def load_named_moments(self, optimizer, moments: dict[str, dict[str, torch.Tensor]],
+                           grad_scalers: Sequence[dict | None] | None = None) -> int:
+        """Set the optimizer's state from whole-parameter states by megatron name
         (:func:`named_moments` of another layout's shards, moved to this rank's shards:
-        ``{name: {"step", "exp_avg", "exp_avg_sq"}}``). Every parameter must have one, of its
-        shape. Returns the number of parameters set."""
-        names = self._optimizer_names(optimizer)
-        if names is None or _distributed(optimizer) is not None:
-            raise ValueError("optimizer state can be moved to another layout only for "
-                             "megatron's plain optimizer over fp32 weights")
+        ``{name: {"step", "exp_avg", "exp_avg_sq"[, "main"]}}``, "main": the full-precision
+        weights of a model with fp16 / bf16 weights, copied into the fp32 main weights or, for
+        its fp32 parameters, the parameters), for any of megatron's plain or distributed
+        optimizers (each DP rank of the distributed one takes its slice). Every parameter must
+        have a state of its shape, and fp16 / bf16 weights their main weights.
+        ``grad_scalers``: per chained optimizer, the loss scaler's state (fp16) to load. Returns
+        the number of parameters set."""
+        entries = self.param_entries(optimizer)
+        if entries is None:
+            raise ValueError("optimizer state moves to another layout only for megatron's "
+                             "FP32Optimizer, Float16OptimizerWithFloat16Params and "
+                             "DistributedOptimizer")
+        opts = chained(optimizer)
         n = 0
-        for o, groups in zip(getattr(optimizer, "chained_optimizers", [optimizer]), names):
-            for g, group_names in zip(o.optimizer.param_groups, groups):
-                for prm, name in zip(g["params"], group_names):
+        for o, groups in zip(opts, entries):
+            for g, group_entries in zip(o.optimizer.param_groups, groups):
+                for prm, e in zip(g["params"], group_entries):
+                    name, rng = e["name"], e["range"]
                     st = moments.get(name)
                     if st is None:
                         raise ValueError(f"no optimizer state for parameter {name!r}")
-                    if tuple(st["exp_avg"].shape) != tuple(prm.shape):
+                    if tuple(st["exp_avg"].shape) != tuple(e["shape"]):
                         raise ValueError(f"optimizer state of {name!r} has shape "
                                          f"{tuple(st['exp_avg'].shape)}, the parameter "
-                                         f"{tuple(prm.shape)}")
+                                         f"{tuple(e['shape'])}")
+                    if e["main"] and "main" not in st:
+                        raise ValueError(f"the optimizer state of {name!r} holds no fp32 main "
+                                         f"weights, which its fp16 / bf16 weights need")
+
+                    def cut(t: torch.Tensor, rng=rng) -> torch.Tensor:
+                        return t.reshape(-1)[rng[0]:rng[1]] if rng is not None else t
+
                     o.optimizer.state[prm] = {
-                        k: (v.detach().clone().to(prm.device) if k != "step" else
-                            v.detach().clone()) for k, v in st.items()}
+                        k: (v.detach().clone() if k == "step" else
+                            cut(v).detach().clone().to(prm.device))
+                        for k, v in st.items() if k != "main"}
+                    if "main" in st:         # the main copy, or an fp32 parameter itself
+                        with torch.no_grad():
+                            prm.copy_(cut(st["main"]).reshape(prm.shape))
                     n += 1
+        if _distributed(optimizer) is not None:
+            _weights_from_slices(opts)
+        if grad_scalers is not None:
+            if len(grad_scalers) != len(opts):
+                raise ValueError(f"{len(grad_scalers)} loss scaler states for {len(opts)} "
+                                 f"chained optimizers")
+            for o, sc in zip(opts, grad_scalers):
+                if getattr(o, "grad_scaler", None) and sc is not None:
+                    o.grad_scaler.load_state_dict(sc)
         return n
 
     def train_step(self, optimizer, microbatches: Sequence[dict], loss_fn: LossFn, *,
@@ -580,35 +680,155 @@ class MegatronPolicy:
         return out
 
 
+def chained(optimizer) -> list:
+    """The optimizers a megatron optimizer chains (``[optimizer]`` if it chains none)."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
 def _distributed(optimizer) -> list | None:
     """The optimizers chained in ``optimizer`` if they are megatron's distributed optimizers,
     None if none is (a mix is an error)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    opts = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    opts = chained(optimizer)
     kinds = {isinstance(o, DistributedOptimizer) for o in opts}
     if len(kinds) > 1:
         raise ValueError("a chain of distributed and other megatron optimizers is not supported")
     return opts if kinds == {True} else None
 
 
+def _weights_from_slices(opts: list) -> None:
+    """After the distributed optimizers' slices were set: every DP rank's slices of the main
+    weights into its weights, then all-gathered over DP (as after a step), so every rank holds
+    them whole (the fp32 parameters of a 16-bit model are known in full precision only to the
+    rank that steps each slice). A collective over DP."""
+    for o in opts:
+        o._copy_main_params_to_model_params()
+    for chunk in {id(c): c for o in opts for c in o.model_chunks}.values():
+        chunk.start_param_sync(force_sync=True)
+
+
+def _shard_entries(state: dict) -> list | None:
+    """A shard's parameter entries (``MegatronPolicy.param_entries``); shards written before
+    them name fp32 whole parameters only (``"names"``); None where a shard names none."""
+    if state.get("params") is not None:
+        return state["params"]
+    if state.get("names") is not None:
+        return [[[{"name": n, "range": None, "main": False} for n in g] for g in o]
+                for o in state["names"]]
+    return None
+
+
 def named_moments(state: dict) -> dict[str, dict[str, torch.Tensor]] | None:
-    """A plain optimizer shard of :meth:`MegatronPolicy.optimizer_state` -> its per-parameter
-    states by megatron name (``{name: {"step", "exp_avg", "exp_avg_sq", ...}}``); None for a
-    shard without names (the distributed optimizer, fp16 / bf16 weights, or a checkpoint from
-    before the names)."""
-    if "plain" not in state or state.get("names") is None:
+    """An optimizer shard of :meth:`MegatronPolicy.optimizer_state` -> its per-parameter states
+    by megatron name: ``{name: {"step", "exp_avg", "exp_avg_sq", ...}}`` plus ``"main"`` (the
+    full-precision weights: the fp32 main weights of 16-bit parameters, the fp32 parameters
+    themselves) in a model with fp16 / bf16 weights, and for the distributed optimizer's slices
+    ``"range"`` (of the flattened parameter) and ``"shape"`` (of the whole parameter; see
+    :func:`join_slices`). Parameters without state (no step has run) are left out. None for a
+    shard that names no parameters (written before the names, or by another optimizer)."""
+    entries = _shard_entries(state)
+    if entries is None:
         return None
-    sds = state["plain"] if isinstance(state["plain"], list) else [state["plain"]]
-    if len(sds) != len(state["names"]):
-        raise ValueError(f"the optimizer shard names {len(state['names'])} optimizers and "
-                         f"holds {len(sds)}")
+    if "distributed" in state:
+        # the slices' fp32 main weights: for every parameter (views of fp32 parameters)
+        per_opt = [(s["optimizer"], s["main_params"], None) for s in state["distributed"]]
+    elif "plain" in state:
+        sds = state["plain"] if isinstance(state["plain"], list) else [state["plain"]]
+        fp32 = state.get("fp32_params") or [None] * len(sds)
+        if len(fp32) != len(sds):
+            raise ValueError("the optimizer shard's fp32 parameters do not match its optimizers")
+        # Float16Optimizer: {"optimizer", "fp32_from_fp16_params" (the main weights, per group,
+        # in the order of its fp16 parameters)[, "grad_scaler"]} and, from optimizer_state, its
+        # fp32 parameters likewise; FP32Optimizer: torch's own state dict
+        per_opt = [(sd["optimizer"], sd["fp32_from_fp16_params"], f)
+                   if "fp32_from_fp16_params" in sd else (sd, None, None)
+                   for sd, f in zip(sds, fp32)]
+    else:
+        return None
+    if len(per_opt) != len(entries):
+        raise ValueError(f"the optimizer shard names {len(entries)} optimizers and holds "
+                         f"{len(per_opt)}")
     out = {}
-    for sd, groups in zip(sds, state["names"]):
-        for g, group_names in zip(sd["param_groups"], groups):
-            if len(g["params"]) != len(group_names):
+    # the distributed optimizer's main slices of fp32 parameters are views of the weights,
+    # which the checkpoint's HF weights hold exactly in an fp32 model: needed in a 16-bit one
+    sliced_mains = "distributed" in state and any(e["main"] for o in entries for g in o
+                                                  for e in g)
+    for (inner, mains, fp32), groups in zip(per_opt, entries):
+        if len(inner["param_groups"]) != len(groups):
+            raise ValueError("the optimizer shard's names do not match its parameter groups")
+        for gi, (g, group_entries) in enumerate(zip(inner["param_groups"], groups)):
+            if len(g["params"]) != len(group_entries):
                 raise ValueError("the optimizer shard's names do not match its parameter groups")
-            for idx, name in zip(g["params"], group_names):
-                if idx in sd["state"]:
-                    out[name] = dict(sd["state"][idx])
+            j = k = 0                  # the next 16-bit parameter's main, fp32 parameter
+            for i, (idx, e) in enumerate(zip(g["params"], group_entries)):
+                main = None
+                if sliced_mains:
+                    main = mains[gi][i]
+                elif mains is not None and e["main"]:
+                    main = mains[gi][j]
+                    j += 1
+                elif mains is not None and fp32 is not None:
+                    main = fp32[gi][k]
+                    k += 1
+                if idx not in inner["state"]:
+                    continue
+                st = dict(inner["state"][idx])
+                if main is not None:
+                    st["main"] = main
+                if e["range"] is not None:
+                    st["range"], st["shape"] = tuple(e["range"]), tuple(e["shape"])
+                out[e["name"]] = st
+    return out
+
+
+def grad_scaler_states(state: dict) -> list[dict | None]:
+    """An optimizer shard's loss scaler state per chained optimizer (fp16; None without)."""
+    if "distributed" in state:
+        return [s.get("grad_scaler") for s in state["distributed"]]
+    sds = state["plain"] if isinstance(state.get("plain"), list) else [state.get("plain", state)]
+    return [sd.get("grad_scaler") if isinstance(sd, dict) else None for sd in sds]
+
+
+def join_slices(parts: Sequence[dict[str, dict[str, torch.Tensor]]]
+                ) -> dict[str, dict[str, torch.Tensor]]:
+    """The distributed optimizer's per-parameter slices from the DP ranks of one (tp, pp) shard
+    (:func:`named_moments` of each rank's shard: 1-D slices with their "range" in the flattened
+    parameter and its "shape") -> whole-parameter states ``{name: {"step", "exp_avg",
+    "exp_avg_sq"[, "main"]}}``, each tensor of the parameter's shape. The slices of a
+    parameter must cover its elements exactly once, with the same keys and step."""
+    pieces: dict[str, list[dict]] = {}
+    for part in parts:
+        for name, st in part.items():
+            if "range" not in st:
+                raise ValueError(f"the optimizer state of {name!r} is not a slice")
+            pieces.setdefault(name, []).append(st)
+    out = {}
+    for name, sts in pieces.items():
+        sts = sorted(sts, key=lambda s: s["range"][0])
+        shape = tuple(sts[0]["shape"])
+        numel = math.prod(shape)
+        pos = 0
+        for s in sts:
+            a, b = s["range"]
+            if a != pos or b < a or tuple(s["shape"]) != shape:
+                pos = -1
+                break
+            pos = b
+        if pos != numel:
+            raise ValueError(f"the optimizer slices of {name!r} cover "
+                             f"{[tuple(s['range']) for s in sts]} of its {numel} elements")
+        keys = set(sts[0]) - {"range", "shape"}
+        if any(set(s) - {"range", "shape"} != keys for s in sts):
+            raise ValueError(f"the optimizer slices of {name!r} hold different states")
+        if len({float(s["step"]) for s in sts}) != 1:
+            raise ValueError(f"the optimizer slices of {name!r} are at different steps")
+        rec = {"step": sts[0]["step"]}
+        for key in sorted(keys - {"step"}):
+            parts_ = [s[key].reshape(-1) for s in sts]
+            if [t.numel() for t in parts_] != [s["range"][1] - s["range"][0] for s in sts]:
+                raise ValueError(f"the optimizer slices of {name!r} ({key}) do not have their "
+                                 f"ranges' lengths")
+            rec[key] = torch.cat(parts_).reshape(shape)
+        out[name] = rec
     return out
