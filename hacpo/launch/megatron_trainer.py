@@ -6,7 +6,10 @@ bundle. The ranks form a ``torch.distributed`` world of their own (gloo on CPU, 
 ``parallel.device = "cuda"``; rank 0 opens the rendezvous store on an OS-picked port), run
 ``trainer_setup_hook`` first (a site hook, e.g. the CPU tests' CUDA->CPU patches of megatron-core),
 then :func:`~hacpo.models.megatron.build.init_parallel`, build their shard with
-:meth:`MegatronPolicy.from_hf` from the driver's HF policy and megatron's DDP + optimizer (AdamW,
+:meth:`MegatronPolicy.from_state` from the HF config and the driver's cut of its HF policy's
+weights (:func:`shard_refs`: one object per (tp, pp) shard, so no rank or node receives the
+whole model; a resume ships weights, moved optimizer state and KL reference the same way) and
+megatron's DDP + optimizer (AdamW,
 eps 1e-8, the agent's lr / betas / weight decay for every parameter, as the torch trainer's
 ``torch.optim.AdamW``; with ``parallel.distributed_optimizer`` megatron's distributed
 optimizer, which keeps each DP rank's slice of the Adam state only). The driver keeps its HF
@@ -205,6 +208,21 @@ def rank_coords(i: int, tp: int, dp: int) -> tuple[int, int, int]:
     return i % tp, i // (tp * dp), (i // tp) % dp
 
 
+def shard_refs(cut, tp: int, pp: int, dp: int) -> list:
+    """One object-store ref per rank of a tp x pp x dp group (in rank order): ``cut(tp_rank,
+    pp_rank)`` put once per (tp, pp) shard and shared by that shard's DP ranks, so a rank (and
+    its node) fetches only its own shard, never the whole model; the driver holds one cut at a
+    time besides what it cuts from."""
+    refs: dict[tuple[int, int], Any] = {}
+    out = []
+    for i in range(tp * pp * dp):
+        tp_rank, pp_rank, _ = rank_coords(i, tp, dp)
+        if (tp_rank, pp_rank) not in refs:
+            refs[tp_rank, pp_rank] = ray.put(cut(tp_rank, pp_rank))
+        out.append(refs[tp_rank, pp_rank])
+    return out
+
+
 def moments_of_shards(files: list[str], old: dict, arch_of, agent: str):
     """Adam's state in a checkpoint's optimizer shards (one file per rank of layout ``old``,
     {"tp", "pp", "dp", "transformer_impl", "distributed_optimizer", ...}) as (step, {moment:
@@ -293,11 +311,14 @@ class MegatronRank:
                                     timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
         return host, self._store.port
 
-    def setup(self, addr: tuple[str, int], policy: Policy, par: dict, optim: dict, seed: int,
+    def setup(self, addr: tuple[str, int], hf_config, dtype: torch.dtype,
+              shard: dict[str, torch.Tensor], par: dict, optim: dict, seed: int,
               timeout_s: float, reference: bool = False) -> dict:
-        """Join the group, build this rank's shard and its optimizer (and, with ``reference``,
-        a frozen shard of the same initial weights: the KL term's reference policy); returns
-        its layout."""
+        """Join the group, build this rank's shard of the model (``hf_config``, weights of
+        ``dtype``) from ``shard`` (the driver's cut of its weights for this rank's tp / pp
+        ranks, megatron names: a rank never receives the whole model) and its optimizer (and,
+        with ``reference``, a frozen shard of the same initial weights: the KL term's reference
+        policy); returns its layout."""
         import torch.distributed as dist
 
         from hacpo.models.megatron import MegatronPolicy, init_parallel
@@ -312,15 +333,14 @@ class MegatronRank:
                                 rank=self.rank, world_size=self.world, timeout=timeout)
         p = init_parallel(par["tp"], par["pp"], par["dp"], seed=seed)
         self.par = p
-        dtype = next(policy.model.parameters()).dtype
         build = dict(transformer_impl=par["transformer_impl"], params_dtype=dtype,
                      make_vocab_size_divisible_by=par["make_vocab_size_divisible_by"],
                      lm_head=par["lm_head"], sequence_parallel=par["sequence_parallel"],
                      recompute=par["recompute_kw"])
-        self.pol = MegatronPolicy.from_hf(policy.model, p, **build)
+        self.pol = MegatronPolicy.from_state(hf_config, shard, p, **build)
         self.ref = None
         if reference:
-            self.ref = MegatronPolicy.from_hf(policy.model, p, **build)
+            self.ref = MegatronPolicy.from_state(hf_config, shard, p, **build)
             self.ref.module.requires_grad_(False)
             self.ref.model.eval()
         if self.device.type == "cuda":
@@ -567,38 +587,30 @@ class MegatronRank:
         ckpt.save_atomic({k: v.cpu() for k, v in self.ref.local_state().items()}, path)
         return {"path": path, "bytes": os.path.getsize(path)}
 
-    def load(self, hf: dict[str, torch.Tensor], optim_state: dict | str,
+    def load(self, weights: dict[str, torch.Tensor], optim_state: dict | str,
              ref: dict[str, torch.Tensor] | str | None = None) -> int:
-        """Load full HF-named weights (this rank's shard of them), this rank's optimizer state
-        (a state dict, or the path of the file :meth:`save_optim` wrote) and, with a reference
-        shard, the reference: HF-named weights, or the path of this rank's shard file
-        (:meth:`save_reference`)."""
-        from hacpo.models.megatron import hf_to_megatron, load_megatron_state
+        """Load this rank's shard of the weights (megatron names, cut by the driver), this
+        rank's optimizer state (a state dict, the path of the file :meth:`save_optim` wrote, or
+        ``{"moved": ..., "grad_scalers": ...}``: the per-parameter state of another layout cut
+        for this rank by the driver) and, with a reference shard, the reference: its shard
+        (megatron names), or the path of this rank's shard file (:meth:`save_reference`)."""
+        from hacpo.models.megatron import load_megatron_state
 
-        p = self.par
-        for pol, weights in ((self.pol, hf), (self.ref, ref)):
+        for pol, state in ((self.pol, weights), (self.ref, ref)):
             if pol is None:
                 continue
-            if weights is None:
+            if state is None:
                 raise ValueError(f"agent {self.agent!r}: no reference weights to load")
-            if isinstance(weights, str):        # this rank's shard, as save_reference wrote it
-                state = ckpt.load(weights)
-            else:
-                state = hf_to_megatron(weights, pol.arch, tp=p.tp, tp_rank=p.tp_rank, pp=p.pp,
-                                       pp_rank=p.pp_rank, transformer_impl=pol.transformer_impl)
+            if isinstance(state, str):          # this rank's shard, as save_reference wrote it
+                state = ckpt.load(state)
             with torch.no_grad():
                 load_megatron_state(pol.module, {k: v.to(self.device) for k, v in state.items()})
         if isinstance(optim_state, str):
             optim_state = ckpt.load(optim_state)
-        if "hf_moments" in optim_state:      # from another layout: this rank's cut of them
-            from hacpo.models.megatron.convert import moments_from_hf
-
-            if optim_state["hf_moments"]:         # (none: no update had run, a fresh state)
-                self.pol.load_named_moments(self.opt, moments_from_hf(
-                    optim_state["step"], optim_state["hf_moments"], self.pol.arch, tp=p.tp,
-                    tp_rank=p.tp_rank, pp=p.pp, pp_rank=p.pp_rank,
-                    transformer_impl=self.pol.transformer_impl),
-                    grad_scalers=optim_state.get("grad_scalers"))
+        if "moved" in optim_state:           # from another layout: this rank's cut of it
+            if optim_state["moved"]:              # (none: no update had run, a fresh state)
+                self.pol.load_named_moments(self.opt, optim_state["moved"],
+                                            grad_scalers=optim_state.get("grad_scalers"))
         else:
             self.pol.load_optimizer_state(self.opt, optim_state)
         return os.getpid()
@@ -743,14 +755,17 @@ class MegatronAgents:
             a = cfg.agents[k]
             addr = self._gather(k, [g.ranks[0].rendezvous.remote(start_timeout_s)],
                                 timeout_s=start_timeout_s)[0]
-            pol_ref = ray.put(self.policies[k])
+            model = self.policies[k].model
+            shards = self._shard_refs(k, model.state_dict())    # each rank gets its own
             par = {**dataclasses.asdict(g.par), "recompute_kw": g.par.recompute_kwargs()}
             optim = {"lr": a.optim.lr, "weight_decay": a.optim.weight_decay,
                      "beta1": a.optim.beta1, "beta2": a.optim.beta2,
                      "grad_clip": a.optim.grad_clip}
-            refs.append([r.setup.remote(addr, pol_ref, par, optim, cfg.seed, start_timeout_s,
-                                        self.kl)
-                         for r in g.ranks])
+            dtype = next(model.parameters()).dtype
+            refs.append([r.setup.remote(addr, model.config, dtype, shards[i], par, optim,
+                                        cfg.seed, start_timeout_s, self.kl)
+                         for i, r in enumerate(g.ranks)])
+            del shards
         for k, g in enumerate(self._groups):
             g.layout = self._gather(k, refs[k], timeout_s=start_timeout_s)
             for i, lay in enumerate(g.layout):   # shard files are found by this order
@@ -1019,6 +1034,16 @@ class MegatronAgents:
         copy_buckets(self._hf_targets(k), self._stream_weights(k),
                      what=f"agent {self.names[k]!r}: megatron weights into the HF model")
 
+    def _shard_refs(self, k: int, hf: dict[str, torch.Tensor]) -> list:
+        """Agent k's HF-named tensors cut into its ranks' shards (megatron names,
+        ``hf_to_megatron``): one object-store ref per rank (see :func:`shard_refs`)."""
+        from hacpo.models.megatron import hf_to_megatron
+
+        arch, par = self._arch(k), self._groups[k].par
+        return shard_refs(lambda tp_rank, pp_rank: hf_to_megatron(
+            hf, arch, tp=par.tp, tp_rank=tp_rank, pp=par.pp, pp_rank=pp_rank,
+            transformer_impl=par.transformer_impl), par.tp, par.pp, par.dp)
+
     def _layout(self, k: int) -> dict:
         par = self._groups[k].par
         return {"tp": par.tp, "pp": par.pp, "dp": par.dp,
@@ -1107,9 +1132,15 @@ class MegatronAgents:
                 self.out_dir, written_by, name, "optimizer")
             self._shard_dirs[k] = os.path.dirname(optim[0])
             if moved:
+                from hacpo.models.megatron.convert import moments_from_hf
+
                 step, hf_moments, scalers = moments_of_shards(optim, have, self._arch(k), name)
-                optim = [ray.put({"step": step, "hf_moments": hf_moments,
-                                  "grad_scalers": scalers})] * len(g.ranks)
+                arch, par = self._arch(k), g.par
+                optim = shard_refs(lambda tp_rank, pp_rank: {
+                    "moved": moments_from_hf(step, hf_moments, arch, tp=par.tp,
+                                             tp_rank=tp_rank, pp=par.pp, pp_rank=pp_rank,
+                                             transformer_impl=par.transformer_impl)
+                    if hf_moments else {}, "grad_scalers": scalers}, par.tp, par.pp, par.dp)
                 del hf_moments
         elif moved:
             raise ValueError(f"agent {name!r}: the checkpoint's optimizer state (inside the "
@@ -1118,13 +1149,12 @@ class MegatronAgents:
         else:                               # a checkpoint from before: states in the file
             optim = meg["optim"]
         self.policies[k].load_state_dict(sd["model"])
-        hf = {key: v for key, v in self.policies[k].model.state_dict().items()}
-        hf_ref = ray.put(hf)                                   # one copy for all ranks
+        weights = self._shard_refs(k, self.policies[k].model.state_dict())
         if isinstance(ref, list):
             refs = ref                                         # a shard file per rank
-        else:
-            refs = [ray.put(ref) if self.kl else None] * len(g.ranks)
-        self._gather(k, [r.load.remote(hf_ref, optim[i], refs[i])
+        else:                                                  # HF-named: cut per rank
+            refs = self._shard_refs(k, ref) if self.kl else [None] * len(g.ranks)
+        self._gather(k, [r.load.remote(weights[i], optim[i], refs[i])
                          for i, r in enumerate(g.ranks)])
 
     def checkpoint_saved(self) -> None:

@@ -207,6 +207,26 @@ def test_ranks_write_their_optimizer_shards(tmp, megatron_step1):
                        for g in sd["params"][0] for e in g)
 
 
+def test_each_rank_is_sent_its_own_shard_only(cluster):
+    """What the driver ships to a group's ranks (the start-up weights, a resume's weights,
+    moved optimizer state and KL reference) is cut per (tp, pp) shard and put in the object
+    store once per shard: a rank (and its node) fetches its shard, never the whole model; the
+    DP replicas of a shard share one object."""
+    calls = []
+
+    def cut(tp_rank, pp_rank):
+        calls.append((tp_rank, pp_rank))
+        return {"shard": torch.tensor([tp_rank, pp_rank])}
+
+    refs = megatron_trainer.shard_refs(cut, 2, 2, 2)          # tp=2, pp=2, dp=2: 8 ranks
+    assert sorted(calls) == [(0, 0), (0, 1), (1, 0), (1, 1)]  # each shard cut once
+    for i, ref in enumerate(refs):
+        tp_rank, pp_rank, dp_rank = megatron_trainer.rank_coords(i, 2, 2)
+        assert ray.get(ref)["shard"].tolist() == [tp_rank, pp_rank]
+        assert ref.hex() == refs[tp_rank + 2 * 2 * pp_rank].hex()    # DP rank 0's object
+    assert len({r.hex() for r in refs}) == 4
+
+
 def test_named_shards_are_checked_on_resume(tmp_path):
     """Resuming checks the shard files a checkpoint names: one per rank, each present with the
     size its rank wrote (a checkpoint from before sizes were recorded: present)."""

@@ -96,11 +96,29 @@ class MegatronPolicy:
         :func:`~hacpo.models.megatron.build.recompute_fields`)."""
         arch = ArchSpec.from_hf(hf_model.config,
                                 make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+        state = hf_to_megatron(hf_model.state_dict(), arch, tp=par.tp, tp_rank=par.tp_rank,
+                               pp=par.pp, pp_rank=par.pp_rank, transformer_impl=transformer_impl)
+        return cls.from_state(hf_model.config, state, par, transformer_impl=transformer_impl,
+                              params_dtype=params_dtype, logprob_backend=logprob_backend,
+                              make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                              lm_head=lm_head, sequence_parallel=sequence_parallel,
+                              recompute=recompute)
+
+    @classmethod
+    def from_state(cls, hf_config, state: dict[str, torch.Tensor], par: Parallel, *,
+                   transformer_impl: str = "local", params_dtype=torch.float32,
+                   logprob_backend: str = "auto", make_vocab_size_divisible_by: int = 1,
+                   lm_head: str = "fused", sequence_parallel: bool = False,
+                   recompute: dict | None = None) -> "MegatronPolicy":
+        """:meth:`from_hf` from an HF config and this rank's shard of the weights already in
+        megatron names (``hf_to_megatron`` for this rank's tp_rank / pp_rank, e.g. cut by the
+        trainer's driver): the rank never holds the whole model. Arguments as
+        :meth:`from_hf`."""
+        arch = ArchSpec.from_hf(hf_config,
+                                make_vocab_size_divisible_by=make_vocab_size_divisible_by)
         model = build_gpt_model(arch, par, transformer_impl=transformer_impl,
                                 params_dtype=params_dtype, sequence_parallel=sequence_parallel,
                                 recompute=recompute)
-        state = hf_to_megatron(hf_model.state_dict(), arch, tp=par.tp, tp_rank=par.tp_rank,
-                               pp=par.pp, pp_rank=par.pp_rank, transformer_impl=transformer_impl)
         load_megatron_state(model, state)
         return cls(model, arch, par, transformer_impl, logprob_backend=logprob_backend,
                    lm_head=lm_head)
