@@ -229,31 +229,28 @@ def moments_of_shards(files: list[str], old: dict, arch_of, agent: str):
     HF-named full tensors}, loss scaler states), from DP rank 0 of every (tp, pp) shard, or
     with the distributed optimizer the slices of all its DP ranks joined: what a resume with
     another layout cuts for its own ranks. ``arch_of``: the model's ArchSpec."""
-    from hacpo.models.megatron.convert import moments_to_hf
-    from hacpo.models.megatron.policy import grad_scaler_states, join_slices, named_moments
+    from hacpo.models.megatron.policy import grad_scaler_states, moments_of_layout, named_moments
 
     tp, pp, dp = old["tp"], old["pp"], old["dp"]
     sliced = bool(old.get("distributed_optimizer"))
-    parts = [[[] for _ in range(tp)] for _ in range(pp)]
-    scalers = None
+    named, scalers = [], None
     for i, path in enumerate(files):
-        tp_rank, pp_rank, dp_rank = rank_coords(i, tp, dp)
-        if dp_rank and not sliced:
+        coords = rank_coords(i, tp, dp)
+        if coords[2] and not sliced:        # the plain optimizer's DP replicas: the same
             continue
         state = ckpt.load(path)
-        named = named_moments(state)
-        if named is None:
+        states = named_moments(state)
+        if states is None:
             raise ValueError(f"agent {agent!r}: the checkpoint's optimizer shards name no "
                              f"parameters (written before they did), so they cannot move to "
                              f"another layout: resume with the checkpoint's {old}")
         if i == 0:
             scalers = grad_scaler_states(state)
-        parts[pp_rank][tp_rank].append(named)
+        named.append((coords, states))
         del state
     try:
-        shards = [[join_slices(p) if sliced else p[0] for p in row] for row in parts]
-        del parts
-        step, hf = moments_to_hf(shards, arch_of, transformer_impl=old["transformer_impl"])
+        step, hf = moments_of_layout(named, tp, pp, sliced=sliced, arch=arch_of,
+                                     transformer_impl=old["transformer_impl"])
     except ValueError as e:
         raise ValueError(f"agent {agent!r}: the checkpoint's optimizer shards cannot move to "
                          f"another layout: {e}") from None

@@ -148,22 +148,19 @@ def test_distributed_optimizer_equals_plain_and_resumes(tmp_path, tp, world, dty
 
 def _moved(res: dict, arch, path, distributed: bool = False) -> float:
     """The step-1 optimizer shards of a :func:`W.reshard_worker` run read by name
-    (``named_moments``; the distributed optimizer's DP slices joined, ``join_slices``),
-    gathered to HF names (``moments_to_hf``) and written to ``path`` with the step-1 weights
+    (``named_moments``) and gathered to HF names (``moments_of_layout``, the trainer's: the
+    distributed optimizer's DP slices joined) and written to ``path`` with the step-1 weights
     for another layout's workers, as a resume in another layout does. Returns the step."""
-    from hacpo.models.megatron.convert import moments_to_hf
-    from hacpo.models.megatron.policy import grad_scaler_states, join_slices, named_moments
+    from hacpo.models.megatron.policy import grad_scaler_states, moments_of_layout, named_moments
 
     pp = 1 + max(pp_rank for (pp_rank, _, _), _ in res["shards"])
     tp = 1 + max(tp_rank for (_, tp_rank, _), _ in res["shards"])
-    parts = [[[] for _ in range(tp)] for _ in range(pp)]
-    for (pp_rank, tp_rank, dp_rank), state in res["shards"]:
+    for _, state in res["shards"]:
         assert len(state["params"]) == 1 and all(
             e["name"] for g in state["params"][0] for e in g)
-        if distributed or dp_rank == 0:
-            parts[pp_rank][tp_rank].append(named_moments(state))
-    shards = [[join_slices(p) if distributed else p[0] for p in row] for row in parts]
-    step, hf = moments_to_hf(shards, arch)
+    step, hf = moments_of_layout([((tp_rank, pp_rank, dp_rank), named_moments(state))
+                                  for (pp_rank, tp_rank, dp_rank), state in res["shards"]],
+                                 tp, pp, sliced=distributed, arch=arch)
     assert step == 1.0 and hf["exp_avg"].keys() == res["w1"].keys()
     assert max(v.abs().max().item() for v in hf["exp_avg_sq"].values()) > 0
     torch.save({"w1": res["w1"], "step": step, "hf": hf,

@@ -260,7 +260,7 @@ def megatron_to_hf(shards: Sequence[Sequence[Mapping[str, Tensor]]], arch: ArchS
 
 # -- optimizer state across layouts ---------------------------------------------------------------
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
-MAIN_WEIGHTS = "main"      # the fp32 main weights of fp16 / bf16 weights, moved as a moment
+MAIN_WEIGHTS = "main"      # a 16-bit model's full-precision weights, moved as a moment
 
 
 def moments_to_hf(shards: Sequence[Sequence[Mapping[str, Mapping[str, Tensor]]]], arch: ArchSpec,

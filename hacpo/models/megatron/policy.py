@@ -507,26 +507,15 @@ class MegatronPolicy:
         opts = _distributed(optimizer)
         if opts is None:
             return {"plain": optimizer.state_dict(), "params": entries,
-                    "fp32_params": self._fp32_params(optimizer, entries)}
+                    "fp32_params": [None if own is None else
+                                    [[p.detach().clone() for p in g] for g in own]
+                                    for own in _fp32_params(optimizer, entries)]}
         return {"distributed": [{"optimizer": o.optimizer.state_dict(),
                                  "main_params": [[p.detach().clone() for p in g["params"]]
                                                  for g in o.optimizer.param_groups],
                                  **({"grad_scaler": o.grad_scaler.state_dict()}
                                     if getattr(o, "grad_scaler", None) else {})}
                                 for o in opts], "params": entries}
-
-    @staticmethod
-    def _fp32_params(optimizer, entries: list | None) -> list | None:
-        """Copies of the parameters a Float16Optimizer steps themselves (not through an fp32
-        main copy), per chained optimizer (None for others), per group, in order."""
-        from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
-
-        if entries is None:
-            return None
-        return [[[p.detach().clone() for p, e in zip(g["params"], ents) if not e["main"]]
-                 for g, ents in zip(o.optimizer.param_groups, groups)]
-                if isinstance(o, Float16OptimizerWithFloat16Params) else None
-                for o, groups in zip(chained(optimizer), entries)]
 
     def param_entries(self, optimizer) -> list | None:
         """What each parameter the torch optimizer steps is, per chained optimizer, per group,
@@ -586,19 +575,16 @@ class MegatronPolicy:
         if opts is None:
             optimizer.load_state_dict(state["plain"] if "plain" in state else state)
             if state.get("fp32_params"):           # fp32 parameters of a 16-bit model
-                entries = self.param_entries(optimizer)
-                for o, groups, saved in zip(chained(optimizer), entries, state["fp32_params"]):
-                    if saved is None:
-                        continue
-                    with torch.no_grad():
-                        for g, ents, got in zip(o.optimizer.param_groups, groups, saved):
-                            own = [p for p, e in zip(g["params"], ents) if not e["main"]]
-                            if [tuple(p.shape) for p in own] != [tuple(t.shape) for t in got]:
-                                raise ValueError("the optimizer state's fp32 parameters do not "
-                                                 "match this optimizer's: written with "
-                                                 "another layout")
-                            for p, t in zip(own, got):
-                                p.copy_(t)
+                have = [p for own in _fp32_params(optimizer, self.param_entries(optimizer))
+                        if own is not None for g in own for p in g]
+                got = [t for own in state["fp32_params"] if own is not None
+                       for g in own for t in g]
+                if [tuple(p.shape) for p in have] != [tuple(t.shape) for t in got]:
+                    raise ValueError("the optimizer state's fp32 parameters do not match this "
+                                     "optimizer's: written with another layout")
+                with torch.no_grad():
+                    for p, t in zip(have, got):
+                        p.copy_(t)
             return
         saved = state["distributed"]
         if len(saved) != len(opts):
@@ -715,6 +701,20 @@ def _distributed(optimizer) -> list | None:
     return opts if kinds == {True} else None
 
 
+def _fp32_params(optimizer, entries: list | None) -> list:
+    """The parameters a Float16Optimizer steps themselves (not through an fp32 main copy: the
+    fp32 ones of a 16-bit model), per chained optimizer (None for one of another kind), per
+    group, in order; ``entries``: :meth:`MegatronPolicy.param_entries`."""
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    if entries is None:
+        return [None] * len(chained(optimizer))
+    return [[[p for p, e in zip(g["params"], ents) if not e["main"]]
+             for g, ents in zip(o.optimizer.param_groups, groups)]
+            if isinstance(o, Float16OptimizerWithFloat16Params) else None
+            for o, groups in zip(chained(optimizer), entries)]
+
+
 def _weights_from_slices(opts: list) -> None:
     """After the distributed optimizers' slices were set: every DP rank's slices of the main
     weights into its weights, then all-gathered over DP (as after a step), so every rank holds
@@ -806,6 +806,24 @@ def grad_scaler_states(state: dict) -> list[dict | None]:
         return [s.get("grad_scaler") for s in state["distributed"]]
     sds = state["plain"] if isinstance(state.get("plain"), list) else [state.get("plain", state)]
     return [sd.get("grad_scaler") if isinstance(sd, dict) else None for sd in sds]
+
+
+def moments_of_layout(named: Sequence[tuple[tuple[int, int, int], dict]], tp: int, pp: int, *,
+                      sliced: bool, arch: ArchSpec, transformer_impl: str = "local"
+                      ) -> tuple[float, dict[str, dict[str, torch.Tensor]]]:
+    """The per-parameter states of one layout's ranks (``named``: ((tp_rank, pp_rank,
+    dp_rank), :func:`named_moments` of that rank's shard) pairs) -> :func:`moments_to_hf`'s
+    (step, {moment: full HF-named tensors}): DP rank 0's shard of every (tp, pp) pair, or with
+    the distributed optimizer (``sliced``) all its DP ranks' slices joined
+    (:func:`join_slices`). Other DP ranks' shards are ignored without ``sliced``."""
+    from hacpo.models.megatron.convert import moments_to_hf
+
+    parts: list[list[list[dict]]] = [[[] for _ in range(tp)] for _ in range(pp)]
+    for (tp_rank, pp_rank, dp_rank), states in named:
+        if sliced or not dp_rank:
+            parts[pp_rank][tp_rank].append(states)
+    return moments_to_hf([[join_slices(p) if sliced else p[0] for p in row] for row in parts],
+                         arch, transformer_impl=transformer_impl)
 
 
 def join_slices(parts: Sequence[dict[str, dict[str, torch.Tensor]]]
