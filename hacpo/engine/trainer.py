@@ -115,7 +115,7 @@ def _train(cfg: TrainConfig, rc: RewardComputer, resume: bool, echo) -> dict:
     warm = build.warm_start(cfg, data, policies, echo) if state is None else state["warmup"]
     agents = build_agents(cfg, policies)   # first: a Ray cluster it starts also holds the engine
     try:
-        engine = build.rollout_engine(cfg, policies)
+        engine = build.rollout_engine(cfg, policies, agents)
         try:
             return _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo)
         finally:
@@ -172,6 +172,7 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
                                          temperature=cfg.rollout.temperature,
                                          top_p=cfg.rollout.top_p)
                 rollouts.append((ro, policies[k].tokenizer))
+            engine.idle()                  # colocated engines free their GPUs for the trainer
             pool = build_pool(rollouts)
             with sw("time/reward"):
                 pool.rewards, rstats = score_batch(rc, pool, [e.answer for e in batch], names)

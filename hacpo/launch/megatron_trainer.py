@@ -2,7 +2,8 @@
 ``trainer_backend = "ray"``).
 
 Per agent one placement group of ``tp * pp * dp`` bundles and one :class:`MegatronRank` actor per
-bundle. The ranks form a ``torch.distributed`` world of their own (gloo on CPU, nccl with
+bundle (with ``rollout.colocate`` each bundle also holds one vLLM engine on the rank's GPU:
+:meth:`MegatronAgents.engine_bundles`, hacpo/launch/vllm_rollout.py). The ranks form a ``torch.distributed`` world of their own (gloo on CPU, nccl with
 ``parallel.device = "cuda"``; rank 0 opens the rendezvous store on an OS-picked port), run
 ``trainer_setup_hook`` first (a site hook, e.g. the CPU tests' CUDA->CPU patches of megatron-core),
 then :func:`~hacpo.models.megatron.build.init_parallel`, build their shard with
@@ -109,7 +110,8 @@ from collections import defaultdict
 from datetime import timedelta
 from typing import Any
 
-from .ray_cluster import RayCluster, connect  # first: its environment must precede `import ray`
+# first: its environment must precede `import ray`
+from .ray_cluster import COLOCATED_GPU_SHARE, RayCluster, connect
 
 import ray  # noqa: E402
 import torch
@@ -349,6 +351,9 @@ class MegatronRank:
                                             adam_eps=1e-8, clip_grad=0.0,
                                             use_distributed_optimizer=par["distributed_optimizer"])
         self.grad_clip = optim["grad_clip"]
+        # rollout.colocate: after an update, torch's cached GPU blocks go back to the GPU for
+        # the vLLM engine that shares it
+        self.release_cache = self.device.type == "cuda" and par.get("release_cache", False)
         self.reporter = p.last_stage and p.tp_rank == 0      # holds per-sample results
         return {"rank": self.rank, "tp_rank": p.tp_rank, "pp_rank": p.pp_rank,
                 "dp_rank": p.dp_rank, "pid": os.getpid(),
@@ -515,6 +520,8 @@ class MegatronRank:
                 streak += 1
                 if streak >= req["max_nonfinite"]:
                     break
+        if self.release_cache:     # colocated: the engine on this GPU wakes up next
+            torch.cuda.empty_cache()
         return {"minibatches": out, "times": dict(times), "micro_batches": n_micro,
                 "padded_tokens": n_padded, "dp_rank": p.dp_rank, "reporter": self.reporter}
 
@@ -694,7 +701,7 @@ class MegatronAgents:
         self._ref_files: list[list[dict] | None] = [None] * len(policies)
         self.cluster: RayCluster | None = None
         worlds = [a.parallel.world if a.trainer == "megatron" else 1 for a in cfg.agents]
-        need = sum(worlds) * self.threads
+        need = sum(worlds) * (self.threads + cfg.rollout.colocate)   # colocated engines: 1 each
         self.cluster = connect(cfg.rollout.ray_address, timeout_s=timeout_s,
                                num_cpus=max(need + rollout_cpus(cfg), os.cpu_count() or 1))
         try:
@@ -725,14 +732,18 @@ class MegatronAgents:
                 self._groups.append(_Group(pol.name, None, pg, [actor]))
                 continue
             par = a.parallel
-            bundle = {"CPU": self.threads, **({"GPU": 1} if par.device == "cuda" else {})}
+            # rollout.colocate: bundle r also holds vLLM engine r (1 CPU, half of the GPU)
+            colocate = cfg.rollout.colocate
+            bundle = {"CPU": self.threads + colocate,
+                      **({"GPU": 1} if par.device == "cuda" else {})}
             pg = self.cluster.reserve(
                 [bundle] * par.world, timeout_s=timeout_s,
                 what=f"agent {pol.name!r}: the placement group for its {par.world} megatron "
                      f"trainer ranks (tp={par.tp} x pp={par.pp} x dp={par.dp}) x {bundle}",
                 hint="lower threads or tp/pp/dp, or free resources")
             ranks = [remote_cls.options(
-                num_cpus=self.threads, num_gpus=1 if par.device == "cuda" else 0,
+                num_cpus=self.threads,
+                num_gpus=(COLOCATED_GPU_SHARE if colocate else 1) if par.device == "cuda" else 0,
                 max_restarts=0, max_task_retries=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=r),
@@ -754,7 +765,8 @@ class MegatronAgents:
                                 timeout_s=start_timeout_s)[0]
             model = self.policies[k].model
             shards = self._shard_refs(k, model.state_dict())    # each rank gets its own
-            par = {**dataclasses.asdict(g.par), "recompute_kw": g.par.recompute_kwargs()}
+            par = {**dataclasses.asdict(g.par), "recompute_kw": g.par.recompute_kwargs(),
+                   "release_cache": cfg.rollout.colocate}
             optim = {"lr": a.optim.lr, "weight_decay": a.optim.weight_decay,
                      "beta1": a.optim.beta1, "beta2": a.optim.beta2,
                      "grad_clip": a.optim.grad_clip}
@@ -775,6 +787,15 @@ class MegatronAgents:
                                           f"tp{g.par.tp} pp{g.par.pp} dp{g.par.dp} "
                                           f"({g.layout[0]['built']})")
                            for g in self._groups), self.cluster.address)
+
+    def engine_bundles(self, k: int) -> list[tuple[Any, int]]:
+        """``rollout.colocate``: where agent k's vLLM engines run: ``(placement group, bundle
+        index)`` of each of its trainer ranks (an engine shares that rank's GPU)."""
+        g = self._groups[k]
+        if g.torch or not self.cfg.rollout.colocate:
+            raise ValueError(f"agent {g.name!r}: no colocated engine bundles (rollout.colocate "
+                             f"with a megatron group)")
+        return [(g.pg, r) for r in range(len(g.ranks))]
 
     def rank_actor(self, k: int, r: int):
         """Agent k's rank r actor handle (for inspection and fault-injection tests)."""

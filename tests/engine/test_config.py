@@ -172,3 +172,44 @@ def test_parallel_settings_on_a_torch_agent_are_an_error():
         cfg.override({"agents.1.parallel.tp": 2, "agents.1.parallel.micro_batch_tokens": 64})
     with pytest.raises(ValueError, match=r"parallel.lm_head='logits' only apply"):
         cfg.override({"agents.1.parallel.lm_head": "logits"})
+
+
+def test_rollout_devices_and_colocation_are_validated():
+    """rollout.device / gpu_memory_utilization / colocate: how engines use GPUs, not the math
+    (resumable); what cannot run is a clear error naming it."""
+    from hacpo.engine.run_config import config_diff, fingerprint_dict, load_config
+    cfg = load_config("tiny3", overrides={"rollout.engine": "vllm"})
+    for key, bad, msg in (
+            ("rollout.device", "tpu", r"unknown rollout.device 'tpu'; choose one of cpu, cuda"),
+            ("rollout.gpu_memory_utilization", 0, r"gpu_memory_utilization must be in \(0, 1\], "
+                                                  r"got 0"),
+            ("rollout.gpu_memory_utilization", 1.5, r"in \(0, 1\], got 1.5"),
+            ("rollout.colocate", True, r"rollout.colocate needs rollout.device='cuda'.*no sleep "
+                                       r"mode on the CPU")):
+        with pytest.raises(ValueError, match=msg):
+            cfg.override({key: bad})
+    with pytest.raises(ValueError, match=r"rollout.device='cuda' needs rollout.engine='vllm' "
+                                         r"\(the 'ray' engine samples on the CPU\)"):
+        cfg.override({"rollout.engine": "ray", "rollout.device": "cuda"})
+    cuda = cfg.override({"rollout.device": "cuda", "rollout.gpu_memory_utilization": 0.5})
+    assert config_diff(fingerprint_dict(cfg), fingerprint_dict(cuda)) == []
+    # colocated engines share the GPUs of megatron ranks on cuda: every agent needs them
+    with pytest.raises(ValueError, match=r"agent 'char' is trainer='torch' with "
+                                         r"parallel.device='cpu': every agent needs "
+                                         r"trainer=megatron and parallel.device=cuda"):
+        cuda.override({"rollout.colocate": True})
+    mega = load_config("tiny3", overrides={
+        "rollout.engine": "vllm", "rollout.device": "cuda", "trainer_backend": "ray",
+        **{f"agents.{k}.{key}": v for k in range(3) for key, v in (
+            ("policy.kind", "hf"), ("policy.arch", "llama"), ("trainer", "megatron"),
+            ("parallel.device", "cuda"))}})
+    with pytest.raises(ValueError, match=r"agent 'llama' is trainer='megatron' with "
+                                         r"parallel.device='cpu'"):
+        mega.override({"agents.2.parallel.device": "cpu", "rollout.colocate": True})
+    colo = mega.override({"rollout.colocate": True})
+    assert config_diff(fingerprint_dict(mega), fingerprint_dict(colo)) == []
+    with pytest.raises(ValueError, match=r"rollout.engines_per_agent=2 engines cannot share the "
+                                         r"GPUs of agent 'char''s 1 trainer ranks"):
+        colo.override({"rollout.engines_per_agent": 2})
+    dp2 = {f"agents.{k}.parallel.dp": 2 for k in range(3)}
+    assert colo.override({**dp2, "rollout.engines_per_agent": 2}).rollout.engines_per_agent == 2

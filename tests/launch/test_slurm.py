@@ -124,6 +124,12 @@ def test_dry_run_extra_options(tmp_path, capsys):
     (["--set", "rollout.engine=local"], "rollout.engine=... is set by the launcher"),
     (["--set", "rollout.group_size=0"], "group_size"),
     (["--cpus-per-node", "1"], "needs 3 Ray CPUs"),      # tiny3: 3 agents x 1 actor x 1 CPU
+    # 3 agents x 1 vLLM engine on cuda + 2 megatron ranks on cuda
+    (["--rollout-engine", "vllm", "--gpus-per-node", "4", "--set", "rollout.device=cuda",
+      "trainer_backend=ray", "agents.0.policy.kind=hf", "agents.0.policy.arch=llama",
+      "agents.0.trainer=megatron", "agents.0.parallel.dp=2", "agents.0.parallel.device=cuda"],
+     "the run needs 5 GPUs (2 megatron ranks with parallel.device=cuda + 3 vLLM engines with "
+     "rollout.device=cuda) but 1 node(s) x --gpus-per-node 4 give 4"),
     (["--nodes", "0"], "--nodes must be >= 1"),
     (["--wait-timeout", "60"], "--wait-timeout needs --wait"),
     (["--wait", "--wait-timeout", "-1"], "--wait-timeout must be > 0 seconds, got -1"),
@@ -352,3 +358,22 @@ def test_slurm_wait_timeout_cancels_the_job(local_slurm, tmp_path):
     assert not processes_mentioning(f"hacpo-slurm-ray-{job}")
     assert not processes_mentioning(str(out)), "the driver was left running"
     assert not Path(f"/tmp/hacpo-slurm-ray-{job}").exists()
+
+
+def test_gpu_needs_count_ranks_and_engines_of_their_own():
+    """GPUs the launcher asks Slurm for: megatron ranks on cuda, plus vLLM engines on cuda
+    unless colocated (they then share the ranks' GPUs); CPU engines need none."""
+    from hacpo.engine.run_config import gpu_needs, load_config
+    from hacpo.launch.slurm import cluster_needs
+
+    mega = {f"agents.{k}.{key}": v for k in range(3) for key, v in (
+        ("policy.kind", "hf"), ("policy.arch", "llama"), ("trainer", "megatron"),
+        ("parallel.device", "cuda"))}
+    base = {"rollout.engine": "vllm", "trainer_backend": "ray", "agents.0.parallel.dp": 2}
+    cfg = load_config("tiny3", overrides={**base, **mega})
+    assert gpu_needs(cfg) == (4, 0)                           # engines on CPU
+    cuda = cfg.override({"rollout.device": "cuda", "rollout.engines_per_agent": 2})
+    assert gpu_needs(cuda) == (4, 6) and cluster_needs(cuda)["GPU"] == 10
+    assert gpu_needs(cuda.override({"rollout.colocate": True,
+                                    "rollout.engines_per_agent": 1})) == (4, 0)
+    assert "GPU" not in cluster_needs(load_config("tiny3"))

@@ -158,8 +158,8 @@ def test_megatron_weights_reach_the_vllm_engines(tmp_path, monkeypatch):
                 "sent_buckets": len(buckets),
             }
 
-    def capture(cfg_, policies):
-        engine = build_engine(cfg_, policies)
+    def capture(cfg_, policies, agents=None):
+        engine = build_engine(cfg_, policies, agents)
         engines.append(engine)
         real_sync, real_close = engine.sync_weights, engine.close
 

@@ -25,14 +25,20 @@ def test_train_two_steps_with_vllm_rollouts(tmp_path, monkeypatch):
                         "cache_dir": str(tmp_path / "cache"), "progress": False,
                         "plots": False, "tensorboard": False, "checkpoint_every": 2,
                         "data.train_size": 16, "data.eval_size": 2, "eval_engine": "rollout"})
-    calls = []
-    gen = VLLMRolloutEngine.generate
+    calls, events = [], []
+    gen, idle, sync = (VLLMRolloutEngine.generate, VLLMRolloutEngine.idle,
+                       VLLMRolloutEngine.sync_weights)
     monkeypatch.setattr(VLLMRolloutEngine, "generate", lambda self, k, p, **kw: (
-        calls.append((k, len(p), kw["temperature"])) or gen(self, k, p, **kw)))
+        calls.append((k, len(p), kw["temperature"])) or events.append(f"gen{k}")
+        or gen(self, k, p, **kw)))
+    monkeypatch.setattr(VLLMRolloutEngine, "idle", lambda self: (
+        events.append("idle") or idle(self)))
+    monkeypatch.setattr(VLLMRolloutEngine, "sync_weights", lambda self, k: (
+        events.append(f"sync{k}") or sync(self, k)))
     engines = []
 
-    def capture(cfg_, policies):
-        engines.append(build_engine(cfg_, policies))
+    def capture(cfg_, policies, agents=None):
+        engines.append(build_engine(cfg_, policies, agents))
         return engines[-1]
 
     build_engine = build.rollout_engine
@@ -57,6 +63,10 @@ def test_train_two_steps_with_vllm_rollouts(tmp_path, monkeypatch):
     # initial one per agent by the end of step 0, 3 + 3 after step 1
     assert [r["rollout/versions"] for r in rows] == [4.0, 6.0]
     assert all(r["rollout/restarts"] == 0 and r["rollout/timeouts"] == 0 for r in rows)
+    # the engines are idle (colocated: asleep) from each step's last generation to the
+    # weight syncs after the updates; evaluation before and after
+    step = ["gen0", "gen1", "idle", "sync0", "sync1"]
+    assert events == ["sync0", "sync1", "gen0", "gen1", *step, *step, "gen0", "gen1"], events
     # evaluation: greedy requests of the 2 held-out prompts per agent, before and after
     greedy = sorted((k, n) for k, n, t in calls if t == 0.0)
     assert greedy == [(0, 2), (0, 2), (1, 2), (1, 2)], calls
