@@ -217,6 +217,8 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.85  # vllm, device=cuda: fraction of its GPU an engine
                                    # may use (weights + KV cache); colocated: leave the trainer
                                    # rank its share
+    engine_tp: int = 1             # vllm: tensor-parallel size of each engine (worker processes;
+                                   # GPUs with device=cuda; CPUs reserved on cpu)
     colocate: bool = False         # vllm, device=cuda, megatron agents on cuda: engine j of an
                                    # agent shares the GPU of the agent's trainer rank j and
                                    # sleeps (frees its GPU memory) while the ranks work
@@ -244,6 +246,16 @@ class RolloutConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"rollout.gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization!r}")
+        if not (isinstance(self.engine_tp, int) and not isinstance(self.engine_tp, bool)
+                and self.engine_tp >= 1):
+            raise ValueError(f"rollout.engine_tp must be an integer >= 1, got "
+                             f"{self.engine_tp!r}")
+        if self.engine_tp > 1 and self.engine != "vllm":
+            raise ValueError(f"rollout.engine_tp={self.engine_tp} needs rollout.engine='vllm' "
+                             f"(vLLM's tensor parallelism)")
+        if self.colocate and self.engine_tp > 1:
+            raise ValueError(f"rollout.colocate places one engine on one trainer rank's GPU: "
+                             f"it needs rollout.engine_tp=1, got {self.engine_tp}")
         if self.colocate and self.device != "cuda":
             raise ValueError("rollout.colocate needs rollout.device='cuda': a colocated engine "
                              "sleeps while the trainer works, and vLLM has no sleep mode on "
@@ -356,12 +368,12 @@ class TrainConfig(ConfigMixin):
 
 
 def gpu_needs(cfg: TrainConfig) -> tuple[int, int]:
-    """GPUs a run needs: (one per megatron rank with ``parallel.device=cuda``, one per vLLM
-    engine with ``rollout.device=cuda`` that is not colocated with those ranks)."""
+    """GPUs a run needs: (one per megatron rank with ``parallel.device=cuda``, ``engine_tp`` per
+    vLLM engine with ``rollout.device=cuda`` that is not colocated with those ranks)."""
     r = cfg.rollout
     ranks = sum(a.parallel.world for a in cfg.agents
                 if a.trainer == "megatron" and a.parallel.device == "cuda")
-    engines = len(cfg.agents) * r.engines_per_agent if (
+    engines = len(cfg.agents) * r.engines_per_agent * r.engine_tp if (
         r.engine == "vllm" and r.device == "cuda" and not r.colocate) else 0
     return ranks, engines
 
@@ -376,7 +388,7 @@ RESUMABLE_KEYS = {"steps", "out_dir", "cache_dir", "progress", "plots", "tensorb
 # part of the math).
 RESUMABLE_NESTED_KEYS = {("rollout", "call_timeout_s"), ("rollout", "weight_bucket_mb"),
                          ("rollout", "device"), ("rollout", "gpu_memory_utilization"),
-                         ("rollout", "colocate")}
+                         ("rollout", "colocate"), ("rollout", "engine_tp")}
 
 
 # Per-agent keys that may change on resumption ("section.key" under agents.N).

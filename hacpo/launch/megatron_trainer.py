@@ -3,8 +3,9 @@
 
 Per agent one placement group of ``tp * pp * dp`` bundles and one :class:`MegatronRank` actor per
 bundle (with ``rollout.colocate`` each bundle also holds one vLLM engine on the rank's GPU:
-:meth:`MegatronAgents.engine_bundles`, hacpo/launch/vllm_rollout.py). The ranks form a ``torch.distributed`` world of their own (gloo on CPU, nccl with
-``parallel.device = "cuda"``; rank 0 opens the rendezvous store on an OS-picked port), run
+:meth:`MegatronAgents.engine_bundles`, hacpo/launch/vllm_rollout.py). The ranks form a
+``torch.distributed`` world of their own (gloo on CPU, nccl with ``parallel.device = "cuda"``;
+rank 0 opens the rendezvous store on an OS-picked port), run
 ``trainer_setup_hook`` first (a site hook, e.g. the CPU tests' CUDA->CPU patches of megatron-core),
 then :func:`~hacpo.models.megatron.build.init_parallel`, build their shard with
 :meth:`MegatronPolicy.from_state` from the HF config and the driver's cut of its HF policy's

@@ -134,7 +134,7 @@ def rollout_cpus(cfg) -> int:
     if r.engine == "ray":
         return n * r.engines_per_agent * (cfg.threads if cfg.threads > 0 else 1)
     if r.engine == "vllm":
-        return n * r.engines_per_agent
+        return n * r.engines_per_agent * r.engine_tp
     return 0
 
 

