@@ -117,8 +117,9 @@ def check_resources(cfg, nodes: int, cpus_per_node: int | None, gpus_per_node: i
 
         ranks, engines = gpu_needs(cfg)
         raise LaunchError(
-            f"the run needs {need['GPU']} GPUs ({ranks} megatron ranks with "
-            f"parallel.device=cuda + {engines} vLLM engines with rollout.device=cuda) but "
+            f"the run needs {need['GPU']} GPUs ({ranks} for megatron ranks with "
+            f"parallel.device=cuda + {engines} for vLLM engines with rollout.device=cuda, "
+            f"rollout.engine_tp each) but "
             f"{nodes} node(s) x --gpus-per-node {gpus_per_node} give "
             f"{nodes * gpus_per_node}; add nodes or GPUs, lower tp / pp / dp or "
             f"rollout.engines_per_agent, or colocate the engines (rollout.colocate)")

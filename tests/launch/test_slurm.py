@@ -128,8 +128,9 @@ def test_dry_run_extra_options(tmp_path, capsys):
     (["--rollout-engine", "vllm", "--gpus-per-node", "4", "--set", "rollout.device=cuda",
       "trainer_backend=ray", "agents.0.policy.kind=hf", "agents.0.policy.arch=llama",
       "agents.0.trainer=megatron", "agents.0.parallel.dp=2", "agents.0.parallel.device=cuda"],
-     "the run needs 5 GPUs (2 megatron ranks with parallel.device=cuda + 3 vLLM engines with "
-     "rollout.device=cuda) but 1 node(s) x --gpus-per-node 4 give 4"),
+     "the run needs 5 GPUs (2 for megatron ranks with parallel.device=cuda + 3 for vLLM engines "
+     "with rollout.device=cuda, rollout.engine_tp each) but 1 node(s) x --gpus-per-node 4 "
+     "give 4"),
     (["--nodes", "0"], "--nodes must be >= 1"),
     (["--wait-timeout", "60"], "--wait-timeout needs --wait"),
     (["--wait", "--wait-timeout", "-1"], "--wait-timeout must be > 0 seconds, got -1"),
