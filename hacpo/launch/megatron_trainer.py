@@ -130,7 +130,7 @@ from hacpo.engine.update import NonFiniteUpdateError, _minibatch_metrics, _pad
 from hacpo.models.buckets import bucket_bytes_of, copy_buckets, plan_buckets
 from hacpo.models.policy import Policy
 
-from .ray_trainer import TrainerActor, rollout_cpus
+from .ray_trainer import TrainerActor, colocated_engines, rollout_cpus
 
 log = logging.getLogger("hacpo")
 
@@ -224,6 +224,17 @@ def shard_refs(cut, tp: int, pp: int, dp: int) -> list:
             refs[tp_rank, pp_rank] = ray.put(cut(tp_rank, pp_rank))
         out.append(refs[tp_rank, pp_rank])
     return out
+
+
+def rank_bundles(par, threads: int, engines: int = 0) -> list[dict[str, float]]:
+    """The placement-group bundles of a megatron group's ``par.world`` ranks: ``threads`` CPUs
+    each and, on ``parallel.device=cuda``, one GPU; the first ``engines`` bundles also hold a
+    colocated vLLM engine (``rollout.colocate``: one CPU more; the engine and the rank take
+    half of the bundle's GPU each, ``COLOCATED_GPU_SHARE``)."""
+    if engines > par.world:
+        raise ValueError(f"{engines} colocated engines for {par.world} trainer ranks")
+    gpu = {"GPU": 1} if par.device == "cuda" else {}
+    return [{"CPU": threads + (r < engines), **gpu} for r in range(par.world)]
 
 
 def moments_of_shards(files: list[str], old: dict, arch_of, agent: str):
@@ -702,14 +713,17 @@ class MegatronAgents:
         self._ref_files: list[list[dict] | None] = [None] * len(policies)
         self.cluster: RayCluster | None = None
         worlds = [a.parallel.world if a.trainer == "megatron" else 1 for a in cfg.agents]
-        need = sum(worlds) * (self.threads + cfg.rollout.colocate)   # colocated engines: 1 each
+        need = sum(worlds) * self.threads + colocated_engines(cfg)     # their CPU in a bundle
         self.cluster = connect(cfg.rollout.ray_address, timeout_s=timeout_s,
                                num_cpus=max(need + rollout_cpus(cfg), os.cpu_count() or 1))
         try:
-            self.cluster.require_cpus(
-                need, what=f"the megatron trainer groups need {need} CPUs "
-                           f"({'+'.join(map(str, worlds))} ranks x {self.threads} CPU each, "
-                           f"threads={cfg.threads})",
+            self.cluster.require(
+                "CPU", need,
+                what=f"the megatron trainer groups need {need} CPUs "
+                     f"({'+'.join(map(str, worlds))} ranks x {self.threads} CPU each, "
+                     f"threads={cfg.threads}"
+                     + (f"; {colocated_engines(cfg)} colocated vLLM engines x 1"
+                        if colocated_engines(cfg) else "") + ")",
                 hint="lower threads, tp/pp/dp, or add nodes")
             self._start(timeout_s, start_timeout_s)
         except BaseException:
@@ -733,14 +747,16 @@ class MegatronAgents:
                 self._groups.append(_Group(pol.name, None, pg, [actor]))
                 continue
             par = a.parallel
-            # rollout.colocate: bundle r also holds vLLM engine r (1 CPU, half of the GPU)
             colocate = cfg.rollout.colocate
-            bundle = {"CPU": self.threads + colocate,
-                      **({"GPU": 1} if par.device == "cuda" else {})}
+            engines = cfg.rollout.engines_per_agent if colocate else 0
+            bundles = rank_bundles(par, self.threads, engines)
             pg = self.cluster.reserve(
-                [bundle] * par.world, timeout_s=timeout_s,
+                bundles, timeout_s=timeout_s,
                 what=f"agent {pol.name!r}: the placement group for its {par.world} megatron "
-                     f"trainer ranks (tp={par.tp} x pp={par.pp} x dp={par.dp}) x {bundle}",
+                     f"trainer ranks (tp={par.tp} x pp={par.pp} x dp={par.dp}) x "
+                     f"{rank_bundles(par, self.threads)[0]}"
+                     + (f", {engines} of them with a colocated engine (1 CPU more)"
+                        if engines else ""),
                 hint="lower threads or tp/pp/dp, or free resources")
             ranks = [remote_cls.options(
                 num_cpus=self.threads,
@@ -791,12 +807,13 @@ class MegatronAgents:
 
     def engine_bundles(self, k: int) -> list[tuple[Any, int]]:
         """``rollout.colocate``: where agent k's vLLM engines run: ``(placement group, bundle
-        index)`` of each of its trainer ranks (an engine shares that rank's GPU)."""
+        index)`` of trainer ranks 0 .. engines_per_agent - 1 (engine j shares rank j's GPU; those
+        bundles hold its CPU)."""
         g = self._groups[k]
         if g.torch or not self.cfg.rollout.colocate:
             raise ValueError(f"agent {g.name!r}: no colocated engine bundles (rollout.colocate "
                              f"with a megatron group)")
-        return [(g.pg, r) for r in range(len(g.ranks))]
+        return [(g.pg, r) for r in range(self.cfg.rollout.engines_per_agent)]
 
     def rank_actor(self, k: int, r: int):
         """Agent k's rank r actor handle (for inspection and fault-injection tests)."""

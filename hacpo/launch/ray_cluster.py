@@ -61,18 +61,12 @@ class RayCluster:
                 f"{self.address} has {free:g} free CPUs of {self.num_cpus():g}); {hint}") from None
         return pg
 
-    def require_cpus(self, need: float, *, what: str, hint: str) -> None:
+    def require(self, resource: str, need: float, *, what: str, hint: str) -> None:
         """An error "``what`` but the Ray cluster at ... has N; ``hint``" when the cluster has
-        fewer than ``need`` CPUs (``what`` says who needs them, e.g. "x needs 4 CPUs (...)")."""
-        have = self.num_cpus()
-        if need > have:
-            raise RuntimeError(f"{what} but the Ray cluster at {self.address} has {have:g}; "
-                               f"{hint}")
-
-    def require_gpus(self, need: float, *, what: str, hint: str) -> None:
-        """As :meth:`require_cpus`, for GPUs."""
+        less than ``need`` of ``resource`` ("CPU", "GPU"; ``what`` says who needs them, e.g.
+        "x needs 4 CPUs (...)")."""
         import ray
-        have = float(ray.cluster_resources().get("GPU", 0))
+        have = float(ray.cluster_resources().get(resource, 0))
         if need > have:
             raise RuntimeError(f"{what} but the Ray cluster at {self.address} has {have:g}; "
                                f"{hint}")

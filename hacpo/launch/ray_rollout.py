@@ -185,10 +185,11 @@ class RayRolloutEngine(GeneratorState):
         self.cluster = connect(r.ray_address, timeout_s=timeout_s,
                                num_cpus=max(need, os.cpu_count() or 1))
         try:
-            self.cluster.require_cpus(
-                need, what=f"rollout.engine=ray needs {need} CPUs ({len(policies)} agents x "
-                           f"rollout.engines_per_agent={r.engines_per_agent} x "
-                           f"{self.cpus_per_actor} CPU each)",
+            self.cluster.require(
+                "CPU", need,
+                what=f"rollout.engine=ray needs {need} CPUs ({len(policies)} agents x "
+                     f"rollout.engines_per_agent={r.engines_per_agent} x "
+                     f"{self.cpus_per_actor} CPU each)",
                 hint="lower rollout.engines_per_agent or add nodes")
             self._start_actors(policies, timeout_s, start_timeout_s)
         except BaseException:

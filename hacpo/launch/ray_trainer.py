@@ -129,13 +129,22 @@ class TrainerActor:
 
 
 def rollout_cpus(cfg) -> int:
-    """CPUs the configured remote rollout pool reserves on the same cluster (0: in-process)."""
+    """CPUs the configured remote rollout pool reserves on the same cluster besides the
+    trainers' (0: in-process; colocated vLLM engines: theirs are in the trainer ranks'
+    bundles, :func:`colocated_engines`)."""
     r, n = cfg.rollout, len(cfg.agents)
     if r.engine == "ray":
         return n * r.engines_per_agent * (cfg.threads if cfg.threads > 0 else 1)
-    if r.engine == "vllm":
+    if r.engine == "vllm" and not r.colocate:
         return n * r.engines_per_agent * r.engine_tp
     return 0
+
+
+def colocated_engines(cfg) -> int:
+    """vLLM engines placed in the megatron trainer ranks' bundles (``rollout.colocate``; one
+    CPU each, in the bundle of the rank whose GPU the engine shares)."""
+    r = cfg.rollout
+    return len(cfg.agents) * r.engines_per_agent if r.engine == "vllm" and r.colocate else 0
 
 
 class RayAgents:
@@ -169,9 +178,10 @@ class RayAgents:
         self.cluster = connect(cfg.rollout.ray_address, timeout_s=timeout_s,
                                num_cpus=max(need + rollout_cpus(cfg), os.cpu_count() or 1))
         try:
-            self.cluster.require_cpus(
-                need, what=f"trainer_backend=ray needs {need} CPUs ({len(policies)} agents x "
-                           f"{self.threads} CPU each, threads={cfg.threads})",
+            self.cluster.require(
+                "CPU", need,
+                what=f"trainer_backend=ray needs {need} CPUs ({len(policies)} agents x "
+                     f"{self.threads} CPU each, threads={cfg.threads})",
                 hint="lower threads or add nodes")
             self._start(timeout_s, start_timeout_s)
         except BaseException:

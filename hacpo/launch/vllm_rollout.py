@@ -253,8 +253,8 @@ class VLLMRolloutEngine(GeneratorState):
         try:
             if self.device == "cuda" and not self.colocate:
                 ranks, engines = gpu_needs(cfg)
-                self._cluster.require_gpus(
-                    ranks + engines,
+                self._cluster.require(
+                    "GPU", ranks + engines,
                     what=f"rollout.device='cuda': {n} agents x {self.engines_per_agent} vLLM "
                          f"engines x {self.engine_tp} GPUs (rollout.engine_tp) + {ranks} "
                          f"megatron ranks on cuda need {ranks + engines} GPUs",

@@ -380,3 +380,30 @@ def test_gpu_needs_count_ranks_and_engines_of_their_own():
     assert gpu_needs(cuda.override({"rollout.colocate": True,
                                     "rollout.engines_per_agent": 1})) == (4, 0)
     assert "GPU" not in cluster_needs(load_config("tiny3"))
+
+
+def test_colocated_engine_cpus_are_counted_once_in_their_ranks_bundles():
+    """Colocated vLLM engines take one CPU each in the bundle of the rank whose GPU they share
+    (only the first engines_per_agent bundles), and are not counted again as a rollout pool."""
+    from hacpo.engine.run_config import load_config
+    from hacpo.launch.megatron_trainer import rank_bundles
+    from hacpo.launch.ray_trainer import colocated_engines, rollout_cpus
+
+    mega = {f"agents.{k}.{key}": v for k in range(2) for key, v in (
+        ("policy.kind", "hf"), ("policy.arch", "llama"), ("trainer", "megatron"),
+        ("parallel.device", "cuda"), ("parallel.dp", 3))}
+    cfg = load_config("default", overrides={"rollout.engine": "vllm", "trainer_backend": "ray",
+                                         "rollout.device": "cuda", "rollout.engines_per_agent": 2,
+                                         **mega})
+    assert (rollout_cpus(cfg), colocated_engines(cfg)) == (4, 0)     # disaggregated: own actors
+    co = cfg.override({"rollout.colocate": True})
+    assert (rollout_cpus(co), colocated_engines(co)) == (0, 4)
+    par = co.agents[0].parallel
+    assert rank_bundles(par, 3, 2) == [{"CPU": 4, "GPU": 1}, {"CPU": 4, "GPU": 1},
+                                       {"CPU": 3, "GPU": 1}]
+    assert rank_bundles(par, 3) == [{"CPU": 3, "GPU": 1}] * 3
+    assert rank_bundles(cfg.override({"agents.0.parallel.device": "cpu"}).agents[0].parallel,
+                        1) == [{"CPU": 1}] * 3
+    with pytest.raises(ValueError, match="4 colocated engines for 3 trainer ranks"):
+        rank_bundles(par, 1, 4)
+    assert rollout_cpus(load_config("default", overrides={"rollout.engine": "vllm"})) == 2
