@@ -3,6 +3,8 @@ torch.multiprocessing can spawn them). Every worker writes its result with torch
 test process compares."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 ARCHS = ("llama", "qwen2", "qwen3")
@@ -486,5 +488,94 @@ def reshard_worker(rank, world, tp, pp, in_path, out_path, distributed=False,
         whole = join_slices(every) if distributed else every[0]
         res["main2"] = {name: st["main"] for name, st in whole.items()}
     ps.destroy_model_parallel()
+    if rank == 0:
+        torch.save(res, out_path)
+
+
+# -- an optimizer that keeps Adam's step per parameter group (TE's / apex's FusedAdam) ---------
+class GroupStepAdam(torch.optim.Optimizer):
+    """A stand-in for TE's / apex's ``FusedAdam`` as megatron-core builds it when either is
+    installed (``Adam(params, lr, weight_decay, betas, eps, adam_w_mode)``): the same AdamW
+    update as torch's, but the step count is ``param_group["step"]`` (an int, created by the
+    first step) and a parameter's state holds only ``exp_avg`` / ``exp_avg_sq``."""
+
+    def __init__(self, params, lr, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8,
+                 adam_w_mode=True, bias_correction=True):
+        assert adam_w_mode and bias_correction
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            g["step"] = g.get("step", 0) + 1
+            t, (b1, b2) = g["step"], g["betas"]
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["exp_avg"], st["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+                assert set(st) == {"exp_avg", "exp_avg_sq"}, sorted(st)
+                p.mul_(1 - g["lr"] * g["weight_decay"])
+                st["exp_avg"].lerp_(p.grad, 1 - b1)
+                st["exp_avg_sq"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                denom = (st["exp_avg_sq"] / (1 - b2 ** t)).sqrt_().add_(g["eps"])
+                p.addcdiv_(st["exp_avg"], denom, value=-g["lr"] / (1 - b1 ** t))
+
+
+def group_step_adam_worker(rank, world, out_path):
+    """Adam (lr 0.05) on a tied Llama at TP=PP=DP=1, two ``train_step``: with torch's AdamW
+    ("torch") and with :class:`GroupStepAdam` in megatron-core's place for TE's / apex's
+    FusedAdam ("group"), each saving its optimizer shard after step 1 (through a file); then,
+    from the step-1 weights, step 2 with each shard's state moved by name
+    (``named_moments`` -> ``moments_to_hf`` -> ``moments_from_hf`` -> ``load_named_moments``)
+    into the other kind of optimizer ("group->torch", "torch->group"). Rank 0 saves {kind:
+    weights after step 2, "group_state": the group optimizer's per-group steps and a
+    parameter's state keys after loading the moved state}; "w1/torch", "w1/group": the
+    weights after step 1."""
+    from unittest import mock
+
+    import megatron.core.optimizer as mco
+    from megatron.core import parallel_state as ps
+
+    from hacpo.models.megatron import (MegatronPolicy, hf_to_megatron, init_parallel,
+                                       load_megatron_state)
+    from hacpo.models.megatron.convert import moments_from_hf, moments_to_hf
+    from hacpo.models.megatron.policy import chained, named_moments
+
+    def fused():            # megatron-core's choice when TE or apex is importable
+        return mock.patch.multiple(mco, Adam=GroupStepAdam, USING_PYTORCH_OPTIMIZER=False)
+
+    def policy():
+        return MegatronPolicy.from_hf(case_model(("llama", True)), init_parallel(1, 1, None))
+
+    res, shards = {}, {}
+    for kind in ("torch", "group"):
+        pol = policy()
+        with fused() if kind == "group" else contextlib.nullcontext():
+            opt = pol.build_optimizer(lr=0.05, optimizer="adam")
+        assert isinstance(chained(opt)[0].optimizer, GroupStepAdam) == (kind == "group")
+        mbs = step_microbatches(pol.arch.vocab_size, 0, B, 1)
+        pol.train_step(opt, mbs, sgd_loss)
+        res[f"w1/{kind}"] = _copy(pol.hf_state_dict())
+        shards[kind] = _through_file(pol.optimizer_state(opt))
+        pol.train_step(opt, mbs, sgd_loss)
+        res[kind] = _copy(pol.hf_state_dict())
+        ps.destroy_model_parallel()
+    for src, dst in (("group", "torch"), ("torch", "group")):
+        pol = policy()
+        with torch.no_grad():
+            load_megatron_state(pol.module, hf_to_megatron(res[f"w1/{src}"], pol.arch))
+        with fused() if dst == "group" else contextlib.nullcontext():
+            opt = pol.build_optimizer(lr=0.05, optimizer="adam")
+        step, hf = moments_to_hf([[named_moments(shards[src])]], pol.arch)
+        pol.load_named_moments(opt, moments_from_hf(step, hf, pol.arch))
+        inner = chained(opt)[0].optimizer
+        if dst == "group":
+            res["group_state"] = ([g.get("step") for g in inner.param_groups],
+                                  sorted(next(iter(inner.state.values()))))
+        pol.train_step(opt, step_microbatches(pol.arch.vocab_size, 0, B, 1), sgd_loss)
+        res[f"{src}->{dst}"] = _copy(pol.hf_state_dict())
+        ps.destroy_model_parallel()
     if rank == 0:
         torch.save(res, out_path)

@@ -289,3 +289,61 @@ def test_bad_scoring_requests_are_clear_errors(tmp_path):
     assert msgs[3] == "micro_batch_size must be >= 1, got -1"
     assert msgs[5] == (f"the model output ({W.S + 1}, {W.B}, 64) does not cover the {W.S} "
                        f"positions of targets ({W.B}, {W.S})")
+
+
+def test_state_of_an_optimizer_with_the_step_per_group_moves(tmp_path):
+    """megatron-core builds TE's or apex's FusedAdam when either is installed (GPU machines):
+    the step is then per parameter group, not per parameter. A stand-in with that layout
+    (``W.GroupStepAdam``, the same AdamW update) takes the same steps as torch's AdamW, and
+    Adam's state moves by name between the two kinds (a resume in another layout): step 2
+    after the move equals step 2 without one, and the group optimizer gets its step in its
+    groups (a fresh step count would redo Adam's bias correction: a step off by ~lr)."""
+    path = tmp_path / "group_step.pt"
+    run_single(W.group_step_adam_worker, str(path))
+    res = torch.load(path)
+    steps, keys = res["group_state"]           # megatron's groups (with / without decay)
+    assert steps and set(steps) == {1} and keys == ["exp_avg", "exp_avg_sq"]
+    assert max((res["torch"][k] - res["w1/torch"][k]).abs().max().item()
+               for k in res["torch"]) > 1e-2                  # step 2 moved the weights
+    for kind in ("group", "group->torch", "torch->group"):
+        for k in res["torch"]:
+            # the same AdamW math in another op order: rounding only (seen: <= 2e-7)
+            torch.testing.assert_close(res[kind][k], res["torch"][k], atol=1e-5, rtol=0,
+                                       msg=f"{kind} {k}")
+
+
+def test_other_pipeline_stages_get_the_last_stage_tensor_on_the_parameters_device(monkeypatch):
+    """At PP > 1 the stages before the last receive the log-probs by a broadcast into a buffer
+    of their own, which must be on the parameters' device (NCCL broadcasts CUDA tensors only;
+    on this CPU machine the device is shown with "meta" parameters)."""
+    from types import SimpleNamespace
+
+    from hacpo.models.megatron import policy as mp
+
+    seen = []
+    monkeypatch.setattr(mp.dist, "get_global_rank", lambda group, r: r)
+    monkeypatch.setattr(mp.dist, "broadcast", lambda t, src, group: seen.append((t, src)))
+    fake = SimpleNamespace(par=SimpleNamespace(pp=2, pp_group=object()),
+                           module=torch.nn.Linear(2, 2, device="meta"))
+    out = mp.MegatronPolicy._from_last_stage(fake, None, (3, 5))
+    assert out.device.type == "meta" and out.shape == (3, 5) and out.dtype == torch.float32
+    assert seen == [(out, 1)]
+
+
+def test_local_state_holds_weights_only():
+    """transformer-engine layers add ``_extra_state`` entries (an empty CPU tensor without fp8)
+    to the state dict: no weights, and a TP all-gather of them over NCCL fails; ``local_state``
+    (what ``hf_state_dict`` gathers and the reference shards save) leaves them out."""
+    from types import SimpleNamespace
+
+    from hacpo.models.megatron.policy import MegatronPolicy
+
+    w = torch.ones(2, 2)
+    state = {"decoder.layers.0.mlp.linear_fc1.weight": w,
+             "decoder.layers.0.mlp.linear_fc1._extra_state": torch.empty(0, dtype=torch.uint8),
+             "decoder.layers.0.self_attention.core_attention._extra_state": None}
+    fake = SimpleNamespace(module=SimpleNamespace(state_dict=lambda: state))
+    got = MegatronPolicy.local_state(fake)
+    assert list(got) == ["decoder.layers.0.mlp.linear_fc1.weight"] and got[
+        "decoder.layers.0.mlp.linear_fc1.weight"] is not w and torch.equal(got[
+            "decoder.layers.0.mlp.linear_fc1.weight"], w)

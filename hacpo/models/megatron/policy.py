@@ -41,6 +41,7 @@ depend on how the batch is split.
 """
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -55,6 +56,8 @@ from hacpo.models.megatron.convert import (Unit, hf_to_megatron, hf_units, load_
                                            megatron_to_hf, unit_megatron_names, unit_stage,
                                            unit_to_hf)
 from hacpo.models.policy import LM_HEADS   # "logits" | "fused": see the module docstring
+
+log = logging.getLogger(__name__)
 
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
 
@@ -130,8 +133,11 @@ class MegatronPolicy:
         return getattr(self.model, "module", self.model)
 
     def local_state(self) -> dict[str, torch.Tensor]:
+        """This rank's weights by megatron name (detached; megatron's ``_extra_state`` entries,
+        e.g. transformer-engine's empty CPU tensors, are no weights and are left out: a TP
+        all-gather of them over NCCL would fail)."""
         return {k: v.detach() for k, v in self.module.state_dict().items()
-                if isinstance(v, torch.Tensor)}
+                if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
 
     def hf_state_dict(self, *, everywhere: bool = True) -> dict[str, torch.Tensor] | None:
         """Full HF-named weights (a collective of every rank).
@@ -383,10 +389,15 @@ class MegatronPolicy:
                   micro_batch_size=max(b for b, _ in shapes), forward_only=forward_only)
 
     def _from_last_stage(self, t: torch.Tensor | None, shape) -> torch.Tensor:
-        """Broadcast a tensor that exists on the last PP stage to every stage."""
+        """Broadcast a tensor that exists on the last PP stage to every stage (the other
+        stages' buffer on the parameters' device: NCCL broadcasts CUDA tensors only)."""
         if self.par.pp == 1:
             return t
-        buf = t.contiguous() if t is not None else torch.empty(shape, dtype=torch.float32)
+        if t is not None:
+            buf = t.contiguous()
+        else:
+            device = next(self.module.parameters()).device
+            buf = torch.empty(shape, dtype=torch.float32, device=device)
         src = dist.get_global_rank(self.par.pp_group, self.par.pp - 1)
         dist.broadcast(buf, src=src, group=self.par.pp_group)
         return buf
@@ -483,7 +494,13 @@ class MegatronPolicy:
                                   sgd_momentum=sgd_momentum, clip_grad=clip_grad,
                                   bf16=cfg.bf16, fp16=cfg.fp16, params_dtype=cfg.params_dtype,
                                   use_distributed_optimizer=use_distributed_optimizer)
-        return get_megatron_optimizer(opt_cfg, [self.model])
+        opt = get_megatron_optimizer(opt_cfg, [self.model])
+        inner = sorted({f"{type(o.optimizer).__module__}.{type(o.optimizer).__qualname__}"
+                        for o in chained(opt)})
+        # megatron-core picks TE's FusedAdam, else apex's, else torch's: say which ran
+        log.info("megatron optimizer %s (distributed=%s) over %s", optimizer,
+                 use_distributed_optimizer, ", ".join(inner))
+        return opt
 
     def optimizer_state(self, optimizer) -> dict:
         """This rank's optimizer state (a checkpoint shard for :meth:`load_optimizer_state`),
@@ -613,8 +630,10 @@ class MegatronPolicy:
         ``{name: {"step", "exp_avg", "exp_avg_sq"[, "main"]}}``, "main": the full-precision
         weights of a model with fp16 / bf16 weights, copied into the fp32 main weights or, for
         its fp32 parameters, the parameters), for any of megatron's plain or distributed
-        optimizers (each DP rank of the distributed one takes its slice). Every parameter must
-        have a state of its shape, and fp16 / bf16 weights their main weights.
+        optimizers (each DP rank of the distributed one takes its slice), whose inner optimizer
+        is torch's Adam / AdamW (the step per parameter) or TE's / apex's FusedAdam (the step
+        per parameter group). Every parameter must have a state of its shape, and fp16 / bf16
+        weights their main weights.
         ``grad_scalers``: per chained optimizer, the loss scaler's state (fp16) to load. Returns
         the number of parameters set."""
         entries = self.param_entries(optimizer)
@@ -625,6 +644,9 @@ class MegatronPolicy:
         opts = chained(optimizer)
         n = 0
         for o, groups in zip(opts, entries):
+            # torch's Adam / AdamW keep the step per parameter; TE's and apex's FusedAdam (which
+            # megatron-core uses when either is installed) per parameter group
+            per_group = not isinstance(o.optimizer, (torch.optim.Adam, torch.optim.AdamW))
             for g, group_entries in zip(o.optimizer.param_groups, groups):
                 for prm, e in zip(g["params"], group_entries):
                     name, rng = e["name"], e["range"]
@@ -645,7 +667,9 @@ class MegatronPolicy:
                     o.optimizer.state[prm] = {
                         k: (v.detach().clone() if k == "step" else
                             cut(v).detach().clone().to(prm.device))
-                        for k, v in st.items() if k != "main"}
+                        for k, v in st.items() if k != "main" and not (per_group and k == "step")}
+                    if per_group:
+                        g["step"] = int(round(float(st["step"])))
                     if "main" in st:         # the main copy, or an fp32 parameter itself
                         with torch.no_grad():
                             prm.copy_(cut(st["main"]).reshape(prm.shape))
@@ -743,7 +767,8 @@ def named_moments(state: dict) -> dict[str, dict[str, torch.Tensor]] | None:
     full-precision weights: the fp32 main weights of 16-bit parameters, the fp32 parameters
     themselves) in a model with fp16 / bf16 weights, and for the distributed optimizer's slices
     ``"range"`` (of the flattened parameter) and ``"shape"`` (of the whole parameter; see
-    :func:`join_slices`). Parameters without state (no step has run) are left out. None for a
+    :func:`join_slices`); "step" is the parameter group's for optimizers that keep it there
+    (TE's / apex's FusedAdam). Parameters without state (no step has run) are left out. None for a
     shard that names no parameters (written before the names, or by another optimizer)."""
     entries = _shard_entries(state)
     if entries is None:
@@ -792,6 +817,8 @@ def named_moments(state: dict) -> dict[str, dict[str, torch.Tensor]] | None:
                 if idx not in inner["state"]:
                     continue
                 st = dict(inner["state"][idx])
+                if "step" not in st and "step" in g:    # TE's / apex's FusedAdam: per group
+                    st["step"] = torch.tensor(float(g["step"]))
                 if main is not None:
                     st["main"] = main
                 if e["range"] is not None:
