@@ -7,8 +7,18 @@ Backward, one program per row: dlogits = g * (onehot - exp(z - m - ls)) * inv_te
 the saved per-row max m and log-sum-exp offset ls in one pass; reads the row once, writes it
 once. No softmax is stored.
 
-Interpreter-safe: every load is followed by `.to(tl.float32)`, only tl.exp/tl.log (no libdevice),
+Interpreter-safe: every load is followed by `.to(tl.float32)`, only tl.exp2/tl.log (no libdevice),
 a single fixed config (no multi-config autotune).
+
+Instruction economy (the forward must stream bf16 rows at most of HBM bandwidth, so the
+per-element work is what limits it): exponentials are ``exp2(y * LOG2E)``, a bare hardware ex2
+(``tl.exp`` compiles to an ex2 plus a per-element denormal fix-up); the block max is taken on
+the raw logits and scaled once; with the entropy both block sums are one two-operand
+reduction; the backward compares the target as int32. Compiled for sm_90 with triton 3.7.1
+(no GPU: ptxas / cuobjdump only) these cut the SASS instructions per loop iteration from 248 to
+182 (bf16 forward), 322 to 250 (with entropy) and 276 to 191 (bf16 backward), loads still
+128-bit, no register spills (32 registers per thread; 47 with the entropy, 40 for the fp32
+backward); measured speed needs a GPU (benchmarks/gpu_check.sh).
 """
 from __future__ import annotations
 
@@ -34,28 +44,41 @@ def check_device(device: torch.device) -> None:
             "before anything imports triton, or use backend='torch'")
 
 
+LOG2E = tl.constexpr(1.4426950408889634)    # exp(y) = exp2(y * LOG2E)
+
+
+@triton.jit
+def _add2(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
 @triton.jit
 def _logprob_fwd_kernel(X, stride_x, TGT, M, LS, TGT_LOGIT, EZ, V, inv_temp,
                         BLOCK_V: tl.constexpr, ENTROPY: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)           # row * stride can exceed 2**31
     x_ptr = X + row * stride_x
-    m = float("-inf")
-    s = 0.0
+    m = float("-inf")                              # running max of z = x * inv_temp
+    s = 0.0                                        # sum exp(z - m)
     w = 0.0                                        # sum exp(z - m) * (z - m)
     for start in range(0, V, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
         mask = offs < V
-        x = tl.load(x_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_temp
-        m_new = tl.maximum(m, tl.max(x, axis=0))
+        x = tl.load(x_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
+        # max of the raw logits, scaled once (inv_temp > 0): no scaled copy of the block
+        m_new = tl.maximum(m, tl.max(x, axis=0) * inv_temp)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # all -inf so far: avoid inf-inf
         m_old = tl.where(m == float("-inf"), m_safe, m)
-        scale = tl.exp(m_old - m_safe)
-        p = tl.exp(x - m_safe)
+        scale = tl.exp2((m_old - m_safe) * LOG2E)
+        y = x * inv_temp - m_safe
+        p = tl.exp2(y * LOG2E)     # a bare ex2 (tl.exp adds a denormal-range fix-up per element)
         if ENTROPY:
-            # running sum of exp(z - m) * (z - m), rebased from m_old to m_new
-            w = scale * (w + (m_old - m_safe) * s) + \
-                tl.sum(p * tl.where(x == float("-inf"), 0.0, x - m_safe), axis=0)
-        s = s * scale + tl.sum(p, axis=0)
+            # running sum of exp(z - m) * (z - m), rebased from m_old to m_new; both sums in
+            # one two-operand reduction (one pass of barriers instead of two)
+            ps, pw = tl.reduce((p, p * tl.where(x == float("-inf"), 0.0, y)), 0, _add2)
+            w = scale * (w + (m_old - m_safe) * s) + pw
+        else:
+            ps = tl.sum(p, axis=0)
+        s = s * scale + ps
         m = m_new
     tl.store(M + row, m)
     tl.store(LS + row, tl.log(s))                 # -inf when the (shard's) row is all -inf
@@ -75,6 +98,8 @@ def _logprob_bwd_kernel(X, stride_x, DX, stride_dx, TGT, M, LS, G, V, inv_temp,
     x_ptr = X + row * stride_x
     dx_ptr = DX + row * stride_dx
     t = tl.load(TGT + row)
+    # the target as an int32 column (-1: not in this shard), compared with the int32 offsets
+    t32 = tl.where((t >= 0) & (t < V), t, -1).to(tl.int32)
     m = tl.load(M + row)
     ls = tl.load(LS + row)
     gs = tl.load(G + row).to(tl.float32) * inv_temp
@@ -82,8 +107,8 @@ def _logprob_bwd_kernel(X, stride_x, DX, stride_dx, TGT, M, LS, G, V, inv_temp,
         offs = start + tl.arange(0, BLOCK_V)
         mask = offs < V
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) * inv_temp
-        p = tl.exp((x - m) - ls)
-        d = (tl.where(offs == t, 1.0, 0.0) - p) * gs
+        p = tl.exp2(((x - m) - ls) * LOG2E)
+        d = (tl.where(offs == t32, 1.0, 0.0) - p) * gs
         tl.store(dx_ptr + offs, d.to(DX.dtype.element_ty), mask=mask)
 
 
