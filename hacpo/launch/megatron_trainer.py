@@ -126,6 +126,7 @@ from hacpo.engine.agents import score_temperature
 from hacpo.engine.evaluate import evaluate_policy
 from hacpo.engine.losses import low_var_kl
 from hacpo.engine.pool import LearnerView, StepPool, scored_lengths
+from hacpo.engine.timing import device_sync
 from hacpo.engine.update import NonFiniteUpdateError, _minibatch_metrics, _pad
 from hacpo.models.buckets import bucket_bytes_of, copy_buckets, plan_buckets
 from hacpo.models.policy import Policy
@@ -308,6 +309,16 @@ class MegatronRank:
         if setup_hook:
             run_setup_hook(setup_hook)
         self.pol = None
+        self._sync = None         # profile_sync on CUDA: torch.cuda.synchronize (see _now)
+
+    def _now(self) -> float:
+        """The clock of this rank's stage times: with ``profile_sync`` on CUDA the device is
+        synchronized first, so a stage's time includes its kernels, not only their launch
+        (otherwise the split between stages is what the host saw; their sum is exact, an
+        update ends with a host sync)."""
+        if self._sync is not None:
+            self._sync()
+        return time.perf_counter()
 
     def ready(self) -> int:
         return os.getpid()
@@ -366,6 +377,7 @@ class MegatronRank:
         # rollout.colocate: after an update, torch's cached GPU blocks go back to the GPU for
         # the vLLM engine that shares it
         self.release_cache = self.device.type == "cuda" and par.get("release_cache", False)
+        self._sync = device_sync(par.get("profile_sync", False) and self.device.type == "cuda")
         self.reporter = p.last_stage and p.tp_rank == 0      # holds per-sample results
         return {"rank": self.rank, "tp_rank": p.tp_rank, "pp_rank": p.pp_rank,
                 "dp_rank": p.dp_rank, "pid": os.getpid(),
@@ -393,7 +405,7 @@ class MegatronRank:
         for key, pol in (("", self.pol), ("ref_", self.ref)):
             if pol is None:
                 continue
-            t = time.perf_counter()
+            t = self._now()
             toks: list[torch.Tensor] = []
             if rows:        # one pipelined schedule; each micro-batch cut to its longest row
                 ps_, rs = [prompts[i] for i in rows], [responses[i] for i in rows]
@@ -404,7 +416,7 @@ class MegatronRank:
                                         micro_batch_size=micro_batch,
                                         micro_batch_tokens=micro_batch_tokens or None).cpu()
                 toks = [tl[i, :len(r)].clone() for i, r in enumerate(rs)]
-            out[f"{key}toks"], out[f"{key}seconds"] = toks, time.perf_counter() - t
+            out[f"{key}toks"], out[f"{key}seconds"] = toks, self._now() - t
         if p.tp_rank != 0 or p.pp_rank != 0:
             return None
         return out
@@ -472,28 +484,28 @@ class MegatronRank:
 
             def forward_step(data_iterator, model, m=m, divisor=divisor, ctx=ctx):
                 part, js, (ids, targets, pos, mask) = next(data_iterator)
-                t0 = time.perf_counter()
+                t0 = self._now()
                 ids, targets = ids.to(self.device), targets.to(self.device)
                 output = self.pol.forward(model, ids)   # last stage: hidden states or logits
-                ctx["fwd"][part] += time.perf_counter() - t0
+                ctx["fwd"][part] += self._now() - t0
 
                 def loss_func(output):
-                    t1 = time.perf_counter()
+                    t1 = self._now()
                     loss = self._loss(output, targets, pos, mask, part, js, m, divisor, req, ctx)
-                    ctx["fwd"][part] += time.perf_counter() - t1
+                    ctx["fwd"][part] += self._now() - t1
                     return loss, torch.ones((), dtype=torch.int), {}
                 return output, loss_func
 
             self.pol.model.train()
             self.pol.model.zero_grad_buffer()
             self.opt.zero_grad()
-            t0 = time.perf_counter()
+            t0 = self._now()
             fb(forward_step_func=forward_step, data_iterator=iter(micro), model=[self.pol.model],
                num_microbatches=len(micro), seq_length=S, micro_batch_size=b_max,
                forward_only=False)
-            sched = time.perf_counter() - t0
+            sched = self._now() - t0
             self.pol.model.eval()
-            t0 = time.perf_counter()
+            t0 = self._now()
             total = ctx["total"].detach().float().reshape(1).clone()
             if p.last_stage and p.dp > 1:
                 dist.all_reduce(total, group=p.dp_group)
@@ -515,7 +527,7 @@ class MegatronRank:
                                 if prm.grad is not None:
                                     prm.grad.mul_(coef)
                 self.opt.step_with_ready_grads()
-            times["optimizer"] += time.perf_counter() - t0
+            times["optimizer"] += self._now() - t0
             fwd = ctx["fwd"]
             back = max(0.0, sched - fwd["self"] - fwd["cross"])
             f_all = fwd["self"] + fwd["cross"]
@@ -783,7 +795,7 @@ class MegatronAgents:
             model = self.policies[k].model
             shards = self._shard_refs(k, model.state_dict())    # each rank gets its own
             par = {**dataclasses.asdict(g.par), "recompute_kw": g.par.recompute_kwargs(),
-                   "release_cache": cfg.rollout.colocate}
+                   "release_cache": cfg.rollout.colocate, "profile_sync": cfg.profile_sync}
             optim = {"lr": a.optim.lr, "weight_decay": a.optim.weight_decay,
                      "beta1": a.optim.beta1, "beta2": a.optim.beta2,
                      "grad_clip": a.optim.grad_clip}

@@ -633,3 +633,22 @@ def test_killed_rank_actor_is_clear_error(cluster, tmp, monkeypatch):
     assert "--resume" in str(err)
     free_cpus_back()                        # the run cleaned up its actors
     assert 1 <= metrics.read_text().count("\n") < 40
+
+
+def test_rank_stage_clock_synchronizes_the_device_with_profile_sync():
+    """A rank's stage times (score / backward / optimizer, old log-probs) read its clock
+    ``_now``: with ``profile_sync`` on CUDA it synchronizes the device first (set in setup, where
+    the rank knows its device), so a stage's time holds its kernels; by default, and on CPU, it
+    does not synchronize."""
+    rank = megatron_trainer.MegatronRank("a", 0, 1, 1, "")
+    assert rank._sync is None
+    calls = []
+    rank._sync = lambda: calls.append(len(calls))
+    t0 = rank._now()
+    t1 = rank._now()
+    assert calls == [0, 1] and t1 >= t0
+    # the choice setup makes: only profile_sync on a CUDA device synchronizes
+    from hacpo.engine.timing import device_sync
+    assert device_sync(False) is None
+    if not torch.cuda.is_available():
+        assert device_sync(True) is None
