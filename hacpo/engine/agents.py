@@ -81,6 +81,23 @@ class LocalAgents:
         """Nothing to release in-process."""
 
 
+def update_agents(agents, views: list[LearnerView], pool: StepPool, *,
+                  generator: torch.Generator, nonfinite: dict, ratio_logs: list[dict | None],
+                  sw, timer) -> list[dict[str, float]]:
+    """Every agent's update of a step (agent k on ``views[k]``, ``timer(k)`` entered around
+    it): the group's ``update_all`` where it has one (megatron groups update at once), else
+    ``update`` one agent after another."""
+    if hasattr(agents, "update_all"):
+        return agents.update_all(views, pool, generator=generator, nonfinite=nonfinite,
+                                 ratio_logs=ratio_logs, sw=sw, timer=timer)
+    out = []
+    for k, view in enumerate(views):
+        with timer(k):
+            out.append(agents.update(k, view, pool, generator=generator, nonfinite=nonfinite,
+                                     ratio_log=ratio_logs[k], sw=sw))
+    return out
+
+
 def score_temperature(cfg: TrainConfig) -> float:
     """Log-probs for ratios are taken under the sampling distribution's temperature."""
     return cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0

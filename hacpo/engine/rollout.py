@@ -2,7 +2,8 @@
 (the vLLM/Ray pool implements the same interface)."""
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -25,6 +26,33 @@ class RolloutEngine(Protocol):
     def stats(self) -> dict: ...
 
     def close(self) -> None: ...
+
+
+def generate_agents(engine: RolloutEngine, prompt_ids: Sequence[Sequence[Sequence[int]]], *,
+                    timer: Callable[[int], object], **kwargs) -> list[Rollout]:
+    """A step's rollouts: agent k samples for ``prompt_ids[k]`` (``kwargs``: ``generate``'s
+    num_samples, max_new_tokens, temperature, top_p); ``timer(k)`` is entered around agent k's
+    sampling (e.g. a Stopwatch key ``time/generate/<name>``).
+
+    An engine whose agents sample on workers of their own (``concurrent_agents = True``: the
+    Ray and vLLM pools, one or more actors per agent) samples every agent at once, each agent's
+    calls (with their fault handling) from a driver thread of its own: the step waits for the
+    slowest agent instead of the sum of all. The samples are those of one agent after another
+    (each agent's draws come from its own generator and its own actors), and the per-agent
+    times are each agent's wall time. Other engines (in-process: the agents share this
+    process's CPUs) sample one agent after another. An agent's error is raised after every
+    agent's call has ended (the first agent's, in agent order)."""
+    n = len(prompt_ids)
+
+    def one(k: int) -> Rollout:
+        with timer(k):
+            return engine.generate(k, prompt_ids[k], **kwargs)
+
+    if n < 2 or not getattr(engine, "concurrent_agents", False):
+        return [one(k) for k in range(n)]
+    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="hacpo-generate") as pool:
+        futures = [pool.submit(one, k) for k in range(n)]
+    return [f.result() for f in futures]      # every call has ended: the pool has joined
 
 
 def agent_generators(seed: int, n: int) -> list[torch.Generator]:

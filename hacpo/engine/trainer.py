@@ -29,7 +29,7 @@ import torch
 from hacpo.models.retokenize import RetokStats
 
 from . import build, checkpoint as ckpt
-from .agents import build_agents, score_temperature
+from .agents import build_agents, score_temperature, update_agents
 from .algorithm import learner_samples, sample_omega
 from .capability import CapabilityTracker
 from .data import PromptSampler
@@ -37,6 +37,7 @@ from .evaluate import evaluate_policy, score_named
 from .metrics import MetricsLogger
 from .pool import build_pool, learner_view
 from .rewards import RewardComputer
+from .rollout import generate_agents
 from .run_config import TrainConfig, config_diff, default_fingerprint, fingerprint_dict
 from .timing import Stopwatch, device_sync
 
@@ -164,14 +165,14 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
             batch = sampler.next_batch(cfg.prompts_per_step)
             prompt_ids = [[p.tokenizer.prompt_ids(build.prompt_text(cfg, e)) for e in batch]
                           for p in policies]
-            rollouts = []
-            for k in range(n):
-                with sw(f"time/generate/{names[k]}"):
-                    ro = engine.generate(k, prompt_ids[k], num_samples=G,
-                                         max_new_tokens=cfg.rollout.max_new_tokens,
-                                         temperature=cfg.rollout.temperature,
-                                         top_p=cfg.rollout.top_p)
-                rollouts.append((ro, policies[k].tokenizer))
+            # the Ray / vLLM pools sample all agents at once (rollout.generate_agents)
+            with sw("time/generate"):
+                ros = generate_agents(engine, prompt_ids,
+                                      timer=lambda k: sw(f"time/generate/{names[k]}"),
+                                      num_samples=G, max_new_tokens=cfg.rollout.max_new_tokens,
+                                      temperature=cfg.rollout.temperature,
+                                      top_p=cfg.rollout.top_p)
+            rollouts = [(ro, p.tokenizer) for ro, p in zip(ros, policies)]
             engine.idle()                  # colocated engines free their GPUs for the trainer
             pool = build_pool(rollouts)
             with sw("time/reward"):
@@ -181,17 +182,21 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
             agents.old_logprobs(pool, prompt_ids, cfg.micro_batch, score_temperature(cfg), sw)
             metrics: dict[str, float] = {}
             retok = RetokStats()
+            views = []
             for k in range(n):
                 idx, adv = learner_samples(algo, pool.rewards, pool.prompt, pool.agent,
                                            learner=k, ratios=ratios)
                 omega = sample_omega(algo, pool.agent[idx], k, ratios)
                 with sw(f"time/retokenize/{names[k]}"):
-                    view = learner_view(pool, k, idx, adv, omega, policies, prompt_ids,
-                                        cfg.rollout.max_new_tokens, retok, cfg.drop_unencodable)
-                rl = {} if cfg.plots else None
-                with sw(f"time/update/{names[k]}"):
-                    m = agents.update(k, view, pool, generator=shuffle_gen,
-                                      nonfinite=nonfinite, ratio_log=rl, sw=sw)
+                    views.append(learner_view(pool, k, idx, adv, omega, policies, prompt_ids,
+                                              cfg.rollout.max_new_tokens, retok,
+                                              cfg.drop_unencodable))
+            # every agent's update (megatron groups at once: update_agents), then the syncs
+            rls = [{} if cfg.plots else None for _ in range(n)]
+            ms = update_agents(agents, views, pool, generator=shuffle_gen, nonfinite=nonfinite,
+                               ratio_logs=rls, sw=sw,
+                               timer=lambda k: sw(f"time/update/{names[k]}"))
+            for k, (view, m, rl) in enumerate(zip(views, ms, rls)):
                 for stage in UPDATE_STAGES:        # same keys every step, 0 when idle
                     sw.setdefault(f"time/{stage}/{names[k]}", 0.0)
                 with sw(f"time/sync/{names[k]}"):

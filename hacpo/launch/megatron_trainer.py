@@ -108,6 +108,8 @@ import shutil
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
@@ -225,6 +227,10 @@ def shard_refs(cut, tp: int, pp: int, dp: int) -> list:
             refs[tp_rank, pp_rank] = ray.put(cut(tp_rank, pp_rank))
         out.append(refs[tp_rank, pp_rank])
     return out
+
+
+# an agent with no samples this step: the update's metrics (the same keys every step)
+_NO_UPDATE = {"trained_samples": 0.0, "tokens_update_padded": 0.0, "update_micro_batches": 0.0}
 
 
 def rank_bundles(par, threads: int, engines: int = 0) -> list[dict[str, float]]:
@@ -430,6 +436,7 @@ class MegatronRank:
         import torch.distributed as dist
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        started = time.time()
         algo, view, p = req["algo"], req["view"], self.par
         is_self = view.is_self.tolist()
         streak, out = req["streak"], []
@@ -547,7 +554,8 @@ class MegatronRank:
         if self.release_cache:     # colocated: the engine on this GPU wakes up next
             torch.cuda.empty_cache()
         return {"minibatches": out, "times": dict(times), "micro_batches": n_micro,
-                "padded_tokens": n_padded, "dp_rank": p.dp_rank, "reporter": self.reporter}
+                "padded_tokens": n_padded, "dp_rank": p.dp_rank, "reporter": self.reporter,
+                "span": (started, time.time())}    # wall clock: agents' updates overlap
 
     def _loss(self, output, targets, pos, mask, part, js, m, divisor, req, ctx):
         """learner_loss of a micro-batch's real rows (the first ``len(js)``) with the
@@ -946,13 +954,62 @@ class MegatronAgents:
     def update(self, k: int, view: LearnerView, pool: StepPool, *, generator: torch.Generator,
                nonfinite: dict, ratio_log: dict | None, sw) -> dict[str, float]:
         """update_learner's M minibatch updates on agent k's ranks (module docstring)."""
-        cfg, algo = self.cfg, self.cfg.algorithm
         if self._groups[k].torch:
             return self._update_torch(k, view, pool, generator, nonfinite, ratio_log, sw)
+        job = self._update_request(k, view, pool, generator, nonfinite["streak"])
+        if job is None:
+            return _NO_UPDATE.copy()
+        results = self._gather(k, [r.update.remote(job[0]) for r in self._groups[k].ranks])
+        return self._update_result(k, view, pool, job[1], results, nonfinite, ratio_log, sw)
+
+    def update_all(self, views: Sequence[LearnerView], pool: StepPool, *,
+                   generator: torch.Generator, nonfinite: dict,
+                   ratio_logs: Sequence[dict | None], sw, timer) -> list[dict[str, float]]:
+        """Every agent's :meth:`update` (agent k on ``views[k]``; ``timer(k)`` entered around
+        agent k's), the megatron groups' at once: their requests are made in agent order
+        (the minibatch shuffles draw from ``generator`` in that order), every group's ranks
+        get theirs before any result is awaited, each group's results are awaited by a driver
+        thread of its own (its wall time), and the results are taken in agent order (the
+        non-finite streak counts across agents as one after another). The same updates as
+        one agent after another: a group's ranks stop early on a streak of non-finite updates
+        only for their own (a later group is sent streak 0, as the earlier groups' results
+        are not in yet; the driver still raises at the same update, the ranks may have run
+        more minibatches of a run that then stops). With a trainer=torch agent in the run, one
+        after another."""
+        n = len(views)
+        if n < 2 or any(g.torch for g in self._groups):
+            out = []
+            for k in range(n):
+                with timer(k):
+                    out.append(self.update(k, views[k], pool, generator=generator,
+                                           nonfinite=nonfinite, ratio_log=ratio_logs[k], sw=sw))
+            return out
+        jobs = [self._update_request(k, views[k], pool, generator,
+                                     nonfinite["streak"] if k == 0 else 0) for k in range(n)]
+        refs = [None if job is None else [r.update.remote(job[0]) for r in self._groups[k].ranks]
+                for k, job in enumerate(jobs)]
+
+        def wait(k: int):
+            with timer(k):
+                return None if refs[k] is None else self._gather(k, refs[k])
+
+        with ThreadPoolExecutor(max_workers=n, thread_name_prefix="hacpo-update") as ex:
+            futures = [ex.submit(wait, k) for k in range(n)]
+        out = []
+        for k, (job, fut) in enumerate(zip(jobs, futures)):
+            results = fut.result()          # an agent's error, in agent order
+            out.append(_NO_UPDATE.copy() if job is None else self._update_result(
+                k, views[k], pool, job[1], results, nonfinite, ratio_logs[k], sw))
+        return out
+
+    def _update_request(self, k: int, view: LearnerView, pool: StepPool,
+                        generator: torch.Generator, streak: int):
+        """Agent k's update request for its ranks and its minibatches (drawn from
+        ``generator``), or None when it has no samples to train on."""
+        cfg, algo = self.cfg, self.cfg.algorithm
         n = view.idx.numel()
         if n == 0:
-            return {"trained_samples": 0.0, "tokens_update_padded": 0.0,
-                    "update_micro_batches": 0.0}         # the same keys every step
+            return None
         M = algo.num_minibatches * algo.minibatch_factor
         mbs = [mb.tolist() for mb in split_minibatches(
             pool.prompt[view.idx], view.is_self, M, algo.minibatch_order, generator)]
@@ -970,9 +1027,18 @@ class MegatronAgents:
                "old_token_logp": pool.old_token_logp if algo.token_level else [],
                "minibatches": mbs, "micro_batch": cfg.micro_batch,
                "micro_batch_tokens": self._groups[k].par.micro_batch_tokens,
-               "temperature": score_temperature(cfg), "streak": nonfinite["streak"],
+               "temperature": score_temperature(cfg), "streak": streak,
                "max_nonfinite": cfg.max_nonfinite}
-        results = self._gather(k, [r.update.remote(req) for r in self._groups[k].ranks])
+        return req, mbs
+
+    def _update_result(self, k: int, view: LearnerView, pool: StepPool, mbs: list,
+                       results: list, nonfinite: dict, ratio_log: dict | None, sw
+                       ) -> dict[str, float]:
+        """Agent k's update metrics from its ranks' ``results``; counts non-finite updates
+        (raising past max_nonfinite) and logs the ratios."""
+        cfg, algo = self.cfg, self.cfg.algorithm
+        n = view.idx.numel()
+        is_self = view.is_self.tolist()
         rep = next(r for r in results if r["reporter"] and r["dp_rank"] == 0)
         for stage, v in rep["times"].items():
             key = f"time/{stage}/{self.names[k]}"

@@ -140,6 +140,9 @@ def merge_rollouts(parts: Sequence[Rollout], name: str) -> Rollout:
 class RayRolloutEngine(GeneratorState):
     """``RolloutEngine`` over Ray actors (see the module docstring).
 
+    Agents sample at once (``concurrent_agents``, :func:`hacpo.engine.rollout.generate_agents`):
+    each agent's calls and counters are its own.
+
     Args:
         policies: the trainer's policies (pickled once per agent for the actors).
         cfg: the TrainConfig (``rollout.*``, ``seed``, ``threads``).
@@ -148,6 +151,8 @@ class RayRolloutEngine(GeneratorState):
         start_timeout_s: how long the actors may take to start (unpickling a policy on a
             loaded node can be slow).
     """
+
+    concurrent_agents = True
 
     def __init__(self, policies: Sequence[Policy], cfg, *, timeout_s: float = 60.0,
                  start_timeout_s: float = 300.0):
@@ -175,7 +180,7 @@ class RayRolloutEngine(GeneratorState):
         self._timeouts = [[0] * r.engines_per_agent for _ in policies]
         self.call_timeout_s = r.call_timeout_s
         self.start_timeout_s = start_timeout_s
-        self._retried_calls = 0
+        self._retried_calls = [0] * len(policies)     # per agent: agents sample at once
         self._closed = False
         need = len(policies) * r.engines_per_agent * self.cpus_per_actor
         # A private cluster is sized to hold the pool (logical CPUs: agents sample one after
@@ -343,7 +348,7 @@ class RayRolloutEngine(GeneratorState):
                     time.sleep(0.2)
                 else:
                     self._died(agent, j, e)
-                self._retried_calls += 1
+                self._retried_calls[agent] += 1
                 send(j)
                 continue
             unavailable_since.pop(j, None)
@@ -420,7 +425,7 @@ class RayRolloutEngine(GeneratorState):
                 "restarts_per_actor": {n: list(r) for n, r in zip(self.names, self._restarts)},
                 "timeouts": sum(map(sum, self._timeouts)),
                 "timeouts_per_actor": {n: list(r) for n, r in zip(self.names, self._timeouts)},
-                "retried_calls": self._retried_calls}
+                "retried_calls": sum(self._retried_calls)}
 
     def close(self) -> None:
         """Kill the actors, remove the placement groups, stop/leave the cluster. Idempotent."""

@@ -202,6 +202,9 @@ def _shards(n: int, parts: int) -> list[tuple[int, int]]:
 class VLLMRolloutEngine(GeneratorState):
     """``RolloutEngine`` backed by vLLM engines in Ray actors (see the module docstring).
 
+    Agents sample at once (``concurrent_agents``, :func:`hacpo.engine.rollout.generate_agents`):
+    each agent's engines, calls, restarts and counters are its own.
+
     Args:
         policies: the trainer's policies (all ``kind="hf"``); their weights are the source of
             every :meth:`sync_weights`.
@@ -213,6 +216,8 @@ class VLLMRolloutEngine(GeneratorState):
             each engine (its agent's trainer ranks', see
             :meth:`~hacpo.launch.megatron_trainer.MegatronAgents.engine_bundles`).
     """
+
+    concurrent_agents = True
 
     def __init__(self, policies: Sequence[Policy], cfg, *, python: str | None = None,
                  start_timeout_s: float = 600.0, placement: Sequence[Sequence] | None = None):

@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -104,9 +105,33 @@ def torch_runs(tmp):
 def megatron_step1(cluster, tmp, torch_runs):
     with pytest.MonkeyPatch.context() as mp:
         groups = capture_instances(mp, megatron_trainer.MegatronAgents)
+        spans.clear()
+        real = megatron_trainer.MegatronAgents._update_result
+
+        def result(self, k, view, pool, mbs, results, *a, **kw):
+            spans.append((k, [r["span"] for r in results], time.time()))
+            return real(self, k, view, pool, mbs, results, *a, **kw)
+        mp.setattr(megatron_trainer.MegatronAgents, "_update_result", result)
         summary = train(megatron_cfg(tmp, "meg", "megatron"), echo=lambda *_: None)
     free_cpus_back()
     return summary, groups[0].weight_buckets
+
+
+# megatron_step1: (agent, its ranks' update spans, when the driver took the results), in the
+# order taken (wall clock of this machine: the ranks' and the driver's)
+spans: list = []
+
+
+def test_agents_update_at_once(megatron_step1):
+    """The two megatron agents' ranks get their update requests before either's results are
+    awaited (MegatronAgents.update_all): every rank of both agents had started its update
+    before the driver took agent 0's results (one agent after another, agent 1's ranks start
+    only after that); the results are taken in agent order (test_one_step_equals_torch_trainer:
+    the same updates as one agent after another)."""
+    assert [k for k, _, _ in spans] == [0, 1]
+    (_, a, taken0), (_, b, _) = spans
+    assert len(a) == len(b) == 2                       # TP=2 and PP=2: two ranks each
+    assert max(s for s, _ in a + b) < taken0, spans
 
 
 # The two trainers see the same rollouts and advantages; they differ only in float rounding
