@@ -183,9 +183,9 @@ class RayRolloutEngine(GeneratorState):
         self._retried_calls = [0] * len(policies)     # per agent: agents sample at once
         self._closed = False
         need = len(policies) * r.engines_per_agent * self.cpus_per_actor
-        # A private cluster is sized to hold the pool (logical CPUs: agents sample one after
-        # another, so at most engines_per_agent actors are busy at once); a joined cluster
-        # has the size it has.
+        # A private cluster is sized to hold the pool (logical CPUs, possibly more than this
+        # machine's cores: agents sample at once, so every actor may be busy, each with
+        # `threads` threads); a joined cluster has the size it has.
         self.cluster: RayCluster | None = None
         self.cluster = connect(r.ray_address, timeout_s=timeout_s,
                                num_cpus=max(need, os.cpu_count() or 1))
