@@ -34,7 +34,10 @@ multiplies the measured generation cost per token. Model size enters only throug
 the stated assumption that per-token costs of decoding and training scale alike with the
 parameter count (FLOPs ~ P per token for both); at LLM scale decoding is memory-bound and
 kappa > 1 (pass a kappa measured on your setup). The model is checked on the measured runs:
-fitted on GSPO alone, it predicts the GSPO x2 and HACPO step times (errors reported).
+fitted on GSPO alone, it predicts the GSPO x2 and HACPO step times (errors reported). A step is
+modelled as the sum of the agents' stage times, which is how the in-process engine and trainer
+run them; the Ray / vLLM pools sample every agent at once and megatron groups update at once
+(``generate_agents``, ``MegatronAgents.update_all``), so their steps take less than the sum.
 """
 from __future__ import annotations
 
