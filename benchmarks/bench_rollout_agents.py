@@ -1,17 +1,22 @@
-"""A step's generation with the Ray rollout pool: every agent at once (``generate_agents``
-with the pool's ``concurrent_agents``, what the trainer does) against one agent after another
-(what it did before), side by side in one run, on a private local Ray cluster.
+"""A step's generation and weight sync with the Ray rollout pool: every agent at once
+(``generate_agents`` / ``sync_agents`` with the pool's ``concurrent_agents``, what the trainer
+does) against one agent after another (what it did before), side by side in one run, on a
+private local Ray cluster.
 
     PYTHONPATH=. python benchmarks/bench_rollout_agents.py [RESULTS_DIR] [--agents 2]
-        [--reps 5] [--prompts 8] [--group 4] [--max-new-tokens 32]
+        [--reps 5] [--prompts 8] [--group 4] [--max-new-tokens 32] [--sync-reps 9]
+        [--d-model D] [--layers L]
 
 The agents are the ``tiny3`` preset's (char / reduced-vocab Qwen3 tokenizers; ``--agents 3``
-adds its third), one rollout actor each with one CPU thread (``threads=1``), so the cluster
+adds its third; ``--d-model`` / ``--layers`` resize them, e.g. to sync more weights), one
+rollout actor each with one CPU thread (``threads=1``), so the cluster
 needs ``--agents`` CPUs for the two modes to be comparable. Each repetition samples the same
 prompts in both modes from the same generator states (restored before every call), in
 alternating order; the rollouts of the two modes must be identical (checked: the samples do
-not depend on the order). Prints p20 / p50 / p80 seconds per mode and the ratio of medians;
-with RESULTS_DIR writes ``rollout_agents.json`` there.
+not depend on the order). Then the weight sync (the driver's policies into the object store,
+every actor loads its agent's; ``--sync-reps`` times per mode, alternating; the agents are
+in-process, so there is nothing to pull). Prints p20 / p50 / p80 seconds per mode and the
+ratio of medians, for each phase; with RESULTS_DIR writes ``rollout_agents.json`` there.
 """
 from __future__ import annotations
 
@@ -44,11 +49,14 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--sync-reps", type=int, default=9)
+    ap.add_argument("--d-model", type=int, default=0, help="every agent's width (0: tiny3's)")
+    ap.add_argument("--layers", type=int, default=0, help="every agent's depth (0: tiny3's)")
     a = ap.parse_args(argv)
 
     import hacpo.launch.ray_cluster  # noqa: F401  (first: a private cluster binds to loopback)
     from hacpo.engine import build
-    from hacpo.engine.rollout import generate_agents
+    from hacpo.engine.rollout import generate_agents, sync_agents
     from hacpo.engine.run_config import load_config
     from hacpo.engine.timing import Stopwatch
     from hacpo.launch.ray_rollout import RayRolloutEngine
@@ -58,6 +66,10 @@ def main(argv=None) -> int:
         "out_dir": os.path.join(tmp, "run"), "cache_dir": os.path.join(tmp, "cache"),
         "threads": 1, "plots": False, "tensorboard": False, "rollout.engine": "ray"})
     cfg = dataclasses.replace(cfg, agents=cfg.agents[:a.agents])
+    size = {**({"d_model": a.d_model} if a.d_model else {}),
+            **({"n_layers": a.layers} if a.layers else {})}
+    cfg = cfg.override({f"agents.{k}.policy.{key}": v for k in range(a.agents)
+                        for key, v in size.items()})
     data = build.load_data(cfg)
     policies = build.build_policies(cfg, data)
     prompts = [[p.tokenizer.prompt_ids(build.prompt_text(cfg, e)) for e in data.train[:a.prompts]]
@@ -65,6 +77,7 @@ def main(argv=None) -> int:
     kw = dict(num_samples=a.group, max_new_tokens=a.max_new_tokens, temperature=1.0, top_p=1.0)
     engine = RayRolloutEngine(policies, cfg)
     times: dict[str, list[float]] = {"at once": [], "one after another": []}
+    syncs: dict[str, list[float]] = {"at once": [], "one after another": []}
     try:
         for k in range(len(policies)):
             engine.sync_weights(k)
@@ -86,6 +99,12 @@ def main(argv=None) -> int:
                     raise AssertionError(f"agent {x.policy_name!r}: the two modes sampled "
                                          f"different rollouts")
             start = engine.state_dict()
+        for rep in range(a.sync_reps):
+            for mode in (list(syncs) if rep % 2 == 0 else list(reversed(syncs))):
+                engine.concurrent_agents = mode == "at once"
+                t0 = time.perf_counter()
+                sync_agents(None, engine, len(policies), timer=Stopwatch(), pull=False)
+                syncs[mode].append(time.perf_counter() - t0)
     finally:
         engine.close()
 
@@ -97,12 +116,27 @@ def main(argv=None) -> int:
            **{f"p{int(q * 100)}": {m: _pct(ts, q) for m, ts in times.items()}
               for q in (0.2, 0.5, 0.8)}}
     res["ratio_p50"] = res["p50"]["one after another"] / res["p50"]["at once"]
+    weight_bytes = sum(t.numel() * t.element_size() for p in policies
+                       for t in p.state_dict().values())
+    res["sync"] = {"reps": a.sync_reps, "weight_bytes": weight_bytes, "seconds": syncs}
+    if a.sync_reps:
+        res["sync"].update({f"p{int(q * 100)}": {m: _pct(ts, q) for m, ts in syncs.items()}
+                            for q in (0.2, 0.5, 0.8)})
     print(f"{a.agents} agents x {a.prompts} prompts x {a.group} samples, <= {a.max_new_tokens} "
           f"new tokens ({tokens} generated per call), {a.reps} reps, {os.cpu_count()} CPUs")
     for m, ts in times.items():
         print(f"  {m:<18} p20 {_pct(ts, 0.2):7.3f} s  p50 {_pct(ts, 0.5):7.3f} s  "
               f"p80 {_pct(ts, 0.8):7.3f} s")
     print(f"  one after another / at once (p50): {res['ratio_p50']:.2f}x")
+    if a.sync_reps:
+        sy = res["sync"]
+        sy["ratio_p50"] = sy["p50"]["one after another"] / sy["p50"]["at once"]
+        print(f"weight sync: {weight_bytes / 2**20:.2f} MiB over {len(policies)} agents, "
+              f"{a.sync_reps} reps")
+        for m, ts in syncs.items():
+            print(f"  {m:<18} p20 {_pct(ts, 0.2):7.3f} s  p50 {_pct(ts, 0.5):7.3f} s  "
+                  f"p80 {_pct(ts, 0.8):7.3f} s")
+        print(f"  sync one after another / at once (p50): {sy['ratio_p50']:.2f}x")
     if a.results_dir:
         os.makedirs(a.results_dir, exist_ok=True)
         with open(os.path.join(a.results_dir, "rollout_agents.json"), "w") as f:

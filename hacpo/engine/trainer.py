@@ -37,9 +37,9 @@ from .evaluate import evaluate_policy, score_named
 from .metrics import MetricsLogger
 from .pool import build_pool, learner_view
 from .rewards import RewardComputer
-from .rollout import generate_agents
+from .rollout import generate_agents, sync_agents
 from .run_config import TrainConfig, config_diff, default_fingerprint, fingerprint_dict
-from .timing import Stopwatch, device_sync
+from .timing import Stopwatch, device_sync, null_timer
 
 CHECKPOINT = "checkpoint.pt"
 UPDATE_STAGES = ("score_prompt", "score_self", "score_cross", "backward_prompt", "backward_self",
@@ -144,8 +144,8 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
         nonfinite = state["nonfinite"]
         before, start = state["eval_before"], state["step"]
         echo(f"[resume] {ck_path} at step {start}")
-    for k in range(n):                 # engines holding weight copies start from these weights
-        engine.sync_weights(k)
+    # engines holding weight copies start from these weights (the pools: all agents at once)
+    sync_agents(agents, engine, n, timer=null_timer, pull=False)
     if before is None:
         echo("[eval] held-out accuracy before RL ...")
         before = evaluate_all(cfg, data, agents, engine, rc)
@@ -191,17 +191,16 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
                     views.append(learner_view(pool, k, idx, adv, omega, policies, prompt_ids,
                                               cfg.rollout.max_new_tokens, retok,
                                               cfg.drop_unencodable))
-            # every agent's update (megatron groups at once: update_agents), then the syncs
+            # every agent's update (megatron groups at once: update_agents), then every
+            # agent's weights to its engines (the Ray / vLLM pools: all agents at once)
             rls = [{} if cfg.plots else None for _ in range(n)]
             ms = update_agents(agents, views, pool, generator=shuffle_gen, nonfinite=nonfinite,
                                ratio_logs=rls, sw=sw,
                                timer=lambda k: sw(f"time/update/{names[k]}"))
+            sync_agents(agents, engine, n, timer=lambda k: sw(f"time/sync/{names[k]}"))
             for k, (view, m, rl) in enumerate(zip(views, ms, rls)):
                 for stage in UPDATE_STAGES:        # same keys every step, 0 when idle
                     sw.setdefault(f"time/{stage}/{names[k]}", 0.0)
-                with sw(f"time/sync/{names[k]}"):
-                    agents.pull_weights(k)     # ray: the driver's copy, which engines read
-                    engine.sync_weights(k)
                 metrics.update(_view_tokens(view, names[k]))
                 metrics[f"tokens/forward_prompt/{names[k]}"] = m.pop("tokens_forward_prompt", 0.0)
                 if "tokens_update_padded" in m:     # megatron groups: what their forwards ran

@@ -114,7 +114,7 @@ from datetime import timedelta
 from typing import Any
 
 # first: its environment must precede `import ray`
-from .ray_cluster import COLOCATED_GPU_SHARE, RayCluster, connect
+from .ray_cluster import COLOCATED_GPU_SHARE, RayCluster, connect, weight_bytes
 
 import ray  # noqa: E402
 import torch
@@ -735,7 +735,8 @@ class MegatronAgents:
         worlds = [a.parallel.world if a.trainer == "megatron" else 1 for a in cfg.agents]
         need = sum(worlds) * self.threads + colocated_engines(cfg)     # their CPU in a bundle
         self.cluster = connect(cfg.rollout.ray_address, timeout_s=timeout_s,
-                               num_cpus=max(need + rollout_cpus(cfg), os.cpu_count() or 1))
+                               num_cpus=max(need + rollout_cpus(cfg), os.cpu_count() or 1),
+                               weights=weight_bytes(policies))
         try:
             self.cluster.require(
                 "CPU", need,

@@ -1,7 +1,8 @@
 """Ray bring-up for the rollout pool: a private local cluster, or a connection to a running one.
 
 ``connect("")`` starts a private single-node cluster for this process: bound to loopback, its
-own temp dir, no dashboard, no usage stats, ``num_cpus`` logical CPUs. ``connect("host:port")``
+own temp dir, no dashboard, no usage stats, ``num_cpus`` logical CPUs, an object store sized
+for the agents' weights (``weights``). ``connect("host:port")``
 joins a cluster someone else started (e.g. the Slurm batch job's ``ray start --head``); the
 driver then owns nothing and :meth:`RayCluster.shutdown` only disconnects. If this process is
 already connected (a test fixture, an outer driver), that connection is reused and left alone.
@@ -24,7 +25,9 @@ log = logging.getLogger("hacpo")
 _RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 for _k, _v in _RAY_ENV.items():
     os.environ.setdefault(_k, _v)
-_OBJECT_STORE_BYTES = 256 * 1024 ** 2   # private cluster: weights and rollouts only
+_OBJECT_STORE_MIN = 256 * 1024 ** 2   # private cluster: at least this (rollouts, small weights)
+_OBJECT_STORE_MEMORY_FRACTION = 0.3    # and at most this share of the machine's memory (Ray's
+                                       # own default for a cluster it sizes itself)
 
 
 # Ray's GPU accounting of a colocated vLLM engine and of the trainer rank whose GPU it shares
@@ -170,8 +173,29 @@ def wait_reachable(address: str, timeout_s: float) -> None:
         time.sleep(0.25)
 
 
+def weight_bytes(policies) -> int:
+    """The bytes of every policy's parameters (the driver's copies: what a weight sync puts
+    into the object store)."""
+    return sum(p.numel() * p.element_size() for pol in policies for p in pol.parameters())
+
+
+def _machine_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def private_object_store_bytes(weights: int, memory: int | None = None) -> int:
+    """A private cluster's object store for a run whose agents' weights take ``weights`` bytes:
+    room for them three times over (the synced copy a restarted engine reloads, the next
+    sync's, a trainer's weights on their way to the driver), at least 256 MiB, at most 30% of
+    the machine's ``memory`` (default: this machine's; Ray's own default share). Past that
+    cap the weight syncs spill to disk, which is logged as a warning when the cluster
+    starts."""
+    memory = _machine_memory() if memory is None else memory
+    return int(min(max(_OBJECT_STORE_MIN, 3 * weights), _OBJECT_STORE_MEMORY_FRACTION * memory))
+
+
 def connect(address: str = "", *, num_cpus: int | None = None,
-            timeout_s: float = 60.0) -> RayCluster:
+            timeout_s: float = 60.0, weights: int = 0) -> RayCluster:
     """Connect this process to Ray.
 
     Args:
@@ -180,6 +204,10 @@ def connect(address: str = "", *, num_cpus: int | None = None,
         num_cpus: logical CPUs of a private cluster (default ``os.cpu_count()``); ignored when
             joining.
         timeout_s: how long to wait for a cluster to be reachable before a clear error.
+        weights: bytes of the run's agents' weights (:func:`weight_bytes`): a private
+            cluster's object store is sized for them (:func:`private_object_store_bytes`);
+            ignored when joining (``ray start --object-store-memory``, the launchers'
+            ``--object-store-mb``).
     """
     import ray
 
@@ -198,17 +226,23 @@ def connect(address: str = "", *, num_cpus: int | None = None,
                 "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER unset, so a private cluster would bind to "
                 "this machine's network address instead of loopback; import "
                 "hacpo.launch.ray_cluster first or set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0")
+        store = private_object_store_bytes(weights)
+        if 3 * weights > store:
+            log.warning("the agents' weights (%.0f MiB) need a %.0f MiB object store for "
+                        "weight syncs without spilling; a private cluster gets at most %.0f "
+                        "MiB (30%% of this machine's memory), so syncs will spill to disk",
+                        weights / 2**20, 3 * weights / 2**20, store / 2**20)
         temp_dir = tempfile.mkdtemp(prefix="hacpo-ray-")   # short: Ray's socket paths live here
         try:
             ctx = ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1,
                            include_dashboard=False, _node_ip_address="127.0.0.1",
-                           _temp_dir=temp_dir, object_store_memory=_OBJECT_STORE_BYTES,
+                           _temp_dir=temp_dir, object_store_memory=store,
                            log_to_driver=True, configure_logging=False)
         except Exception:
             shutil.rmtree(temp_dir, ignore_errors=True)
             raise
-        log.info("started a private Ray cluster at %s (temp dir %s)", ctx.address_info["address"],
-                 temp_dir)
+        log.info("started a private Ray cluster at %s (temp dir %s, object store %.0f MiB)",
+                 ctx.address_info["address"], temp_dir, store / 2**20)
         return RayCluster(ctx.address_info["address"], owned=True, connected_here=True,
                           temp_dir=temp_dir)
     if address != "auto":

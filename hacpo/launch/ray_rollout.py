@@ -52,7 +52,7 @@ from hacpo.models.generation import Rollout, generate
 from hacpo.engine.rollout import GeneratorState, agent_generators
 from hacpo.models.policy import Policy
 
-from .ray_cluster import RayCluster, call_deadline, connect, next_ready
+from .ray_cluster import RayCluster, call_deadline, connect, next_ready, weight_bytes
 
 log = logging.getLogger("hacpo")
 
@@ -188,7 +188,8 @@ class RayRolloutEngine(GeneratorState):
         # `threads` threads); a joined cluster has the size it has.
         self.cluster: RayCluster | None = None
         self.cluster = connect(r.ray_address, timeout_s=timeout_s,
-                               num_cpus=max(need, os.cpu_count() or 1))
+                               num_cpus=max(need, os.cpu_count() or 1),
+                               weights=weight_bytes(policies))
         try:
             self.cluster.require(
                 "CPU", need,

@@ -33,7 +33,8 @@ import os
 import time
 from typing import Any
 
-from .ray_cluster import RayCluster, connect  # first: its environment must precede `import ray`
+# first: its environment must precede `import ray`
+from .ray_cluster import RayCluster, connect, weight_bytes
 
 import ray  # noqa: E402
 import torch
@@ -176,7 +177,8 @@ class RayAgents:
         # A private cluster holds the trainer groups and the remote rollout pool that joins it.
         self.cluster: RayCluster | None = None
         self.cluster = connect(cfg.rollout.ray_address, timeout_s=timeout_s,
-                               num_cpus=max(need + rollout_cpus(cfg), os.cpu_count() or 1))
+                               num_cpus=max(need + rollout_cpus(cfg), os.cpu_count() or 1),
+                               weights=weight_bytes(policies))
         try:
             self.cluster.require(
                 "CPU", need,

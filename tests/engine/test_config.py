@@ -214,6 +214,13 @@ def test_rollout_devices_and_colocation_are_validated():
         mega.override({"agents.2.parallel.device": "cpu", "rollout.colocate": True})
     colo = mega.override({"rollout.colocate": True})
     assert config_diff(fingerprint_dict(mega), fingerprint_dict(colo)) == []
+    # an engine's GPU share: 0.85 alone on its GPU, 0.5 beside a trainer rank, unless set
+    assert mega.rollout.engine_memory_fraction() == 0.85
+    assert colo.rollout.engine_memory_fraction() == 0.5
+    assert colo.override({"rollout.gpu_memory_utilization": 0.7}
+                         ).rollout.engine_memory_fraction() == 0.7
+    assert mega.override({"rollout.gpu_memory_utilization": 0.7, "rollout.colocate": True}
+                         ).rollout.engine_memory_fraction() == 0.7
     with pytest.raises(ValueError, match=r"rollout.colocate places one engine on one trainer "
                                          r"rank's GPU: it needs rollout.engine_tp=1, got 2"):
         colo.override({"rollout.engine_tp": 2})

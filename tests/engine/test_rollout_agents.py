@@ -1,12 +1,13 @@
-"""hacpo.engine.rollout.generate_agents: a step's rollouts of every agent, sampled at once by
-engines whose agents have workers of their own (the Ray and vLLM pools), one after another
-otherwise. (The real pools: tests/launch/test_ray_rollout.py, tests/vllm/.)"""
+"""hacpo.engine.rollout.generate_agents / sync_agents: a step's rollouts of every agent, and
+every agent's new weights to its engines, at once with engines whose agents have workers of
+their own (the Ray and vLLM pools), one agent after another otherwise. (The real pools:
+tests/launch/test_ray_rollout.py, tests/vllm/.)"""
 import threading
 import time
 
 import pytest
 
-from hacpo.engine.rollout import generate_agents
+from hacpo.engine.rollout import generate_agents, sync_agents
 from hacpo.engine.timing import Stopwatch
 
 
@@ -60,3 +61,68 @@ def test_an_agents_error_is_raised_after_all_calls_ended():
     with pytest.raises(RuntimeError, match="agent 1 failed"):        # the first, in order
         generate_agents(engine, PROMPTS, timer=lambda k: Stopwatch()("x"), **KW)
     assert set(engine.spans) == {0, 1, 2}                 # every call had ended
+
+
+class SyncLog:
+    """Agents (pull_weights) and engine (sync_weights) of a sync: records (call, agent, thread)
+    in order under a lock. With ``meet`` every sync_weights first waits (up to 30 s) until all 3
+    agents' syncs are running, so it passes only if they run at once; a pull sleeps 0.1 s so a
+    sync that did not wait for its own agent's pull would be seen."""
+
+    def __init__(self, concurrent: bool, meet: bool = False, fail: set[int] = frozenset()):
+        self.concurrent_agents = concurrent
+        self.calls: list[tuple[str, int, int]] = []
+        self.lock = threading.Lock()
+        self.barrier = threading.Barrier(3, timeout=30) if meet else None
+        self.fail = fail
+
+    def _log(self, what, k):
+        with self.lock:
+            self.calls.append((what, k, threading.get_ident()))
+
+    def pull_weights(self, k):
+        time.sleep(0.1)
+        self._log("pull", k)
+
+    def sync_weights(self, k):
+        self._log("sync-start", k)
+        if self.barrier is not None:
+            self.barrier.wait()
+        if k in self.fail:
+            raise RuntimeError(f"agent {k} sync failed")
+        self._log("sync", k)
+
+
+def _of(log, k):
+    return [w for w, a, _ in log.calls if a == k]
+
+
+def test_pool_engines_sync_all_agents_at_once():
+    log, sw = SyncLog(True, meet=True), Stopwatch()
+    sync_agents(log, log, 3, timer=lambda k: sw(f"time/sync/{k}"))
+    for k in range(3):                      # each agent: its pull, then its engines' load
+        assert _of(log, k) == ["pull", "sync-start", "sync"]
+        assert sw[f"time/sync/{k}"] >= 0.1
+    assert len({t for _, _, t in log.calls}) == 3      # met at the barrier, from 3 threads
+
+
+def test_in_process_engines_sync_one_agent_after_another():
+    log = SyncLog(False)
+    sync_agents(log, log, 3, timer=lambda k: Stopwatch()("x"))
+    assert [(w, k) for w, k, _ in log.calls] == [
+        (w, k) for k in range(3) for w in ("pull", "sync-start", "sync")]
+    assert len({t for _, _, t in log.calls}) == 1
+
+
+def test_start_up_sync_does_not_pull():
+    log = SyncLog(True, meet=True)
+    sync_agents(log, log, 3, timer=lambda k: Stopwatch()("x"), pull=False)
+    assert sorted((w, k) for w, k, _ in log.calls if w != "sync-start") == [
+        ("sync", 0), ("sync", 1), ("sync", 2)]
+
+
+def test_a_failed_sync_is_raised_after_all_agents_ended():
+    log = SyncLog(True, meet=True, fail={2, 1})
+    with pytest.raises(RuntimeError, match="agent 1 sync failed"):   # the first, in order
+        sync_agents(log, log, 3, timer=lambda k: Stopwatch()("x"))
+    assert [w for w, k, _ in log.calls if k == 0] == ["pull", "sync-start", "sync"]

@@ -1,6 +1,7 @@
 """benchmarks/bench_rollout_agents.py at a tiny size, in its own process (its own private Ray
 cluster): it runs, both modes sample the same rollouts (the script checks it and would exit
-non-zero), and it reports both modes' times (their ratio is the benchmark's business)."""
+non-zero), both sync weights, and it reports both modes' times for each phase (their ratio is
+the benchmark's business)."""
 import json
 import os
 import subprocess
@@ -14,7 +15,8 @@ def test_bench_rollout_agents_tiny(tmp_path):
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "bench_rollout_agents.py"),
          str(tmp_path), "--reps", "2", "--prompts", "2", "--group", "2",
-         "--max-new-tokens", "4"], capture_output=True, text=True, env=env, timeout=300)
+         "--max-new-tokens", "4", "--sync-reps", "2"],
+        capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "rollout_agents.json").read_text())
     assert res["agents"] == 2 and res["reps"] == 2 and res["tokens_per_call"] > 0
@@ -22,3 +24,8 @@ def test_bench_rollout_agents_tiny(tmp_path):
                                                                "one after another": 2}
     assert all(t > 0 for ts in res["seconds"].values() for t in ts)
     assert res["ratio_p50"] > 0 and "one after another / at once (p50)" in proc.stdout
+    sy = res["sync"]                                   # the weight sync, both modes
+    assert sy["reps"] == 2 and sy["weight_bytes"] > 0
+    assert {m: len(ts) for m, ts in sy["seconds"].items()} == {"at once": 2,
+                                                              "one after another": 2}
+    assert all(t > 0 for ts in sy["seconds"].values() for t in ts) and sy["ratio_p50"] > 0

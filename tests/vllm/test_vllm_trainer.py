@@ -64,13 +64,16 @@ def test_train_two_steps_with_vllm_rollouts(tmp_path, monkeypatch):
     assert [r["rollout/versions"] for r in rows] == [4.0, 6.0]
     assert all(r["rollout/restarts"] == 0 and r["rollout/timeouts"] == 0 for r in rows)
     # the engines are idle (colocated: asleep) from each step's generation to the weight
-    # syncs after the updates; evaluation before and after (one agent after another); in a
-    # step both agents sample at once (generate_agents), so their calls come in either order
-    step = ["gen*", "gen*", "idle", "sync0", "sync1"]
-    seen = [e if not (4 <= i < 14 and e.startswith("gen")) else "gen*"
-            for i, e in enumerate(events)]
-    assert seen == ["sync0", "sync1", "gen0", "gen1", *step, *step, "gen0", "gen1"], events
+    # syncs after the updates; evaluation before and after (one agent after another); both
+    # agents sample at once in a step (generate_agents) and take their weights at once
+    # (sync_agents, also at the start), so those pairs of calls come in either order
+    step = ["gen*", "gen*", "idle", "sync*", "sync*"]
+    seen = ["sync*" if e.startswith("sync") else
+            "gen*" if 4 <= i < 14 and e.startswith("gen") else e for i, e in enumerate(events)]
+    assert seen == ["sync*", "sync*", "gen0", "gen1", *step, *step, "gen0", "gen1"], events
     assert sorted(events[4:6]) == sorted(events[9:11]) == ["gen0", "gen1"], events
+    assert (sorted(events[0:2]) == sorted(events[7:9]) == sorted(events[12:14])
+            == ["sync0", "sync1"]), events
     # evaluation: greedy requests of the 2 held-out prompts per agent, before and after
     greedy = sorted((k, n) for k, n, t in calls if t == 0.0)
     assert greedy == [(0, 2), (0, 2), (1, 2), (1, 2)], calls
