@@ -85,8 +85,8 @@ def update_agents(agents, views: list[LearnerView], pool: StepPool, *,
                   generator: torch.Generator, nonfinite: dict, ratio_logs: list[dict | None],
                   sw, timer) -> list[dict[str, float]]:
     """Every agent's update of a step (agent k on ``views[k]``, ``timer(k)`` entered around
-    it): the group's ``update_all`` where it has one (megatron groups update at once), else
-    ``update`` one agent after another."""
+    it): the group's ``update_all`` where it has one (Ray actors and megatron groups update at
+    once), else ``update`` one agent after another."""
     if hasattr(agents, "update_all"):
         return agents.update_all(views, pool, generator=generator, nonfinite=nonfinite,
                                  ratio_logs=ratio_logs, sw=sw, timer=timer)

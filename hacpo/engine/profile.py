@@ -36,8 +36,9 @@ parameter count (FLOPs ~ P per token for both); at LLM scale decoding is memory-
 kappa > 1 (pass a kappa measured on your setup). The model is checked on the measured runs:
 fitted on GSPO alone, it predicts the GSPO x2 and HACPO step times (errors reported). A step is
 modelled as the sum of the agents' stage times, which is how the in-process engine and trainer
-run them; the Ray / vLLM pools sample every agent at once and megatron groups update at once
-(``generate_agents``, ``MegatronAgents.update_all``), so their steps take less than the sum.
+run them; the Ray / vLLM pools sample and sync every agent at once, and Ray trainer actors and
+megatron groups update at once (``generate_agents``, ``sync_agents``, ``update_all``), so
+their steps take less than the sum.
 """
 from __future__ import annotations
 

@@ -191,8 +191,8 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
                     views.append(learner_view(pool, k, idx, adv, omega, policies, prompt_ids,
                                               cfg.rollout.max_new_tokens, retok,
                                               cfg.drop_unencodable))
-            # every agent's update (megatron groups at once: update_agents), then every
-            # agent's weights to its engines (the Ray / vLLM pools: all agents at once)
+            # every agent's update (Ray actors and megatron groups at once: update_agents),
+            # then every agent's weights to its engines (the Ray / vLLM pools: all at once)
             rls = [{} if cfg.plots else None for _ in range(n)]
             ms = update_agents(agents, views, pool, generator=shuffle_gen, nonfinite=nonfinite,
                                ratio_logs=rls, sw=sw,

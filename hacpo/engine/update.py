@@ -22,6 +22,33 @@ class NonFiniteUpdateError(RuntimeError):
     """Too many non-finite updates in a row."""
 
 
+def _count_nonfinite(nonfinite: dict, max_nonfinite: int, name: str, finite: bool,
+                     loss: float, grad_norm: float) -> None:
+    """One update's effect on the streak of non-finite updates; raises at ``max_nonfinite``
+    in a row."""
+    if finite:
+        nonfinite["streak"] = 0
+        return
+    nonfinite["streak"] += 1
+    nonfinite["total"] += 1
+    if nonfinite["streak"] >= max_nonfinite:
+        raise NonFiniteUpdateError(
+            f"{nonfinite['streak']} non-finite updates in a row for policy {name!r} "
+            f"(loss={loss}, grad norm={grad_norm}); stopping (max_nonfinite={max_nonfinite})")
+
+
+def replay_nonfinite(trace: list[dict], nonfinite: dict, max_nonfinite: int,
+                     name: str) -> None:
+    """Count an agent's updates, run elsewhere from a streak of 0 (``trace``: each update's
+    ``finite``, ``loss``, ``grad_norm``, see :func:`update_learner`), into the run's
+    ``nonfinite`` counters as if it had run after the agents before it: the same counts, and
+    :class:`NonFiniteUpdateError` at the same update (the trace ends at or after it: its own
+    streak is never longer than the run's)."""
+    for t in trace:
+        _count_nonfinite(nonfinite, max_nonfinite, name, t["finite"], t["loss"],
+                         t["grad_norm"])
+
+
 def _pad(rows: list[torch.Tensor], T: int) -> torch.Tensor:
     out = torch.zeros(len(rows), T)
     for i, r in enumerate(rows):
@@ -31,12 +58,20 @@ def _pad(rows: list[torch.Tensor], T: int) -> torch.Tensor:
 
 def update_learner(algo: AlgorithmConfig, policy, optimizer, view: LearnerView, *,
                    lp_old: torch.Tensor, old_token_logp: list[torch.Tensor],
-                   prompt_of_sample: torch.Tensor, generator: torch.Generator, micro_batch: int,
+                   prompt_of_sample: torch.Tensor | None, generator: torch.Generator | None,
+                   micro_batch: int,
                    grad_clip: float, nonfinite: dict, max_nonfinite: int, ref_policy=None,
                    kl_coef: float = 0.0, ratio_log: dict | None = None,
-                   temperature: float = 1.0, timer=null_timer) -> dict[str, float]:
+                   temperature: float = 1.0, timer=null_timer,
+                   minibatches: list[torch.Tensor] | None = None,
+                   trace: list[dict] | None = None) -> dict[str, float]:
     """Run the M updates; returns averaged metrics (floats). ``nonfinite`` carries the count of
     consecutive non-finite updates across calls ({"streak": int, "total": int}).
+
+    ``minibatches``: the M minibatches (rows of ``view``) as drawn by ``split_minibatches``
+    from ``generator`` elsewhere (e.g. by the driver, so agents can update at once); then
+    ``generator`` and ``prompt_of_sample`` are not used. ``trace``: each update's ``finite``, ``loss`` and
+    ``grad_norm`` are appended to it (for :func:`replay_nonfinite`).
 
     Self and cross samples are forwarded in separate passes so their costs are accounted
     apart: ``timer(key)`` is entered for "score_self", "score_cross" (forward + loss),
@@ -53,8 +88,14 @@ def update_learner(algo: AlgorithmConfig, policy, optimizer, view: LearnerView, 
     sums: dict[str, float] = defaultdict(float)
     if n == 0:
         return {"trained_samples": 0.0}
-    mbs = split_minibatches(prompt_of_sample[view.idx], view.is_self, M, algo.minibatch_order,
-                            generator)
+    if minibatches is None:
+        if generator is None or prompt_of_sample is None:
+            raise ValueError("update_learner needs generator and prompt_of_sample to draw the "
+                             "minibatches, or the drawn minibatches")
+        mbs = split_minibatches(prompt_of_sample[view.idx], view.is_self, M,
+                                algo.minibatch_order, generator)
+    else:
+        mbs = [torch.as_tensor(mb, dtype=torch.long) for mb in minibatches]
     params = [p for p in policy.parameters() if p.requires_grad]
     is_self = view.is_self.tolist()
     shared = bool(getattr(policy, "share_prompts", False)
@@ -150,18 +191,14 @@ def update_learner(algo: AlgorithmConfig, policy, optimizer, view: LearnerView, 
             finite = all(map(math.isfinite, vals[:2]))
             if finite:
                 optimizer.step()
-        if finite:
-            nonfinite["streak"] = 0
-        else:
+        if trace is not None:
+            trace.append({"finite": finite, "loss": vals[0], "grad_norm": vals[1]})
+        if not finite:
             optimizer.zero_grad(set_to_none=True)
-            nonfinite["streak"] += 1
-            nonfinite["total"] += 1
             sums["skipped_updates"] += 1
-            if nonfinite["streak"] >= max_nonfinite:
-                raise NonFiniteUpdateError(
-                    f"{nonfinite['streak']} non-finite updates in a row for policy "
-                    f"{getattr(policy, 'name', '?')!r} (loss={vals[0]}, grad norm="
-                    f"{vals[1]}); stopping (max_nonfinite={max_nonfinite})")
+        _count_nonfinite(nonfinite, max_nonfinite, getattr(policy, "name", "?"), finite,
+                         vals[0], vals[1])
+        if not finite:
             continue
         sums["loss"] += vals[0] / len(mbs)
         sums["grad_norm"] += vals[1] / len(mbs)

@@ -133,7 +133,8 @@ from hacpo.engine.update import NonFiniteUpdateError, _minibatch_metrics, _pad
 from hacpo.models.buckets import bucket_bytes_of, copy_buckets, plan_buckets
 from hacpo.models.policy import Policy
 
-from .ray_trainer import TrainerActor, colocated_engines, rollout_cpus
+from .ray_trainer import (TrainerActor, colocated_engines, draw_minibatches,
+                          drawn_update_result, rollout_cpus)
 
 log = logging.getLogger("hacpo")
 
@@ -975,20 +976,27 @@ class MegatronAgents:
         one agent after another: a group's ranks stop early on a streak of non-finite updates
         only for their own (a later group is sent streak 0, as the earlier groups' results
         are not in yet; the driver still raises at the same update, the ranks may have run
-        more minibatches of a run that then stops). With a trainer=torch agent in the run, one
-        after another."""
+        more minibatches of a run that then stops). A trainer=torch agent's actor updates at
+        the same time, on minibatches the driver drew in its turn, and its updates' trace is
+        counted into the streak in its turn (as :meth:`RayAgents.update_all`)."""
         n = len(views)
-        if n < 2 or any(g.torch for g in self._groups):
-            out = []
-            for k in range(n):
-                with timer(k):
-                    out.append(self.update(k, views[k], pool, generator=generator,
-                                           nonfinite=nonfinite, ratio_log=ratio_logs[k], sw=sw))
-            return out
-        jobs = [self._update_request(k, views[k], pool, generator,
-                                     nonfinite["streak"] if k == 0 else 0) for k in range(n)]
-        refs = [None if job is None else [r.update.remote(job[0]) for r in self._groups[k].ranks]
-                for k, job in enumerate(jobs)]
+        if n < 2:
+            with timer(0):
+                return [self.update(0, views[0], pool, generator=generator,
+                                    nonfinite=nonfinite, ratio_log=ratio_logs[0], sw=sw)]
+        jobs, refs = [], []
+        for k, g in enumerate(self._groups):        # requests (and draws) in agent order
+            if g.torch:
+                jobs.append("torch")
+                refs.append([g.ranks[0].update_drawn.remote(
+                    views[k], pool.lp_old, pool.old_token_logp,
+                    draw_minibatches(self.cfg, views[k], pool, generator),
+                    ratio_logs[k] is not None)])
+                continue
+            job = self._update_request(k, views[k], pool, generator,
+                                       nonfinite["streak"] if k == 0 else 0)
+            jobs.append(job)
+            refs.append(None if job is None else [r.update.remote(job[0]) for r in g.ranks])
 
         def wait(k: int):
             with timer(k):
@@ -999,6 +1007,10 @@ class MegatronAgents:
         out = []
         for k, (job, fut) in enumerate(zip(jobs, futures)):
             results = fut.result()          # an agent's error, in agent order
+            if job == "torch":
+                out.append(drawn_update_result(results[0], self.names[k], nonfinite,
+                                               self.cfg.max_nonfinite, ratio_logs[k], sw))
+                continue
             out.append(_NO_UPDATE.copy() if job is None else self._update_result(
                 k, views[k], pool, job[1], results, nonfinite, ratio_logs[k], sw))
         return out

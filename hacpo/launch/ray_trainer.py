@@ -9,9 +9,12 @@ its own placement group holds that agent's policy, its AdamW optimizer and, when
 - ``old_logprobs``: the generator's own forward pass over its samples (all agents at once);
 - ``update``: the M minibatch updates of :func:`hacpo.engine.update.update_learner` on the
   driver-built :class:`~hacpo.engine.pool.LearnerView`. The minibatch shuffle RNG and the
-  non-finite-update streak are the driver's, shared by all learners in order, so updates run
-  one agent after another: the state goes with the request and comes back advanced, and the
-  run is bit-for-bit the local backend's (given the same intra-op thread count: actors use
+  non-finite-update streak are the driver's, shared by all learners in order. With two or
+  more agents every actor updates at once (:meth:`RayAgents.update_all`): the driver draws
+  every agent's minibatches in agent order and sends them, each actor returns the trace of
+  its updates, and the driver counts the traces in agent order into the streak; with one,
+  the RNG state goes with the request and comes back advanced. Either way the run is
+  bit-for-bit the local backend's (given the same intra-op thread count: actors use
   ``threads``, or 1 if unset);
 - ``weights``: after each update the driver copies the new weights into its own CPU policy
   (:meth:`RayAgents.pull_weights`), which is what every rollout engine reads. That is one
@@ -31,6 +34,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 # first: its environment must precede `import ray`
@@ -43,14 +47,45 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hacpo.engine import build
 from hacpo.engine.agents import score_temperature
+from hacpo.engine.algorithm import split_minibatches
 from hacpo.engine.evaluate import evaluate_policy
 from hacpo.engine.pool import LearnerView, StepPool, score_responses
 from hacpo.engine.rewards import RewardComputer
+from hacpo.engine.rollout import each_agent
 from hacpo.engine.timing import Stopwatch, device_sync
-from hacpo.engine.update import update_learner
+from hacpo.engine.update import NonFiniteUpdateError, replay_nonfinite, update_learner
 from hacpo.models.policy import Policy
 
 log = logging.getLogger("hacpo")
+
+
+def draw_minibatches(cfg, view: LearnerView, pool: StepPool,
+                     generator: torch.Generator) -> list[list[int]]:
+    """Agent's M minibatches (rows of ``view``) drawn from ``generator`` exactly as
+    :func:`~hacpo.engine.update.update_learner` draws them ([] and no draw without samples)."""
+    if view.idx.numel() == 0:
+        return []
+    algo = cfg.algorithm
+    M = algo.num_minibatches * algo.minibatch_factor
+    return [mb.tolist() for mb in split_minibatches(pool.prompt[view.idx], view.is_self, M,
+                                                    algo.minibatch_order, generator)]
+
+
+def drawn_update_result(result, name: str, nonfinite: dict, max_nonfinite: int,
+                        ratio_log: dict | None, sw) -> dict[str, float]:
+    """The metrics of a :meth:`TrainerActor.update_drawn` result, its updates counted into the
+    run's ``nonfinite`` (raising where one agent after another would), its ratio log and stage
+    seconds taken."""
+    m, trace, rl, times, _span = result
+    for key, v in times.items():
+        sw[key] = sw.get(key, 0.0) + v
+    replay_nonfinite(trace, nonfinite, max_nonfinite, name)
+    if m is None:
+        raise RuntimeError(f"agent {name!r}: its trainer stopped on non-finite updates, but "
+                           f"the run's count did not reach max_nonfinite={max_nonfinite}")
+    if ratio_log is not None and rl:
+        ratio_log.update(rl)
+    return m
 
 
 class TrainerActor:
@@ -98,6 +133,35 @@ class TrainerActor:
                            ratio_log=ratio_log, temperature=score_temperature(cfg),
                            timer=sw.scoped("time/", f"/{self.name}"))
         return m, gen.get_state(), nonfinite, ratio_log, dict(sw)
+
+    def update_drawn(self, view: LearnerView, lp_old: torch.Tensor,
+                     old_token_logp: list[torch.Tensor], minibatches: list[list[int]],
+                     log_ratios: bool
+                     ) -> tuple[dict[str, float] | None, list[dict], dict | None,
+                                dict[str, float], tuple[float, float]]:
+        """update_learner on minibatches the driver drew, from a non-finite streak of 0;
+        returns (metrics, or None if it stopped at max_nonfinite in a row, the updates'
+        trace for :func:`~hacpo.engine.update.replay_nonfinite`, ratio log or None, stage
+        seconds, (start, end) wall clock of the call): what lets the driver run every
+        agent's update at once."""
+        start = time.time()
+        cfg = self.cfg
+        sw = Stopwatch(device_sync(cfg.profile_sync))
+        ratio_log = {} if log_ratios else None
+        trace: list[dict] = []
+        try:
+            m = update_learner(cfg.algorithm, self.policy, self.optim, view, lp_old=lp_old,
+                               old_token_logp=old_token_logp, prompt_of_sample=None,
+                               generator=None, micro_batch=cfg.micro_batch,
+                               grad_clip=self.grad_clip, nonfinite={"streak": 0, "total": 0},
+                               max_nonfinite=cfg.max_nonfinite, ref_policy=self.ref,
+                               kl_coef=cfg.algorithm.loss.kl_coef, ratio_log=ratio_log,
+                               temperature=score_temperature(cfg),
+                               timer=sw.scoped("time/", f"/{self.name}"),
+                               minibatches=minibatches, trace=trace)
+        except NonFiniteUpdateError:
+            m = None                  # the driver's replay of the trace raises it
+        return m, trace, ratio_log, dict(sw), (start, time.time())
 
     def weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu() for k, v in self.policy.state_dict().items()}
@@ -268,6 +332,35 @@ class RayAgents:
         for key, v in times.items():
             sw[key] = sw.get(key, 0.0) + v
         return m
+
+    def update_all(self, views: Sequence[LearnerView], pool: StepPool, *,
+                   generator: torch.Generator, nonfinite: dict,
+                   ratio_logs: Sequence[dict | None], sw, timer) -> list[dict[str, float]]:
+        """Every agent's :meth:`update` (agent k on ``views[k]``, ``timer(k)`` entered around
+        its wait), all actors at once: the driver draws every agent's minibatches from
+        ``generator`` in agent order (the draws of one agent after another), each actor runs
+        its updates from a non-finite streak of 0 and returns their trace, and the driver
+        counts the traces in agent order (:func:`~hacpo.engine.update.replay_nonfinite`: the
+        same counters, and the error at the same update, as one agent after another; a later
+        agent's actor may by then have run updates of a run that stops). Bit-for-bit the
+        updates of one agent after another."""
+        n = len(views)
+        if n < 2:
+            with timer(0):
+                return [self.update(0, views[0], pool, generator=generator,
+                                    nonfinite=nonfinite, ratio_log=ratio_logs[0], sw=sw)]
+        refs = [self._actors[k].update_drawn.remote(
+                    v, pool.lp_old, pool.old_token_logp, draw_minibatches(self.cfg, v, pool,
+                                                                          generator),
+                    ratio_logs[k] is not None) for k, v in enumerate(views)]
+
+        def wait(k: int):
+            with timer(k):
+                return self._get(k, refs[k])
+
+        results = each_agent(n, wait, at_once=True, name="update")
+        return [drawn_update_result(r, self.names[k], nonfinite, self.cfg.max_nonfinite,
+                                    ratio_logs[k], sw) for k, r in enumerate(results)]
 
     def pull_weights(self, k: int) -> None:
         """Copy agent k's trained weights into the driver's policy (what engines read)."""

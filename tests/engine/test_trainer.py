@@ -196,6 +196,84 @@ def test_nonfinite_updates_are_skipped_then_stop():
                        grad_clip=1.0, nonfinite=state, max_nonfinite=3)
 
 
+def test_drawn_minibatches_and_replayed_streak_equal_one_agent_after_another():
+    """What lets Ray trainer actors update at once: update_learner on minibatches drawn
+    beforehand (ray_trainer.draw_minibatches) is the generator path's update, and a later
+    agent's trace, run from a streak of 0 and replayed into the run's counters
+    (replay_nonfinite), raises where one agent after another would, with the same message."""
+    from hacpo.engine import preset
+    from hacpo.engine.pool import LearnerView
+    from hacpo.engine.update import NonFiniteUpdateError, replay_nonfinite, update_learner
+    from hacpo.launch.ray_trainer import draw_minibatches
+
+    class Lin(torch.nn.Module):
+        """log-prob of every token = w * (token id) - 1, or NaN with ``nan``."""
+        def __init__(self, name, nan=False):
+            super().__init__()
+            self.name, self.nan = name, nan
+            self.w = torch.nn.Parameter(torch.tensor(0.1))
+
+        def response_logprobs(self, prompts, resps, temperature=1.0):
+            T = max(len(r) for r in resps)
+            ids = torch.tensor([r + [0] * (T - len(r)) for r in resps], dtype=torch.float)
+            out = self.w * ids * 0.01 - 1.0
+            return (out * float("nan") if self.nan else out), torch.ones(len(resps), T,
+                                                                          dtype=torch.bool)
+
+    n = 8
+    view = LearnerView(torch.arange(n), torch.linspace(-1, 1, n), torch.ones(n),
+                       torch.tensor([True] * 4 + [False] * 4), [[1]] * n,
+                       [[2 + j, 3] for j in range(n)], {})
+    prompt = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    algo = preset("gspo", {"num_minibatches": 2})
+    kw = dict(lp_old=torch.full((n,), -1.0), old_token_logp=[], micro_batch=8, grad_clip=1.0,
+              max_nonfinite=3)
+    pool = type("P", (), {"prompt": prompt})()
+    cfg = type("C", (), {"algorithm": algo})()
+
+    def run(drawn: bool, seed=5):
+        pol, gen = Lin("a"), torch.Generator().manual_seed(seed)
+        opt = torch.optim.SGD(pol.parameters(), lr=0.5)
+        trace: list = []
+        extra = (dict(minibatches=draw_minibatches(cfg, view, pool, gen), generator=None,
+                      prompt_of_sample=None, trace=trace) if drawn
+                 else dict(generator=gen, prompt_of_sample=prompt))
+        m = update_learner(algo, pol, opt, view, nonfinite={"streak": 0, "total": 0},
+                           **kw, **extra)
+        return m, pol.w.item(), gen.get_state(), trace
+
+    (m0, w0, g0, _), (m1, w1, g1, trace) = run(False), run(True)
+    assert m0 == m1 and w0 == w1 != 0.1 and torch.equal(g0, g1)   # same draws, same update
+    assert [t["finite"] for t in trace] == [True, True]
+    other = run(True, seed=6)[3]               # other draws: other updates (the check can fail)
+    assert [t["loss"] for t in other] != [t["loss"] for t in trace]
+
+    # NaN agents: agent a's 2 updates leave a streak of 2; agent b then stops at its first
+    def nan_update(name, state, trace=None):
+        pol = Lin(name, nan=True)
+        return update_learner(algo, pol, torch.optim.SGD(pol.parameters(), lr=0.1), view,
+                              generator=torch.Generator().manual_seed(0),
+                              prompt_of_sample=prompt, nonfinite=state, trace=trace, **kw)
+
+    seq = {"streak": 0, "total": 0}
+    nan_update("a", seq)
+    with pytest.raises(NonFiniteUpdateError) as one_after_another:
+        nan_update("b", seq)
+    run_state = {"streak": 0, "total": 0}
+    nan_update("a", run_state)
+    b_trace: list = []
+    nan_update("b", {"streak": 0, "total": 0}, b_trace)   # b at once: its own streak only
+    assert [t["finite"] for t in b_trace] == [False, False]
+    with pytest.raises(NonFiniteUpdateError) as replayed:
+        replay_nonfinite(b_trace, run_state, 3, "b")
+    assert str(replayed.value) == str(one_after_another.value)
+    assert "3 non-finite updates in a row for policy 'b'" in str(replayed.value)
+    assert run_state == seq == {"streak": 3, "total": 3}
+    fresh = {"streak": 0, "total": 0}                    # from 0: counted, no error
+    replay_nonfinite(b_trace, fresh, 3, "b")
+    assert fresh == {"streak": 2, "total": 2}
+
+
 def test_engine_metrics_flattens_counters():
     """Rollout engine counters reach the metrics whatever their shape: the Ray pool's totals as
     they are, vLLM's per-agent-and-engine lists summed; per-actor mappings are left out."""

@@ -551,15 +551,28 @@ MIX_AGENTS = (("llama-tp2-mix", "llama3.2", ParallelConfig(tp=2)),
               ("char-torch-mix", "char", None))
 
 
-def test_megatron_and_torch_agents_in_one_run(cluster, tmp):
+def test_megatron_and_torch_agents_in_one_run(cluster, tmp, monkeypatch):
     """A TP=2 megatron agent next to a trainer=torch agent (a Ray TrainerActor, as
-    trainer_backend=ray runs it): one step equals the all-torch in-process run."""
+    trainer_backend=ray runs it): one step equals the all-torch in-process run, and the two
+    agents updated at once (the torch actor's update overlapped the ranks')."""
     names = [a[0] for a in MIX_AGENTS]
     train(megatron_cfg(tmp, "mix-torch", "torch", MIX_AGENTS), echo=lambda *_: None)
     cfg = megatron_cfg(tmp, "mix-meg", "megatron", MIX_AGENTS)
     assert [a.trainer for a in cfg.agents] == ["megatron", "torch"]
+    seen = {}
+    real_meg, real_torch = (megatron_trainer.MegatronAgents._update_result,
+                            megatron_trainer.drawn_update_result)
+
+    def meg_result(self, k, view, pool, mbs, results, *a, **kw):
+        seen["megatron"] = [r["span"] for r in results]
+        return real_meg(self, k, view, pool, mbs, results, *a, **kw)
+    monkeypatch.setattr(megatron_trainer.MegatronAgents, "_update_result", meg_result)
+    monkeypatch.setattr(megatron_trainer, "drawn_update_result", lambda result, *a: (
+        seen.__setitem__("torch", result[4]) or real_torch(result, *a)))
     train(cfg, echo=lambda *_: None)
     free_cpus_back()
+    (t0, t1), ranks = seen["torch"], seen["megatron"]
+    assert len(ranks) == 2 and all(t0 < e and s < t1 for s, e in ranks), seen
     meg, ref = _rows(tmp, "mix-meg"), _rows(tmp, "mix-torch")
     _check_metrics(meg[0], ref[0], names)
     _check_weights(_weights(tmp, "mix-meg"), _weights(tmp, "mix-torch"),

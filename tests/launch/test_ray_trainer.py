@@ -1,7 +1,8 @@
 """Trainer groups as Ray actors (trainer_backend=ray) against a real local Ray cluster
-(loopback, private temp dir, 4 logical CPUs; one cluster for the module): a 2-agent run gives
-metrics identical to the in-process backend (also with the Ray rollout pool, and across a
-resume), and a killed trainer actor is a clear error naming its agent."""
+(loopback, private temp dir, 4 logical CPUs; one cluster for the module): a 2-agent run, its
+actors updating at once, gives metrics identical to the in-process backend (also with the Ray
+rollout pool, and across a resume), and a killed trainer actor is a clear error naming its
+agent."""
 import json
 import os
 import signal
@@ -45,13 +46,23 @@ def local_run(cache):
 
 
 @pytest.mark.parametrize("rollout", ["local", "ray"])
-def test_ray_trainer_equals_local(cluster, cache, local_run, rollout):
+def test_ray_trainer_equals_local(cluster, cache, local_run, rollout, monkeypatch):
     """2 agents x 2 steps with every agent's policy, optimizer and updates in a Ray actor:
     metrics step for step (all but wall times) and held-out results equal the in-process
-    backend's; with rollout.engine=ray the pool shares the cluster."""
+    backend's; with rollout.engine=ray the pool shares the cluster. The two actors update at
+    once (RayAgents.update_all): in every step agent 1's actor started its updates before
+    agent 0's had finished (one agent after another, it is sent its request only after agent
+    0's result is back)."""
+    spans = []
+    real = ray_trainer.drawn_update_result
+    monkeypatch.setattr(ray_trainer, "drawn_update_result",
+                        lambda result, *a: spans.append(result[4]) or real(result, *a))
     s_loc, r_loc = local_run
     s_ray, r_ray = _run(cache, f"ray-{rollout}", steps=2, trainer_backend="ray",
                         **{"rollout.engine": rollout})
+    assert len(spans) == 4                     # 2 steps x 2 agents, in agent order
+    for (a0, a1), (b0, b1) in zip(spans[0::2], spans[1::2]):
+        assert b0 < a1 and a0 < b1, spans      # overlapping calls
     assert [r["step"] for r in r_ray] == [0, 1]
     assert _strip_times(r_ray) == _strip_times(r_loc)
     if rollout == "ray":
