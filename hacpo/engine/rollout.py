@@ -43,7 +43,8 @@ def each_agent(n: int, fn: Callable[[int], T], *, at_once: bool, name: str) -> l
 
 
 def generate_agents(engine: RolloutEngine, prompt_ids: Sequence[Sequence[Sequence[int]]], *,
-                    timer: Callable[[int], object], **kwargs) -> list[Rollout]:
+                    timer: Callable[[int], object], at_once: bool = True,
+                    **kwargs) -> list[Rollout]:
     """A step's rollouts: agent k samples for ``prompt_ids[k]`` (``kwargs``: ``generate``'s
     num_samples, max_new_tokens, temperature, top_p); ``timer(k)`` is entered around agent k's
     sampling (e.g. a Stopwatch key ``time/generate/<name>``).
@@ -54,26 +55,28 @@ def generate_agents(engine: RolloutEngine, prompt_ids: Sequence[Sequence[Sequenc
     slowest agent instead of the sum of all. The samples are those of one agent after another
     (each agent's draws come from its own generator and its own actors), and the per-agent
     times are each agent's wall time. Other engines (in-process: the agents share this
-    process's CPUs) sample one agent after another. An agent's error is raised after every
-    agent's call has ended (the first agent's, in agent order)."""
+    process's CPUs), or any with ``at_once=False`` (``agents_at_once``), sample one agent after
+    another. An agent's error is raised after every agent's call has ended (the first
+    agent's, in agent order)."""
     def one(k: int) -> Rollout:
         with timer(k):
             return engine.generate(k, prompt_ids[k], **kwargs)
 
-    return each_agent(len(prompt_ids), one, at_once=getattr(engine, "concurrent_agents", False),
+    return each_agent(len(prompt_ids), one,
+                      at_once=at_once and getattr(engine, "concurrent_agents", False),
                       name="generate")
 
 
 def sync_agents(agents, engine: RolloutEngine, n: int, *, timer: Callable[[int], object],
-                pull: bool = True) -> None:
+                pull: bool = True, at_once: bool = True) -> None:
     """Every agent's trained weights to its rollout engines: agent k's ``agents.pull_weights(k)``
     (Ray / megatron trainers: into the driver's policy, which the engines read; ``pull=False``
     skips it, e.g. at start-up) then ``engine.sync_weights(k)``, ``timer(k)`` entered around
     both. With an engine whose agents have workers of their own (``concurrent_agents``) every
     agent's pull and sync run at once, each from a driver thread of its own (an agent's pull
     reads only its own trainer and writes only its own policy; its sync only its own
-    engines), so the step waits for the slowest agent's weights instead of the sum; else one
-    agent after another. An agent's error is raised after every agent's pull and sync has
+    engines), so the step waits for the slowest agent's weights instead of the sum; else (or
+    with ``at_once=False``) one agent after another. An agent's error is raised after every agent's pull and sync has
     ended (the first agent's, in agent order)."""
     def one(k: int) -> None:
         with timer(k):
@@ -81,7 +84,8 @@ def sync_agents(agents, engine: RolloutEngine, n: int, *, timer: Callable[[int],
                 agents.pull_weights(k)
             engine.sync_weights(k)
 
-    each_agent(n, one, at_once=getattr(engine, "concurrent_agents", False), name="sync")
+    each_agent(n, one, at_once=at_once and getattr(engine, "concurrent_agents", False),
+               name="sync")
 
 
 def agent_generators(seed: int, n: int) -> list[torch.Generator]:

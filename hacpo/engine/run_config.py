@@ -333,6 +333,10 @@ class TrainConfig(ConfigMixin):
                                     # with --resume); 0: no limit
     profile_sync: bool = False      # synchronize the device around each timed stage (exact
                                     # per-stage GPU times, lower throughput; `hacpo profile`)
+    agents_at_once: bool = True     # the Ray / vLLM pools sample and sync, Ray trainer actors
+                                    # and megatron groups update, every agent at once; false:
+                                    # one agent after another (same results; e.g. to time
+                                    # each agent alone)
     out_dir: str = "runs/hacpo"
     cache_dir: str = "runs/cache"   # warm-up checkpoints shared across runs
     progress: bool = True
@@ -393,7 +397,7 @@ def gpu_needs(cfg: TrainConfig) -> tuple[int, int]:
 # Keys that may change between a run and its resumption (they do not change the math).
 RESUMABLE_KEYS = {"steps", "out_dir", "cache_dir", "progress", "plots", "tensorboard",
                   "checkpoint_every", "eval_every", "eval_engine", "threads", "micro_batch",
-                  "profile_sync",
+                  "profile_sync", "agents_at_once",
                   "trainer_backend",   # the backends give bit-identical results
                   "trainer_call_timeout_s", "trainer_setup_hook"}
 # Nested keys that may change on resumption too (time limits and how weights move are no

@@ -145,7 +145,7 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
         before, start = state["eval_before"], state["step"]
         echo(f"[resume] {ck_path} at step {start}")
     # engines holding weight copies start from these weights (the pools: all agents at once)
-    sync_agents(agents, engine, n, timer=null_timer, pull=False)
+    sync_agents(agents, engine, n, timer=null_timer, pull=False, at_once=cfg.agents_at_once)
     if before is None:
         echo("[eval] held-out accuracy before RL ...")
         before = evaluate_all(cfg, data, agents, engine, rc)
@@ -167,7 +167,7 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
                           for p in policies]
             # the Ray / vLLM pools sample all agents at once (rollout.generate_agents)
             with sw("time/generate"):
-                ros = generate_agents(engine, prompt_ids,
+                ros = generate_agents(engine, prompt_ids, at_once=cfg.agents_at_once,
                                       timer=lambda k: sw(f"time/generate/{names[k]}"),
                                       num_samples=G, max_new_tokens=cfg.rollout.max_new_tokens,
                                       temperature=cfg.rollout.temperature,
@@ -194,10 +194,14 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
             # every agent's update (Ray actors and megatron groups at once: update_agents),
             # then every agent's weights to its engines (the Ray / vLLM pools: all at once)
             rls = [{} if cfg.plots else None for _ in range(n)]
-            ms = update_agents(agents, views, pool, generator=shuffle_gen, nonfinite=nonfinite,
-                               ratio_logs=rls, sw=sw,
-                               timer=lambda k: sw(f"time/update/{names[k]}"))
-            sync_agents(agents, engine, n, timer=lambda k: sw(f"time/sync/{names[k]}"))
+            with sw("time/update"):
+                ms = update_agents(agents, views, pool, generator=shuffle_gen,
+                                   nonfinite=nonfinite, ratio_logs=rls, sw=sw,
+                                   timer=lambda k: sw(f"time/update/{names[k]}"),
+                                   at_once=cfg.agents_at_once)
+            with sw("time/sync"):
+                sync_agents(agents, engine, n, timer=lambda k: sw(f"time/sync/{names[k]}"),
+                            at_once=cfg.agents_at_once)
             for k, (view, m, rl) in enumerate(zip(views, ms, rls)):
                 for stage in UPDATE_STAGES:        # same keys every step, 0 when idle
                     sw.setdefault(f"time/{stage}/{names[k]}", 0.0)
