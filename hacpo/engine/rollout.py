@@ -73,11 +73,11 @@ def sync_agents(agents, engine: RolloutEngine, n: int, *, timer: Callable[[int],
     (Ray / megatron trainers: into the driver's policy, which the engines read; ``pull=False``
     skips it, e.g. at start-up) then ``engine.sync_weights(k)``, ``timer(k)`` entered around
     both. With an engine whose agents have workers of their own (``concurrent_agents``) every
-    agent's pull and sync run at once, each from a driver thread of its own (an agent's pull
-    reads only its own trainer and writes only its own policy; its sync only its own
-    engines), so the step waits for the slowest agent's weights instead of the sum; else (or
-    with ``at_once=False``) one agent after another. An agent's error is raised after every agent's pull and sync has
-    ended (the first agent's, in agent order)."""
+    agent's pull and sync run at once, each from a driver thread of its own (an agent's pull reads
+    only its own trainer and writes only its own policy; its sync only its own engines), so the
+    step waits for the slowest agent's weights instead of the sum; else (or with
+    ``at_once=False``) one agent after another. An agent's error is raised after every agent's
+    pull and sync has ended (the first agent's, in agent order)."""
     def one(k: int) -> None:
         with timer(k):
             if pull:

@@ -68,10 +68,10 @@ def update_learner(algo: AlgorithmConfig, policy, optimizer, view: LearnerView, 
     """Run the M updates; returns averaged metrics (floats). ``nonfinite`` carries the count of
     consecutive non-finite updates across calls ({"streak": int, "total": int}).
 
-    ``minibatches``: the M minibatches (rows of ``view``) as drawn by ``split_minibatches``
-    from ``generator`` elsewhere (e.g. by the driver, so agents can update at once); then
-    ``generator`` and ``prompt_of_sample`` are not used. ``trace``: each update's ``finite``, ``loss`` and
-    ``grad_norm`` are appended to it (for :func:`replay_nonfinite`).
+    ``minibatches``: the M minibatches (rows of ``view``) as drawn by ``split_minibatches`` from
+    ``generator`` elsewhere (e.g. by the driver, so agents can update at once); then
+    ``generator`` and ``prompt_of_sample`` are not used. ``trace``: each update's ``finite``,
+    ``loss`` and ``grad_norm`` are appended to it (for :func:`replay_nonfinite`).
 
     Self and cross samples are forwarded in separate passes so their costs are accounted
     apart: ``timer(key)`` is entered for "score_self", "score_cross" (forward + loss),
