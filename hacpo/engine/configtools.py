@@ -3,6 +3,7 @@ and dotted-key overrides ("loss.alpha=0", "agents.1.lr=3e-4") parsed to each fie
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from typing import Any
 
@@ -48,7 +49,7 @@ def from_dict(cls, d: dict[str, Any], prefix: str = ""):
 
 def _coerce(value: Any, tp, key: str) -> Any:
     base = tp
-    if typing.get_origin(tp) is typing.Union or str(typing.get_origin(tp)) == "types.UnionType":
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):    # Optional[X], X | None
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if isinstance(value, str) and value.lower() in ("none", "null"):
             return None

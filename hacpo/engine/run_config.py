@@ -335,8 +335,8 @@ class TrainConfig(ConfigMixin):
                                     # per-stage GPU times, lower throughput; `hacpo profile`)
     agents_at_once: bool = True     # the Ray / vLLM pools sample and sync, Ray trainer actors
                                     # and megatron groups update, every agent at once; false:
-                                    # one agent after another (same results; e.g. to time
-                                    # each agent alone)
+                                    # those one agent after another (same results; e.g. to
+                                    # time each agent's alone); old log-probs stay at once
     out_dir: str = "runs/hacpo"
     cache_dir: str = "runs/cache"   # warm-up checkpoints shared across runs
     progress: bool = True

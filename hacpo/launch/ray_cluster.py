@@ -28,6 +28,7 @@ for _k, _v in _RAY_ENV.items():
 _OBJECT_STORE_MIN = 256 * 1024 ** 2   # private cluster: at least this (rollouts, small weights)
 _OBJECT_STORE_MEMORY_FRACTION = 0.3    # and at most this share of the machine's memory (Ray's
                                        # own default for a cluster it sizes itself)
+_OBJECT_STORE_COPIES = 4               # copies of the weights it should hold (see below)
 
 
 # Ray's GPU accounting of a colocated vLLM engine and of the trainer rank whose GPU it shares
@@ -179,19 +180,36 @@ def weight_bytes(policies) -> int:
     return sum(p.numel() * p.element_size() for pol in policies for p in pol.parameters())
 
 
+_CGROUP_MEMORY_LIMITS = ("/sys/fs/cgroup/memory.max",                      # cgroup v2
+                         "/sys/fs/cgroup/memory/memory.limit_in_bytes")     # cgroup v1
+
+
 def _machine_memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    """This machine's memory, or this process's cgroup limit where lower (a container, a
+    Slurm job's allocation)."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in _CGROUP_MEMORY_LIMITS:
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():            # v2 "max" / v1's huge number: no lower limit
+            memory = min(memory, int(text))
+    return memory
 
 
 def private_object_store_bytes(weights: int, memory: int | None = None) -> int:
-    """A private cluster's object store for a run whose agents' weights take ``weights`` bytes:
-    room for them three times over (the synced copy a restarted engine reloads, the next
-    sync's, a trainer's weights on their way to the driver), at least 256 MiB, at most 30% of
-    the machine's ``memory`` (default: this machine's; Ray's own default share). Past that
-    cap the weight syncs spill to disk, which is logged as a warning when the cluster
+    """A private cluster's object store for a run whose agents' parameters take ``weights``
+    bytes: room for them four times over (the Ray pool's pickled policies kept for actor
+    restarts, the synced weights a restarted engine reloads, the next sync's, a trainer's
+    weights on their way to the driver), at least 256 MiB, at most 30% of ``memory``
+    (default: this machine's, or its cgroup limit where lower; Ray's own default share). Past
+    that cap the weight syncs spill to disk, which is logged as a warning when the cluster
     starts."""
     memory = _machine_memory() if memory is None else memory
-    return int(min(max(_OBJECT_STORE_MIN, 3 * weights), _OBJECT_STORE_MEMORY_FRACTION * memory))
+    return int(min(max(_OBJECT_STORE_MIN, _OBJECT_STORE_COPIES * weights),
+                   _OBJECT_STORE_MEMORY_FRACTION * memory))
 
 
 def connect(address: str = "", *, num_cpus: int | None = None,
@@ -227,11 +245,12 @@ def connect(address: str = "", *, num_cpus: int | None = None,
                 "this machine's network address instead of loopback; import "
                 "hacpo.launch.ray_cluster first or set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0")
         store = private_object_store_bytes(weights)
-        if 3 * weights > store:
+        if _OBJECT_STORE_COPIES * weights > store:
             log.warning("the agents' weights (%.0f MiB) need a %.0f MiB object store for "
                         "weight syncs without spilling; a private cluster gets at most %.0f "
                         "MiB (30%% of this machine's memory), so syncs will spill to disk",
-                        weights / 2**20, 3 * weights / 2**20, store / 2**20)
+                        weights / 2**20, _OBJECT_STORE_COPIES * weights / 2**20,
+                        store / 2**20)
         temp_dir = tempfile.mkdtemp(prefix="hacpo-ray-")   # short: Ray's socket paths live here
         try:
             ctx = ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1,

@@ -35,6 +35,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 # first: its environment must precede `import ray`
@@ -51,7 +52,6 @@ from hacpo.engine.algorithm import split_minibatches
 from hacpo.engine.evaluate import evaluate_policy
 from hacpo.engine.pool import LearnerView, StepPool, score_responses
 from hacpo.engine.rewards import RewardComputer
-from hacpo.engine.rollout import each_agent
 from hacpo.engine.timing import Stopwatch, device_sync
 from hacpo.engine.update import NonFiniteUpdateError, replay_nonfinite, update_learner
 from hacpo.models.policy import Policy
@@ -358,9 +358,13 @@ class RayAgents:
             with timer(k):
                 return self._get(k, refs[k])
 
-        results = each_agent(n, wait, at_once=True, name="update")
-        return [drawn_update_result(r, self.names[k], nonfinite, self.cfg.max_nonfinite,
-                                    ratio_logs[k], sw) for k, r in enumerate(results)]
+        with ThreadPoolExecutor(max_workers=n, thread_name_prefix="hacpo-update") as ex:
+            futures = [ex.submit(wait, k) for k in range(n)]
+        # in agent order, each result (or its actor's error) before the next: a streak that
+        # stops the run at agent k is raised before a later agent's failure, as in sequence
+        return [drawn_update_result(f.result(), self.names[k], nonfinite,
+                                    self.cfg.max_nonfinite, ratio_logs[k], sw)
+                for k, f in enumerate(futures)]
 
     def pull_weights(self, k: int) -> None:
         """Copy agent k's trained weights into the driver's policy (what engines read)."""

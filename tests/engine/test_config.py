@@ -43,6 +43,20 @@ def test_overrides_parse_strings_and_roundtrip():
     assert AlgorithmConfig.from_dict(c.to_dict()) == c
 
 
+def test_optional_fields_parse_from_strings():
+    """``X | None`` fields (e.g. --set rollout.gpu_memory_utilization=0.7 on the command line,
+    where every value is a string) parse to X, and "none" / "null" to None."""
+    from hacpo.engine.run_config import load_config
+    cfg = load_config("tiny3", overrides={"rollout.engine": "vllm"})
+    got = cfg.override({"rollout.gpu_memory_utilization": "0.7", "data.train_path": "a.jsonl"})
+    assert got.rollout.gpu_memory_utilization == 0.7 and got.data.train_path == "a.jsonl"
+    assert got.rollout.engine_memory_fraction() == 0.7
+    back = got.override({"rollout.gpu_memory_utilization": "none", "data.train_path": "null"})
+    assert back.rollout.gpu_memory_utilization is None and back.data.train_path is None
+    with pytest.raises(ValueError, match=r"cannot parse 'most' as float"):
+        cfg.override({"rollout.gpu_memory_utilization": "most"})
+
+
 @pytest.mark.parametrize("overrides,match", [
     ({"name": "ppo"}, "unknown algorithm 'ppo'"),
     ({"loss.alpha": -0.1}, "alpha must be >= 0"),

@@ -117,3 +117,53 @@ def test_killed_trainer_actor_is_clear_error(cluster, cache, monkeypatch):
 def test_unknown_trainer_backend_is_clear_error():
     with pytest.raises(ValueError, match=r"unknown trainer_backend 'nope'.*local, ray"):
         load_config("tiny3", overrides={"trainer_backend": "nope"})
+
+
+def test_update_all_counts_streaks_in_agent_order_before_later_failures():
+    """RayAgents.update_all (no cluster: stand-in actors): agent 0's trace takes the run's
+    non-finite streak to max_nonfinite while agent 1's actor fails; as one agent after another
+    (agent 1 would never have run) the run raises agent 0's NonFiniteUpdateError, not agent 1's
+    failure. Without that, agent 1's error is raised and its results are still in order."""
+    import types as _types
+
+    import torch
+
+    from hacpo.engine.pool import LearnerView
+    from hacpo.engine.timing import Stopwatch
+    from hacpo.engine.update import NonFiniteUpdateError
+
+    nan = {"finite": False, "loss": float("nan"), "grad_norm": float("nan")}
+    ok = {"finite": True, "loss": 0.5, "grad_norm": 1.0}
+
+    def agents(trace0):
+        class Call:
+            def __init__(self, k):
+                self.remote = lambda *a: k
+
+        ra = ray_trainer.RayAgents.__new__(ray_trainer.RayAgents)
+        ra.cfg = _types.SimpleNamespace(max_nonfinite=3, algorithm=load_config(
+            "tiny3").algorithm)
+        ra.names = ["a", "b"]
+        ra._actors = [_types.SimpleNamespace(update_drawn=Call(k)) for k in range(2)]
+
+        def get(k, ref):
+            if k == 1:
+                raise RuntimeError("the trainer actor of agent 'b' died")
+            return {"m": 1.0}, trace0, None, {}, (0.0, 1.0)
+        ra._get = get
+        return ra
+
+    view = LearnerView(torch.arange(2), torch.ones(2), torch.ones(2),
+                       torch.tensor([True, False]), [[1], [1]], [[2], [3]], {})
+    pool = _types.SimpleNamespace(prompt=torch.tensor([0, 0]), lp_old=torch.zeros(2),
+                                  old_token_logp=[])
+    kw = dict(generator=torch.Generator().manual_seed(0), ratio_logs=[None, None],
+              sw=Stopwatch(), timer=lambda k: Stopwatch()("x"))
+    nonfinite = {"streak": 1, "total": 1}          # an earlier agent's streak, in the run
+    with pytest.raises(NonFiniteUpdateError, match="3 non-finite updates in a row for "
+                                                   "policy 'a'"):
+        agents([nan, nan]).update_all([view, view], pool, nonfinite=nonfinite, **kw)
+    assert nonfinite == {"streak": 3, "total": 3}
+    with pytest.raises(RuntimeError, match="agent 'b' died"):
+        agents([ok, nan]).update_all([view, view], pool,
+                                     nonfinite={"streak": 1, "total": 1}, **kw)
