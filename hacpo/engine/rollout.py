@@ -77,9 +77,20 @@ def sync_agents(agents, engine: RolloutEngine, n: int, *, timer: Callable[[int],
     only its own trainer and writes only its own policy; its sync only its own engines), so the
     step waits for the slowest agent's weights instead of the sum; else (or with
     ``at_once=False``) one agent after another. An agent's error is raised after every agent's
-    pull and sync has ended (the first agent's, in agent order)."""
+    pull and sync has ended (the first agent's, in agent order). Where the trainer can put its
+    weights into the object store itself (megatron groups: ``publish_weights``) and the engine
+    can load them from there (vLLM: ``sync_published``), that replaces pull and sync: the
+    weights go from the trainer's rank to the engines without passing through the driver,
+    whose policy is refreshed later only if something reads it."""
+    publish = (pull and hasattr(agents, "publish_weights")
+               and hasattr(engine, "sync_published"))
+
     def one(k: int) -> None:
         with timer(k):
+            refs = agents.publish_weights(k) if publish else None
+            if refs is not None:          # trainer -> object store -> engines, not the driver
+                engine.sync_published(k, refs)
+                return
             if pull:
                 agents.pull_weights(k)
             engine.sync_weights(k)

@@ -28,6 +28,31 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Published:
+    """Weights for an engine that someone other than the rollout pool put into the object
+    store (the megatron ranks: :meth:`~hacpo.launch.megatron_trainer.MegatronAgents.
+    publish_weights`): ``buckets``, ObjectRefs of HF-named tensors in the trained model's own
+    shapes, and how the served model differs (what :func:`~hacpo.launch.vllm_rollout.
+    hf_weights` does on the driver): embedding and output rows past ``vocab`` cut, and a tied
+    output layer (``tied``: not in any bucket) sent as its own tensor, the embedding's rows."""
+    buckets: tuple
+    vocab: int
+    embed: str
+    head: str
+    tied: bool
+
+    def fit(self, bucket: Mapping) -> dict:
+        out = dict(bucket)
+        for name in (self.embed, self.head):
+            if name in out and out[name].shape[0] > self.vocab:
+                out[name] = out[name][:self.vocab]
+        if self.tied and self.embed in out and self.head not in out:
+            out[self.head] = out[self.embed]
+        return out
 
 
 class VLLMWorker:
@@ -91,24 +116,29 @@ class VLLMWorker:
         return {"pid": os.getpid(), "vllm": vllm.__version__, "version": self.version,
                 "threads": torch.get_num_threads(), "tp": self.tp}
 
-    def load_weights(self, weights: Mapping | Sequence, *, version: int) -> int:
+    def load_weights(self, weights: Mapping | Sequence | Published, *, version: int) -> int:
         """Load HF-named tensors into the running model (vLLM's layerwise in-place reload: the
         started model's parameters are re-processed for the kernels, so a bare
         ``model.load_weights`` after start-up is not valid), then drop the prefix cache:
         prompt KV computed with the old weights must not be reused. ``weights``: a mapping,
         or a sequence of buckets (mappings or ObjectRefs of them), fetched one at a time and
-        sent to every TP worker. A parameter no bucket named is an error (never a model that
+        sent to every TP worker, or :class:`Published` buckets (each fitted to the served
+        model as it is fetched). A parameter no bucket named is an error (never a model that
         is partly the old weights). Returns the tensors loaded."""
         import ray
 
         if self.asleep:
             return self._wake(weights, version)
-        buckets = [weights] if isinstance(weights, Mapping) else list(weights)
+        fit = weights if isinstance(weights, Published) else None
+        buckets = (list(fit.buckets) if fit is not None else
+                   [weights] if isinstance(weights, Mapping) else list(weights))
         count = 0
         self.version = -1                # not servable until the reload has completed
         self.llm.collective_rpc(_reload_begin)
         for part in buckets:
             bucket = ray.get(part) if isinstance(part, ray.ObjectRef) else part
+            if fit is not None:
+                bucket = fit.fit(bucket)
             self.llm.collective_rpc(_reload_bucket, args=(dict(bucket),))
             count += len(bucket)
             del bucket

@@ -15,11 +15,13 @@ megatron's DDP + optimizer (AdamW,
 eps 1e-8, the agent's lr / betas / weight decay for every parameter, as the torch trainer's
 ``torch.optim.AdamW``; with ``parallel.distributed_optimizer`` megatron's distributed
 optimizer, which keeps each DP rank's slice of the Adam state only). The driver keeps its HF
-:class:`~hacpo.models.policy.Policy` as the CPU copy that tokenizes, evaluates and feeds every
-rollout engine: :meth:`MegatronAgents.pull_weights` streams the shards back to HF names into
-it after each update, ``parallel.weight_bucket_mb`` at a time
+:class:`~hacpo.models.policy.Policy` as the CPU copy that tokenizes, evaluates and feeds the
+local and Ray rollout engines: :meth:`MegatronAgents.pull_weights` streams the shards back to
+HF names into it after each update, ``parallel.weight_bucket_mb`` at a time
 (``MegatronPolicy.hf_state_of_units``: rank 0 and the driver hold one bucket besides their own
-weights).
+weights). vLLM engines instead load the buckets rank 0 puts into the object store
+(:meth:`MegatronAgents.publish_weights`), and the driver's copy is pulled from those only when
+read (evaluation, checkpoints).
 
 One update is :func:`hacpo.engine.update.update_learner`'s, split over the ranks:
 
@@ -598,6 +600,13 @@ class MegatronRank:
         return loss
 
     # -- weights and checkpoints ----------------------------------------------------------------
+    def hf_weights_put(self, units: list) -> list | None:
+        """As :meth:`hf_weights` (a collective of the group), but rank 0 puts its bucket into
+        the object store and returns ``[ref]`` (a list: Ray does not resolve it), so the
+        weights reach the rollout engines without passing through the driver."""
+        sd = self.hf_weights(units)
+        return None if sd is None else [ray.put(sd)]
+
     def hf_weights(self, units: list | None = None) -> dict[str, torch.Tensor] | None:
         """The policy's HF-named weights of ``units`` (None: all), a collective of the group:
         on rank 0, None elsewhere (no rank holds more than its shard and these units; see
@@ -732,6 +741,10 @@ class MegatronAgents:
         # the KL reference is frozen: its shards are written once per run (first save, or
         # named by the checkpoint a run resumed from) and every later checkpoint names them
         self._ref_files: list[list[dict] | None] = [None] * len(policies)
+        # the driver's policy is behind its ranks (an update since its last pull), and the
+        # buckets publish_weights put for the ranks' current weights (None: not published)
+        self._stale = [False] * len(policies)
+        self._published: list[list | None] = [None] * len(policies)
         self.cluster: RayCluster | None = None
         worlds = [a.parallel.world if a.trainer == "megatron" else 1 for a in cfg.agents]
         need = sum(worlds) * self.threads + colocated_engines(cfg)     # their CPU in a bundle
@@ -956,6 +969,7 @@ class MegatronAgents:
     def update(self, k: int, view: LearnerView, pool: StepPool, *, generator: torch.Generator,
                nonfinite: dict, ratio_log: dict | None, sw) -> dict[str, float]:
         """update_learner's M minibatch updates on agent k's ranks (module docstring)."""
+        self._updating(k)
         if self._groups[k].torch:
             return self._update_torch(k, view, pool, generator, nonfinite, ratio_log, sw)
         job = self._update_request(k, view, pool, generator, nonfinite["streak"])
@@ -986,6 +1000,7 @@ class MegatronAgents:
                                     nonfinite=nonfinite, ratio_log=ratio_logs[0], sw=sw)]
         jobs, refs = [], []
         for k, g in enumerate(self._groups):        # requests (and draws) in agent order
+            self._updating(k)
             if g.torch:
                 jobs.append("torch")
                 refs.append([g.ranks[0].update_drawn.remote(
@@ -1149,17 +1164,49 @@ class MegatronAgents:
         for units in buckets:
             yield self._gather(k, [r.hf_weights.remote(units) for r in g.ranks])[0]
 
+    def publish_weights(self, k: int) -> list | None:
+        """Agent k's trained weights as HF-named buckets of ``parallel.weight_bucket_mb`` in
+        the object store, put by its rank 0 (each bucket a collective call of the group, as
+        :meth:`pull_weights` streams them), never passing through the driver: ObjectRefs in
+        bucket order, in the driver policy's own shapes (a tied output layer in none), what
+        a rollout engine that loads refs reads (``VLLMRolloutEngine.sync_published``). The
+        driver's policy is refreshed from the same buckets only when something reads it
+        (:meth:`pull_weights`). None for a trainer=torch agent (its weights come through
+        :meth:`pull_weights`)."""
+        g = self._groups[k]
+        if g.torch:
+            return None
+        buckets = self._buckets(k)
+        self.weight_buckets[k] = len(buckets)
+        refs = [self._gather(k, [r.hf_weights_put.remote(units) for r in g.ranks])[0][0]
+                for units in buckets]
+        self._published[k] = refs
+        return refs
+
+    def _updating(self, k: int) -> None:
+        """Agent k's ranks are about to update: the driver's policy is behind them until
+        pulled, and no buckets are published for the new weights yet."""
+        self._stale[k], self._published[k] = True, None
+
     def pull_weights(self, k: int) -> None:
-        """Stream agent k's trained shards as HF weights into the driver's policy (what every
-        rollout engine reads), ``parallel.weight_bucket_mb`` at a time, copied in place. A
-        failure part-way (a dead rank) is an error that stops the run: the policy is then
-        partly updated, but no checkpoint is written from it (the last one stays whole)."""
+        """Bring the driver's policy up to agent k's trained shards (what evaluation,
+        checkpoints and the rollout engines that sample with it read): nothing if no update
+        since the last pull; else the buckets :meth:`publish_weights` put, if it ran since,
+        or the shards streamed as HF weights ``parallel.weight_bucket_mb`` at a time, copied
+        in place. A failure part-way (a dead rank) is an error that stops the run: the policy
+        is then partly updated, but no checkpoint is written from it (the last one stays
+        whole)."""
         if self._groups[k].torch:
             self.policies[k].load_state_dict(
                 self._gather(k, [self._groups[k].ranks[0].weights.remote()])[0])
             return
-        copy_buckets(self._hf_targets(k), self._stream_weights(k),
+        if not self._stale[k]:
+            return
+        refs = self._published[k]
+        copy_buckets(self._hf_targets(k),
+                     self._stream_weights(k) if refs is None else (ray.get(r) for r in refs),
                      what=f"agent {self.names[k]!r}: megatron weights into the HF model")
+        self._stale[k] = False
 
     def _shard_refs(self, k: int, hf: dict[str, torch.Tensor]) -> list:
         """Agent k's HF-named tensors cut into its ranks' shards (megatron names,
@@ -1221,6 +1268,8 @@ class MegatronAgents:
             self._gather(k, [self._groups[k].ranks[0].load_state_dict.remote(sd)])
             self.policies[k].load_state_dict(sd["model"])
             return
+        # the driver's policy and the ranks both get the checkpoint's weights
+        self._stale[k], self._published[k] = False, None
         meg = sd.get("megatron")
         name, want = self.names[k], self._layout(k)
         if meg is None:
@@ -1303,8 +1352,9 @@ class MegatronAgents:
 
     def evaluate(self, prompt_ids: list[list[list[int]]], golds: list[str], rc,
                  **kwargs) -> list[dict]:
-        """evaluate_policy on the driver's HF copies (the ranks' weights, pulled after each
-        update)."""
+        """evaluate_policy on the driver's HF copies (the ranks' weights, pulled first)."""
+        for k in range(len(self.policies)):
+            self.pull_weights(k)
         return [evaluate_policy(p, prompt_ids[k], golds, rc, **kwargs)
                 for k, p in enumerate(self.policies)]
 

@@ -17,7 +17,10 @@ in-process sampler returns.
   configuration vLLM cannot run, e.g. head_dim 16 on CPU, fails at start-up naming the agent);
   the real weights come through Ray's object store. Prompts and responses are token ids: vLLM
   never loads a tokenizer, so reduced vocabularies and the char tokenizer work unchanged.
-- **Weights.** ``sync_weights(k)`` puts agent k's HF-named tensors into the object store once,
+- **Weights.** With megatron trainer groups, ``sync_published(k, refs)`` loads the buckets
+  the agent's rank 0 put into the object store itself (the weights never pass through the
+  driver; each engine fits every bucket to the model it serves as :func:`hf_weights` would).
+  Otherwise ``sync_weights(k)`` puts agent k's HF-named tensors into the object store once,
   in buckets of at most ``rollout.weight_bucket_mb`` (one ``ray.put`` each), and every engine
   of k loads them in place (vLLM's layerwise in-place reload, fed one bucket at a time to
   every TP worker: no engine restart, no disk; an engine holds its model plus one bucket; a
@@ -168,6 +171,21 @@ def hf_weights(policy: Policy) -> dict[str, torch.Tensor]:
     if head_name not in out:                     # tied: vLLM gets it untied (hf_config_dict)
         out[head_name] = head.weight.detach()[:V].to("cpu").contiguous()
     return out
+
+
+def published(policy: Policy, refs: Sequence):
+    """``refs`` (ObjectRefs of HF-named buckets in ``policy``'s own shapes, a tied output layer
+    in none of them) as weights an engine serving ``policy`` loads: each bucket fitted as
+    :func:`hf_weights` fits the driver's tensors (vocabulary cut, output layer untied)."""
+    from ._vllm_worker import Published
+
+    model = policy.model
+    head = model.get_output_embeddings()
+    params = dict(model.named_parameters())       # a tied parameter is listed once
+    embed = next(n for n, p in params.items() if p is model.get_input_embeddings().weight)
+    head_name = next(n for n, m in model.named_modules() if m is head) + ".weight"
+    return Published(buckets=tuple(refs), vocab=policy.tokenizer.vocab_size, embed=embed,
+                     head=head_name, tied=head_name not in params)
 
 
 def _actor_env(threads: int, tmpdir: str | None) -> dict[str, str]:
@@ -408,6 +426,21 @@ class VLLMRolloutEngine(GeneratorState):
 
         def submit(j):
             return self.actors[agent][j].load_weights.remote(refs, version=version)
+
+        self._run(agent, submit, lambda j, v: None, range(self.engines_per_agent), "load_weights")
+
+    def sync_published(self, agent: int, refs: Sequence) -> None:
+        """As :meth:`sync_weights`, from buckets the agent's trainer put into the object store
+        itself (megatron's rank 0: ``MegatronAgents.publish_weights``), so the weights never
+        pass through the driver: every engine of the agent fetches them one at a time and
+        fits each to the model it serves (:func:`published`); kept for restarts and wakes."""
+        self._check_open()
+        self._weights[agent] = published(self.policies[agent], refs)
+        self._version[agent] += 1
+        version, weights = self._version[agent], self._weights[agent]
+
+        def submit(j):
+            return self.actors[agent][j].load_weights.remote(weights, version=version)
 
         self._run(agent, submit, lambda j, v: None, range(self.engines_per_agent), "load_weights")
 

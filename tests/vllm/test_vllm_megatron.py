@@ -5,9 +5,11 @@ first, sized for both) and stops.
 
 Two tiny HF Llama agents (head_dim 64, what vLLM's CPU attention serves): one at TP=2 with the
 reduced Llama 3.2 BPE (562 ids, divisible by 2), one at PP=2 with the character tokenizer.
-After every update ``MegatronAgents.pull_weights`` streams the shards as HF names into the
-driver's policy (the TP=2 agent in 4 buckets) and ``engine.sync_weights(k)`` ships them into
-the agent's vLLM engine (in buckets of <= 0.5 MiB, fetched one at a time by the engine). The
+After every update ``MegatronAgents.publish_weights`` has rank 0 put the shards as HF-named
+buckets into the object store (the TP=2 agent in 4 buckets) and
+``engine.sync_published(k, refs)`` loads them into the agent's vLLM engine (fetched one at a
+time, each fitted to the served model), without the weights passing through the driver; the
+driver's policy is pulled from the same buckets for the final evaluation and checkpoint. The
 test probes each engine right after its initial sync and again when the run closes it (the
 last thing before the rank actors go), with the same seeds:
 
@@ -134,7 +136,10 @@ def test_megatron_weights_reach_the_vllm_engines(tmp_path, monkeypatch):
             init_lp, _ = expected_logprobs(initial, sp, resps, temperature=1.0, top_p=1.0)
             meg_w = _rank_weights(agents, k, par.world)
             driver = pol.model.state_dict()
-            buckets = ray.get(engine._weights[k])      # what the last sync_weights shipped
+            # what the last sync shipped: the buckets agent k's rank 0 put (sync_published),
+            # as the engines fit them
+            pub = engine._weights[k]
+            buckets = [pub.fit(b) for b in ray.get(list(pub.buckets))]
             sent = {n: t for b in buckets for n, t in b.items()}
             checks[name] = {
                 "engine_vs_hf": max_abs_diff(after.sampler_logprobs, hf_lp),
@@ -154,6 +159,7 @@ def test_megatron_weights_reach_the_vllm_engines(tmp_path, monkeypatch):
                                      if not torch.equal(w, driver[n])],
                 "sent_unequal": sorted(n for n, w in hf_weights(pol).items()
                                        if n not in sent or not torch.equal(w, sent[n])),
+                "published": type(pub).__name__,
                 "buckets": agents.weight_buckets[k],
                 "sent_buckets": len(buckets),
             }
@@ -223,7 +229,8 @@ def test_megatron_weights_reach_the_vllm_engines(tmp_path, monkeypatch):
         assert c["megatron_keys_missing"] == (["lm_head.weight"] if c["tied"] else []), c
         assert c["megatron_unequal"] == [] and c["sent_unequal"] == [], (name, c)
         assert c["buckets"] == (4 if name == "llama-tp2" else 1), (name, c)
-        assert c["sent_buckets"] > 4, (name, c)
+        # the engines loaded rank 0's own buckets (not a driver re-put)
+        assert c["published"] == "Published" and c["sent_buckets"] == c["buckets"], (name, c)
         # ... and the engine's log-probs are the HF copy's and the megatron ranks' own
         assert c["megatron_vs_hf"] < MEG_TOL, (name, c)
         assert c["engine_vs_hf"] < TOL and c["engine_vs_megatron"] < TOL, (name, c)

@@ -1,0 +1,48 @@
+"""Weights a megatron rank puts into the object store are in the driver policy's own shapes
+(a tied output layer in no bucket); a vLLM engine fits each bucket as it loads it
+(``Published.fit``, built by ``vllm_rollout.published``). Fitted, the buckets must be exactly
+what ``hf_weights`` makes of the driver's policy for the engine-side weight path, tied or
+untied, with or without embedding rows past the tokenizer's vocabulary."""
+import pytest
+import torch
+
+from hacpo.launch._vllm_worker import Published
+from hacpo.launch.vllm_rollout import hf_weights, published
+from hacpo.models.policy import PolicyConfig, build_policy
+
+HF = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+      "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64}
+
+
+def _rank_buckets(policy):
+    """What MegatronAgents streams / publishes: the driver's HF state dict (a tied model's
+    lm_head.weight left out), here in two buckets."""
+    sd = {n: t.clone() for n, t in policy.model.state_dict().items()}
+    if policy.model.config.tie_word_embeddings:
+        sd.pop("lm_head.weight")
+    names = sorted(sd)
+    return [{n: sd[n] for n in names[:3]}, {n: sd[n] for n in names[3:]}]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("pad", [0, 5])
+def test_fitted_buckets_are_hf_weights(tied, pad):
+    pol = build_policy(PolicyConfig(kind="hf", arch="llama", tokenizer="char",
+                                    hf_config={**HF, "tie_word_embeddings": tied}))
+    V = pol.tokenizer.vocab_size
+    if pad:       # a padded table: rows past the tokenizer's vocabulary, which vLLM never sees
+        pol.model.resize_token_embeddings(V + pad)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in pol.model.parameters():
+            p.normal_()
+    buckets = _rank_buckets(pol)
+    pub = published(pol, buckets)
+    assert isinstance(pub, Published) and pub.tied == tied and pub.vocab == V
+    assert (pub.embed, pub.head) == ("model.embed_tokens.weight", "lm_head.weight")
+    got = {n: t for b in pub.buckets for n, t in pub.fit(b).items()}
+    want = hf_weights(pol)
+    assert sorted(got) == sorted(want)
+    for n, t in want.items():
+        assert torch.equal(got[n], t), n
+    assert got["lm_head.weight"].shape[0] == got["model.embed_tokens.weight"].shape[0] == V
