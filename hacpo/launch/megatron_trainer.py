@@ -132,7 +132,8 @@ from hacpo.engine.losses import low_var_kl
 from hacpo.engine.pool import LearnerView, StepPool, scored_lengths
 from hacpo.engine.timing import device_sync
 from hacpo.engine.update import NonFiniteUpdateError, _minibatch_metrics, _pad
-from hacpo.models.buckets import bucket_bytes_of, copy_buckets, plan_buckets
+from hacpo.models.buckets import (bucket_bytes_of, check_bucket_shapes, copy_buckets,
+                                  plan_buckets)
 from hacpo.models.policy import Policy
 
 from .ray_trainer import (TrainerActor, colocated_engines, draw_minibatches,
@@ -602,10 +603,11 @@ class MegatronRank:
     # -- weights and checkpoints ----------------------------------------------------------------
     def hf_weights_put(self, units: list) -> list | None:
         """As :meth:`hf_weights` (a collective of the group), but rank 0 puts its bucket into
-        the object store and returns ``[ref]`` (a list: Ray does not resolve it), so the
-        weights reach the rollout engines without passing through the driver."""
+        the object store and returns ``[ref, {name: shape}]`` (a list: Ray does not resolve
+        the ref), so the weights reach the rollout engines without passing through the
+        driver, which checks the names and shapes."""
         sd = self.hf_weights(units)
-        return None if sd is None else [ray.put(sd)]
+        return None if sd is None else [ray.put(sd), {n: tuple(t.shape) for n, t in sd.items()}]
 
     def hf_weights(self, units: list | None = None) -> dict[str, torch.Tensor] | None:
         """The policy's HF-named weights of ``units`` (None: all), a collective of the group:
@@ -1132,10 +1134,11 @@ class MegatronAgents:
             sw[key] = sw.get(key, 0.0) + v
         return m
 
-    def _buckets(self, k: int) -> list[list[tuple[str, int]]]:
+    def _buckets(self, k: int, mb: float | None = None) -> list[list[tuple[str, int]]]:
         """Agent k's weight units (embedding, each layer, final norm + output layer) grouped
-        into buckets of at most ``parallel.weight_bucket_mb`` by the HF copy's tensor sizes (a
-        larger unit is a bucket of its own): what one weight-stream call moves."""
+        into buckets of at most ``mb`` (default ``parallel.weight_bucket_mb``) by the HF
+        copy's tensor sizes (a larger unit is a bucket of its own): what one weight-stream
+        call moves."""
         from hacpo.models.megatron import hf_units, unit_of_hf_name
         from hacpo.models.megatron.build import ArchSpec
 
@@ -1144,7 +1147,8 @@ class MegatronAgents:
         for name, t in self._hf_targets(k).items():
             size[unit_of_hf_name(name)] += t.numel() * t.element_size()
         units = hf_units(ArchSpec.from_hf(model.config))
-        return plan_buckets([(u, size[u]) for u in units], bucket_bytes_of(par.weight_bucket_mb))
+        return plan_buckets([(u, size[u]) for u in units],
+                            bucket_bytes_of(par.weight_bucket_mb if mb is None else mb))
 
     def _hf_targets(self, k: int) -> dict[str, torch.Tensor]:
         """The driver's HF tensors a megatron pull writes (sharing the parameters' storage;
@@ -1165,23 +1169,41 @@ class MegatronAgents:
             yield self._gather(k, [r.hf_weights.remote(units) for r in g.ranks])[0]
 
     def publish_weights(self, k: int) -> list | None:
-        """Agent k's trained weights as HF-named buckets of ``parallel.weight_bucket_mb`` in
-        the object store, put by its rank 0 (each bucket a collective call of the group, as
-        :meth:`pull_weights` streams them), never passing through the driver: ObjectRefs in
-        bucket order, in the driver policy's own shapes (a tied output layer in none), what
-        a rollout engine that loads refs reads (``VLLMRolloutEngine.sync_published``). The
+        """Agent k's trained weights as HF-named buckets in the object store, put by its rank
+        0 (each bucket a collective call of the group, as :meth:`pull_weights` streams them),
+        never passing through the driver: ObjectRefs in bucket order, in the driver policy's
+        own shapes (a tied output layer in none; names and shapes checked against it first),
+        what a rollout engine that loads refs reads (``VLLMRolloutEngine.sync_published``).
+        A bucket holds at most the smaller of ``parallel.weight_bucket_mb`` and
+        ``rollout.weight_bucket_mb`` (or one unit), as an engine holds one at a time. The
         driver's policy is refreshed from the same buckets only when something reads it
         (:meth:`pull_weights`). None for a trainer=torch agent (its weights come through
         :meth:`pull_weights`)."""
         g = self._groups[k]
         if g.torch:
             return None
-        buckets = self._buckets(k)
+        buckets = self._buckets(k, min(g.par.weight_bucket_mb, self.cfg.rollout.weight_bucket_mb))
         self.weight_buckets[k] = len(buckets)
-        refs = [self._gather(k, [r.hf_weights_put.remote(units) for r in g.ranks])[0][0]
-                for units in buckets]
-        self._published[k] = refs
-        return refs
+        got = [self._gather(k, [r.hf_weights_put.remote(units) for r in g.ranks])[0]
+               for units in buckets]
+        check_bucket_shapes(self._hf_targets(k), (shapes for _, shapes in got),
+                            what=f"agent {self.names[k]!r}: megatron weights for the engines")
+        self._published[k] = [ref for ref, _ in got]
+        return self._published[k]
+
+    def _fetch_published(self, k: int):
+        """The buckets :meth:`publish_weights` put, one at a time; objects gone with the rank
+        that owned them are a clear error."""
+        from ray.exceptions import ObjectLostError
+
+        for ref in self._published[k]:
+            try:
+                yield ray.get(ref)
+            except ObjectLostError as e:
+                raise RuntimeError(
+                    f"the weights agent {self.names[k]!r}'s megatron rank 0 published are "
+                    f"lost ({type(e).__name__}: the rank died?); resume the run from its last "
+                    f"checkpoint with --resume") from e
 
     def _updating(self, k: int) -> None:
         """Agent k's ranks are about to update: the driver's policy is behind them until
@@ -1202,9 +1224,9 @@ class MegatronAgents:
             return
         if not self._stale[k]:
             return
-        refs = self._published[k]
         copy_buckets(self._hf_targets(k),
-                     self._stream_weights(k) if refs is None else (ray.get(r) for r in refs),
+                     self._stream_weights(k) if self._published[k] is None
+                     else self._fetch_published(k),
                      what=f"agent {self.names[k]!r}: megatron weights into the HF model")
         self._stale[k] = False
 
@@ -1268,8 +1290,6 @@ class MegatronAgents:
             self._gather(k, [self._groups[k].ranks[0].load_state_dict.remote(sd)])
             self.policies[k].load_state_dict(sd["model"])
             return
-        # the driver's policy and the ranks both get the checkpoint's weights
-        self._stale[k], self._published[k] = False, None
         meg = sd.get("megatron")
         name, want = self.names[k], self._layout(k)
         if meg is None:
@@ -1332,6 +1352,8 @@ class MegatronAgents:
             refs = self._shard_refs(k, ref) if self.kl else [None] * len(g.ranks)
         self._gather(k, [r.load.remote(weights[i], optim[i], refs[i])
                          for i, r in enumerate(g.ranks)])
+        # the driver's policy and the ranks now hold the checkpoint's weights
+        self._stale[k], self._published[k] = False, None
 
     def checkpoint_saved(self) -> None:
         """The trainer wrote a checkpoint naming the shards of the last :meth:`state_dict`

@@ -63,15 +63,37 @@ def copy_buckets(target: MutableMapping[str, torch.Tensor],
     for bucket in buckets:
         n += 1
         for name, t in bucket.items():
-            why = ("there is no such weight" if name not in target else
-                   "sent twice" if name in seen else
-                   f"the target's is {tuple(target[name].shape)}"
-                   if target[name].shape != t.shape else None)
-            if why:
-                raise RuntimeError(f"{what}: weight {name!r} {tuple(t.shape)} does not fit: "
-                                   f"{why}")
+            _check_fits(name, tuple(t.shape), target, seen, what)
             target[name].copy_(t)
             seen.add(name)
+    _check_complete(target, seen, what)
+    return n
+
+
+def check_bucket_shapes(target: Mapping[str, torch.Tensor],
+                        buckets: Iterable[Mapping[str, tuple[int, ...]]], *, what: str) -> None:
+    """:func:`copy_buckets`' checks on the buckets' names and shapes alone (``buckets``: name
+    -> shape), for weights that go elsewhere than ``target`` (e.g. straight to the rollout
+    engines): every name of ``target`` exactly once, with its shape, else a RuntimeError
+    starting with ``what``."""
+    seen: set[str] = set()
+    for bucket in buckets:
+        for name, shape in bucket.items():
+            _check_fits(name, tuple(shape), target, seen, what)
+            seen.add(name)
+    _check_complete(target, seen, what)
+
+
+def _check_fits(name: str, shape: tuple, target: Mapping[str, torch.Tensor], seen: set,
+                what: str) -> None:
+    why = ("there is no such weight" if name not in target else
+           "sent twice" if name in seen else
+           f"the target's is {tuple(target[name].shape)}"
+           if tuple(target[name].shape) != shape else None)
+    if why:
+        raise RuntimeError(f"{what}: weight {name!r} {shape} does not fit: {why}")
+
+
+def _check_complete(target: Mapping, seen: set, what: str) -> None:
     if seen != target.keys():
         raise RuntimeError(f"{what}: weights missing: {sorted(target.keys() - seen)}")
-    return n

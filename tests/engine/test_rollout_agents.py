@@ -126,3 +126,47 @@ def test_a_failed_sync_is_raised_after_all_agents_ended():
     with pytest.raises(RuntimeError, match="agent 1 sync failed"):   # the first, in order
         sync_agents(log, log, 3, timer=lambda k: Stopwatch()("x"))
     assert [w for w, k, _ in log.calls if k == 0] == ["pull", "sync-start", "sync"]
+
+
+class Publishing:
+    """Agents whose trainer can put its weights into the object store itself (megatron:
+    publish_weights; None for an agent that cannot, e.g. trainer=torch), and an engine that
+    loads such refs (vLLM: sync_published) or syncs from the driver's policy."""
+
+    def __init__(self, can_publish=(True, False)):
+        self.can = can_publish
+        self.calls: list[tuple[str, int]] = []
+        self.concurrent_agents = False
+
+    def publish_weights(self, k):
+        self.calls.append(("publish", k))
+        return [f"ref{k}"] if self.can[k] else None
+
+    def pull_weights(self, k):
+        self.calls.append(("pull", k))
+
+    def sync_published(self, k, refs):
+        assert refs == [f"ref{k}"]
+        self.calls.append(("sync_published", k))
+
+    def sync_weights(self, k):
+        self.calls.append(("sync", k))
+
+
+def test_published_weights_skip_the_driver_where_both_sides_can():
+    p = Publishing()
+    sync_agents(p, p, 2, timer=lambda k: Stopwatch()("x"))
+    assert p.calls == [("publish", 0), ("sync_published", 0),      # trainer -> engines
+                       ("publish", 1), ("pull", 1), ("sync", 1)]     # cannot: via the driver
+    p.calls.clear()
+    sync_agents(p, p, 2, timer=lambda k: Stopwatch()("x"), pull=False)   # start-up
+    assert p.calls == [("sync", 0), ("sync", 1)]
+
+    class DriverEngine:              # an engine that reads the driver's policy (local, Ray)
+        concurrent_agents = False
+
+        def sync_weights(self, k):
+            q.calls.append(("sync", k))
+    q = Publishing()
+    sync_agents(q, DriverEngine(), 2, timer=lambda k: Stopwatch()("x"))
+    assert q.calls == [("pull", 0), ("sync", 0), ("pull", 1), ("sync", 1)]

@@ -46,3 +46,26 @@ def test_fitted_buckets_are_hf_weights(tied, pad):
     for n, t in want.items():
         assert torch.equal(got[n], t), n
     assert got["lm_head.weight"].shape[0] == got["model.embed_tokens.weight"].shape[0] == V
+
+
+def test_lost_published_weights_are_a_clear_error(monkeypatch):
+    """Buckets owned by a rank that died cannot be fetched for the driver's pull: the error
+    names the agent and says to resume (MegatronAgents._fetch_published; stand-in refs)."""
+    import ray
+    from ray.exceptions import OwnerDiedError
+
+    from hacpo.launch import megatron_trainer
+
+    def get(ref, **kw):
+        if ref == "gone":
+            raise OwnerDiedError("ab" * 14, None, "")
+        return {"w": ref}
+    monkeypatch.setattr(ray, "get", get)
+    agents = megatron_trainer.MegatronAgents.__new__(megatron_trainer.MegatronAgents)
+    agents.names, agents._published = ["llama"], [["b0", "b1"]]
+    assert list(agents._fetch_published(0)) == [{"w": "b0"}, {"w": "b1"}]
+    agents._published = [["b0", "gone"]]
+    with pytest.raises(RuntimeError, match=r"the weights agent 'llama''s megatron rank 0 "
+                                           r"published are lost \(OwnerDiedError: the rank "
+                                           r"died\?\); resume the run .* --resume"):
+        list(agents._fetch_published(0))

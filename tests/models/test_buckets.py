@@ -3,7 +3,8 @@ weight exactly once."""
 import pytest
 import torch
 
-from hacpo.models.buckets import bucket_bytes_of, copy_buckets, plan_buckets, weight_buckets
+from hacpo.models.buckets import (bucket_bytes_of, check_bucket_shapes, copy_buckets,
+                                  plan_buckets, weight_buckets)
 
 
 def _weights():
@@ -47,3 +48,24 @@ def test_copy_buckets_errors(bucket, match):
         copy_buckets(dst, [{"a": src["a"]}, bucket], what="agent 'x'")
     with pytest.raises(RuntimeError, match=r"^agent 'x': weights missing: \['c', 'd'\]"):
         copy_buckets(dst, [{"a": src["a"], "b": src["b"]}], what="agent 'x'")
+
+
+@pytest.mark.parametrize("bucket, match", [
+    ({"e": torch.zeros(1)}, r"weight 'e' \(1,\) does not fit: there is no such weight"),
+    ({"a": torch.zeros(4, 4)}, r"weight 'a' \(4, 4\) does not fit: sent twice"),
+    ({"b": torch.zeros(3)}, r"weight 'b' \(3,\) does not fit: the target's is \(2,\)"),
+])
+def test_check_bucket_shapes_as_copy_buckets_on_shapes_alone(bucket, match):
+    """Buckets that go elsewhere (megatron -> vLLM) are checked on their names and shapes
+    with copy_buckets' rules and messages; the target is left untouched."""
+    src = _weights()
+    dst = {n: torch.zeros_like(t) for n, t in src.items()}
+
+    def shapes(b):
+        return {n: tuple(t.shape) for n, t in b.items()}
+    check_bucket_shapes(dst, [shapes(b) for b in weight_buckets(src, 100)], what="x")
+    with pytest.raises(RuntimeError, match=r"^agent 'x': " + match):
+        check_bucket_shapes(dst, [shapes({"a": src["a"]}), shapes(bucket)], what="agent 'x'")
+    with pytest.raises(RuntimeError, match=r"^agent 'x': weights missing: \['c', 'd'\]"):
+        check_bucket_shapes(dst, [shapes({"a": src["a"], "b": src["b"]})], what="agent 'x'")
+    assert all(not t.any() for t in dst.values())
