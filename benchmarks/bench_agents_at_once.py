@@ -28,13 +28,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from benchmarks._timing import QUANTILES, pct, percentiles  # noqa: E402
+
 PHASES = ("time/generate", "time/update", "time/sync", "time/step")
 MODES = {"at once": True, "one after another": False}
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
 def _comparable(row: dict) -> dict:
@@ -89,17 +86,17 @@ def main(argv=None) -> int:
            "group": a.group, "max_new_tokens": a.max_new_tokens, "cpus": os.cpu_count(),
            "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
            "seconds": times, "identical_metrics": True}
-    for q in (0.2, 0.5, 0.8):
-        res[f"p{int(q * 100)}"] = {m: {p: _pct(ts, q) for p, ts in times[m].items()}
-                                   for m in MODES}
+    per_mode = {m: percentiles(times[m]) for m in MODES}
+    for key in per_mode["at once"]:
+        res[key] = {m: per_mode[m][key] for m in MODES}
     res["ratio_p50"] = {p: res["p50"]["one after another"][p] / res["p50"]["at once"][p]
                         for p in PHASES}
     print(f"{a.agents} agents (Ray pool + Ray trainer actors, threads=1), {a.prompts} prompts x "
           f"{a.group} samples, <= {a.max_new_tokens} new tokens, {a.steps} steps x {a.runs} "
           f"run(s) per mode, {os.cpu_count()} CPUs; metrics identical in both modes")
     for p in PHASES:
-        cells = "  ".join(f"{m}: " + " ".join(f"p{int(q * 100)} {_pct(times[m][p], q):6.3f}"
-                                              for q in (0.2, 0.5, 0.8)) + " s" for m in MODES)
+        cells = "  ".join(f"{m}: " + " ".join(f"p{int(q * 100)} {pct(times[m][p], q):6.3f}"
+                                              for q in QUANTILES) + " s" for m in MODES)
         print(f"  {p:<14} {cells}  ratio {res['ratio_p50'][p]:.2f}x")
     if a.results_dir:
         os.makedirs(a.results_dir, exist_ok=True)

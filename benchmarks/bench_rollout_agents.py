@@ -35,10 +35,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from benchmarks._timing import pct, percentiles  # noqa: E402
 
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+def _print_modes(by_mode: dict[str, list[float]]) -> None:
+    for m, ts in by_mode.items():
+        print(f"  {m:<18} p20 {pct(ts, 0.2):7.3f} s  p50 {pct(ts, 0.5):7.3f} s  "
+              f"p80 {pct(ts, 0.8):7.3f} s")
 
 
 def main(argv=None) -> int:
@@ -112,30 +115,23 @@ def main(argv=None) -> int:
     res = {"agents": a.agents, "prompts": a.prompts, "group": a.group,
            "max_new_tokens": a.max_new_tokens, "reps": a.reps, "tokens_per_call": tokens,
            "cpus": os.cpu_count(), "machine": platform.processor() or platform.machine(),
-           "torch": torch.__version__, "seconds": times,
-           **{f"p{int(q * 100)}": {m: _pct(ts, q) for m, ts in times.items()}
-              for q in (0.2, 0.5, 0.8)}}
+           "torch": torch.__version__, "seconds": times, **percentiles(times)}
     res["ratio_p50"] = res["p50"]["one after another"] / res["p50"]["at once"]
     weight_bytes = sum(t.numel() * t.element_size() for p in policies
                        for t in p.state_dict().values())
     res["sync"] = {"reps": a.sync_reps, "weight_bytes": weight_bytes, "seconds": syncs}
     if a.sync_reps:
-        res["sync"].update({f"p{int(q * 100)}": {m: _pct(ts, q) for m, ts in syncs.items()}
-                            for q in (0.2, 0.5, 0.8)})
+        res["sync"].update(percentiles(syncs))
     print(f"{a.agents} agents x {a.prompts} prompts x {a.group} samples, <= {a.max_new_tokens} "
           f"new tokens ({tokens} generated per call), {a.reps} reps, {os.cpu_count()} CPUs")
-    for m, ts in times.items():
-        print(f"  {m:<18} p20 {_pct(ts, 0.2):7.3f} s  p50 {_pct(ts, 0.5):7.3f} s  "
-              f"p80 {_pct(ts, 0.8):7.3f} s")
+    _print_modes(times)
     print(f"  one after another / at once (p50): {res['ratio_p50']:.2f}x")
     if a.sync_reps:
         sy = res["sync"]
         sy["ratio_p50"] = sy["p50"]["one after another"] / sy["p50"]["at once"]
         print(f"weight sync: {weight_bytes / 2**20:.2f} MiB over {len(policies)} agents, "
               f"{a.sync_reps} reps")
-        for m, ts in syncs.items():
-            print(f"  {m:<18} p20 {_pct(ts, 0.2):7.3f} s  p50 {_pct(ts, 0.5):7.3f} s  "
-                  f"p80 {_pct(ts, 0.8):7.3f} s")
+        _print_modes(syncs)
         print(f"  sync one after another / at once (p50): {sy['ratio_p50']:.2f}x")
     if a.results_dir:
         os.makedirs(a.results_dir, exist_ok=True)

@@ -85,10 +85,10 @@ def update_agents(agents, views: list[LearnerView], pool: StepPool, *,
                   generator: torch.Generator, nonfinite: dict, ratio_logs: list[dict | None],
                   sw, timer, at_once: bool = True) -> list[dict[str, float]]:
     """Every agent's update of a step (agent k on ``views[k]``, ``timer(k)`` entered around
-    it): the group's ``update_all`` where it has one (Ray actors and megatron groups update at
-    once), else, or with ``at_once=False`` (``agents_at_once``), ``update`` one agent after
-    another (the same updates)."""
-    if at_once and hasattr(agents, "update_all"):
+    it): the group's ``update_all`` where it has one and there are two agents or more (Ray
+    actors and megatron groups update at once), else, or with ``at_once=False``
+    (``agents_at_once``), ``update`` one agent after another (the same updates)."""
+    if at_once and len(views) > 1 and hasattr(agents, "update_all"):
         return agents.update_all(views, pool, generator=generator, nonfinite=nonfinite,
                                  ratio_logs=ratio_logs, sw=sw, timer=timer)
     out = []

@@ -983,8 +983,8 @@ class MegatronAgents:
     def update_all(self, views: Sequence[LearnerView], pool: StepPool, *,
                    generator: torch.Generator, nonfinite: dict,
                    ratio_logs: Sequence[dict | None], sw, timer) -> list[dict[str, float]]:
-        """Every agent's :meth:`update` (agent k on ``views[k]``; ``timer(k)`` entered around
-        agent k's), the megatron groups' at once: their requests are made in agent order
+        """Every agent's :meth:`update` for two agents or more (agent k on ``views[k]``;
+        ``timer(k)`` entered around agent k's), the megatron groups' at once: their requests are made in agent order
         (the minibatch shuffles draw from ``generator`` in that order), every group's ranks
         get theirs before any result is awaited, each group's results are awaited by a driver
         thread of its own (its wall time), and the results are taken in agent order (the
@@ -996,10 +996,6 @@ class MegatronAgents:
         the same time, on minibatches the driver drew in its turn, and its updates' trace is
         counted into the streak in its turn (as :meth:`RayAgents.update_all`)."""
         n = len(views)
-        if n < 2:
-            with timer(0):
-                return [self.update(0, views[0], pool, generator=generator,
-                                    nonfinite=nonfinite, ratio_log=ratio_logs[0], sw=sw)]
         jobs, refs = [], []
         for k, g in enumerate(self._groups):        # requests (and draws) in agent order
             self._updating(k)

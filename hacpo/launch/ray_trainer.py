@@ -114,25 +114,35 @@ class TrainerActor:
                                     temperature=temperature)
         return seq, toks, time.perf_counter() - t
 
+    def _learn(self, view: LearnerView, lp_old: torch.Tensor,
+               old_token_logp: list[torch.Tensor], log_ratios: bool, **kw
+               ) -> tuple[dict[str, float], dict | None, dict[str, float]]:
+        """update_learner on this actor's policy (``kw``: how the minibatches come and the
+        non-finite counters); returns (metrics, ratio log or None, stage seconds keyed
+        ``time/<stage>/<agent>``)."""
+        cfg = self.cfg
+        sw = Stopwatch(device_sync(cfg.profile_sync))
+        ratio_log = {} if log_ratios else None
+        m = update_learner(cfg.algorithm, self.policy, self.optim, view, lp_old=lp_old,
+                           old_token_logp=old_token_logp, micro_batch=cfg.micro_batch,
+                           grad_clip=self.grad_clip, max_nonfinite=cfg.max_nonfinite,
+                           ref_policy=self.ref, kl_coef=cfg.algorithm.loss.kl_coef,
+                           ratio_log=ratio_log, temperature=score_temperature(cfg),
+                           timer=sw.scoped("time/", f"/{self.name}"), **kw)
+        return m, ratio_log, dict(sw)
+
     def update(self, view: LearnerView, lp_old: torch.Tensor,
                old_token_logp: list[torch.Tensor], prompt_of_sample: torch.Tensor,
                rng_state: torch.Tensor, nonfinite: dict, log_ratios: bool
                ) -> tuple[dict[str, float], torch.Tensor, dict, dict | None, dict[str, float]]:
         """update_learner; returns (metrics, advanced shuffle RNG state, non-finite counters,
         ratio log or None, stage seconds keyed ``time/<stage>/<agent>``)."""
-        cfg = self.cfg
         gen = torch.Generator()
         gen.set_state(rng_state)
-        sw = Stopwatch(device_sync(cfg.profile_sync))
-        ratio_log = {} if log_ratios else None
-        m = update_learner(cfg.algorithm, self.policy, self.optim, view, lp_old=lp_old,
-                           old_token_logp=old_token_logp, prompt_of_sample=prompt_of_sample,
-                           generator=gen, micro_batch=cfg.micro_batch, grad_clip=self.grad_clip,
-                           nonfinite=nonfinite, max_nonfinite=cfg.max_nonfinite,
-                           ref_policy=self.ref, kl_coef=cfg.algorithm.loss.kl_coef,
-                           ratio_log=ratio_log, temperature=score_temperature(cfg),
-                           timer=sw.scoped("time/", f"/{self.name}"))
-        return m, gen.get_state(), nonfinite, ratio_log, dict(sw)
+        m, ratio_log, times = self._learn(view, lp_old, old_token_logp, log_ratios,
+                                          prompt_of_sample=prompt_of_sample, generator=gen,
+                                          nonfinite=nonfinite)
+        return m, gen.get_state(), nonfinite, ratio_log, times
 
     def update_drawn(self, view: LearnerView, lp_old: torch.Tensor,
                      old_token_logp: list[torch.Tensor], minibatches: list[list[int]],
@@ -145,23 +155,15 @@ class TrainerActor:
         seconds, (start, end) wall clock of the call): what lets the driver run every
         agent's update at once."""
         start = time.time()
-        cfg = self.cfg
-        sw = Stopwatch(device_sync(cfg.profile_sync))
-        ratio_log = {} if log_ratios else None
         trace: list[dict] = []
         try:
-            m = update_learner(cfg.algorithm, self.policy, self.optim, view, lp_old=lp_old,
-                               old_token_logp=old_token_logp, prompt_of_sample=None,
-                               generator=None, micro_batch=cfg.micro_batch,
-                               grad_clip=self.grad_clip, nonfinite={"streak": 0, "total": 0},
-                               max_nonfinite=cfg.max_nonfinite, ref_policy=self.ref,
-                               kl_coef=cfg.algorithm.loss.kl_coef, ratio_log=ratio_log,
-                               temperature=score_temperature(cfg),
-                               timer=sw.scoped("time/", f"/{self.name}"),
-                               minibatches=minibatches, trace=trace)
-        except NonFiniteUpdateError:
-            m = None                  # the driver's replay of the trace raises it
-        return m, trace, ratio_log, dict(sw), (start, time.time())
+            m, ratio_log, times = self._learn(
+                view, lp_old, old_token_logp, log_ratios, prompt_of_sample=None,
+                generator=None, minibatches=minibatches, trace=trace,
+                nonfinite={"streak": 0, "total": 0})
+        except NonFiniteUpdateError:     # the driver's replay of the trace raises it
+            m, ratio_log, times = None, None, {}
+        return m, trace, ratio_log, times, (start, time.time())
 
     def weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu() for k, v in self.policy.state_dict().items()}
@@ -336,19 +338,15 @@ class RayAgents:
     def update_all(self, views: Sequence[LearnerView], pool: StepPool, *,
                    generator: torch.Generator, nonfinite: dict,
                    ratio_logs: Sequence[dict | None], sw, timer) -> list[dict[str, float]]:
-        """Every agent's :meth:`update` (agent k on ``views[k]``, ``timer(k)`` entered around
-        its wait), all actors at once: the driver draws every agent's minibatches from
-        ``generator`` in agent order (the draws of one agent after another), each actor runs
+        """Every agent's :meth:`update` for two agents or more (agent k on ``views[k]``,
+        ``timer(k)`` entered around its wait), all actors at once: the driver draws every
+        agent's minibatches from ``generator`` in agent order (the draws of one agent after another), each actor runs
         its updates from a non-finite streak of 0 and returns their trace, and the driver
         counts the traces in agent order (:func:`~hacpo.engine.update.replay_nonfinite`: the
         same counters, and the error at the same update, as one agent after another; a later
         agent's actor may by then have run updates of a run that stops). Bit-for-bit the
         updates of one agent after another."""
         n = len(views)
-        if n < 2:
-            with timer(0):
-                return [self.update(0, views[0], pool, generator=generator,
-                                    nonfinite=nonfinite, ratio_log=ratio_logs[0], sw=sw)]
         refs = [self._actors[k].update_drawn.remote(
                     v, pool.lp_old, pool.old_token_logp, draw_minibatches(self.cfg, v, pool,
                                                                           generator),

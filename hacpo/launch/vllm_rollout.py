@@ -156,27 +156,17 @@ def hf_config_dict(policy: Policy) -> dict:
 def hf_weights(policy: Policy) -> dict[str, torch.Tensor]:
     """The policy's parameters under their HF names, on CPU (what vLLM's ``load_weights``
     reads). The output embedding is always its own entry (vLLM serves the model untied);
-    embedding rows past the tokenizer's vocabulary are cut (see :func:`hf_config_dict`)."""
-    model = policy.model
-    V = policy.tokenizer.vocab_size
-    head = model.get_output_embeddings()
-    emb = {id(model.get_input_embeddings().weight), id(head.weight)}
-    out = {}
-    for name, p in model.named_parameters():    # a tied parameter is listed once
-        t = p.detach()
-        if id(p) in emb and t.shape[0] > V:
-            t = t[:V]
-        out[name] = t.to("cpu").contiguous()
-    head_name = next(n for n, m in model.named_modules() if m is head) + ".weight"
-    if head_name not in out:                     # tied: vLLM gets it untied (hf_config_dict)
-        out[head_name] = head.weight.detach()[:V].to("cpu").contiguous()
-    return out
+    embedding rows past the tokenizer's vocabulary are cut (see :func:`hf_config_dict`): the
+    parameters fitted as every published bucket is (:func:`published`)."""
+    params = {n: p.detach() for n, p in policy.model.named_parameters()}  # tied: listed once
+    return {n: t.to("cpu").contiguous() for n, t in published(policy).fit(params).items()}
 
 
-def published(policy: Policy, refs: Sequence):
+def published(policy: Policy, refs: Sequence = ()):
     """``refs`` (ObjectRefs of HF-named buckets in ``policy``'s own shapes, a tied output layer
-    in none of them) as weights an engine serving ``policy`` loads: each bucket fitted as
-    :func:`hf_weights` fits the driver's tensors (vocabulary cut, output layer untied)."""
+    in none of them) as weights an engine serving ``policy`` loads: each bucket is fitted to
+    the served model (vocabulary cut to the tokenizer's, output layer untied; see
+    :func:`hf_config_dict`)."""
     from ._vllm_worker import Published
 
     model = policy.model
@@ -420,14 +410,7 @@ class VLLMRolloutEngine(GeneratorState):
     def sync_weights(self, agent: int) -> None:
         """Ship agent's current trainer weights to all its engines (in-place reload)."""
         self._check_open()
-        self._weights[agent] = self._put_weights(agent)
-        self._version[agent] += 1
-        version, refs = self._version[agent], self._weights[agent]
-
-        def submit(j):
-            return self.actors[agent][j].load_weights.remote(refs, version=version)
-
-        self._run(agent, submit, lambda j, v: None, range(self.engines_per_agent), "load_weights")
+        self._load(agent, self._put_weights(agent))
 
     def sync_published(self, agent: int, refs: Sequence) -> None:
         """As :meth:`sync_weights`, from buckets the agent's trainer put into the object store
@@ -435,9 +418,14 @@ class VLLMRolloutEngine(GeneratorState):
         pass through the driver: every engine of the agent fetches them one at a time and
         fits each to the model it serves (:func:`published`); kept for restarts and wakes."""
         self._check_open()
-        self._weights[agent] = published(self.policies[agent], refs)
+        self._load(agent, published(self.policies[agent], refs))
+
+    def _load(self, agent: int, weights) -> None:
+        """Every engine of ``agent`` loads ``weights`` as the agent's next version (kept for
+        restarts and wakes)."""
+        self._weights[agent] = weights
         self._version[agent] += 1
-        version, weights = self._version[agent], self._weights[agent]
+        version = self._version[agent]
 
         def submit(j):
             return self.actors[agent][j].load_weights.remote(weights, version=version)

@@ -19,6 +19,17 @@ TINY_STEPS = 2
 INHERITED_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
+def run_benchmark(script: str, args: list[str], *, timeout: float = 300
+                  ) -> subprocess.CompletedProcess:
+    """``benchmarks/SCRIPT ARGS`` in a fresh interpreter (repo root on PYTHONPATH, one OpenMP
+    thread), output captured; asserts it exited 0 (its output tails in the message)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *args],
+                          capture_output=True, text=True, env=env, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
 def hacpo(args: list[str], *, env: dict | None = None, timeout: float = 300,
           cwd: Path = REPO) -> subprocess.CompletedProcess:
     """``hacpo ARGS`` in a fresh interpreter (what a user runs), output captured."""

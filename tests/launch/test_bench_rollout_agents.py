@@ -3,21 +3,14 @@ cluster): it runs, both modes sample the same rollouts (the script checks it and
 non-zero), both sync weights, and it reports both modes' times for each phase (their ratio is
 the benchmark's business)."""
 import json
-import os
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ._launch_helpers import run_benchmark
 
 
 def test_bench_rollout_agents_tiny(tmp_path):
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_rollout_agents.py"),
-         str(tmp_path), "--reps", "2", "--prompts", "2", "--group", "2",
-         "--max-new-tokens", "4", "--sync-reps", "2"],
-        capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_benchmark("bench_rollout_agents.py", [
+        str(tmp_path), "--reps", "2", "--prompts", "2", "--group", "2", "--max-new-tokens", "4",
+        "--sync-reps", "2"])
     res = json.loads((tmp_path / "rollout_agents.json").read_text())
     assert res["agents"] == 2 and res["reps"] == 2 and res["tokens_per_call"] > 0
     assert {m: len(ts) for m, ts in res["seconds"].items()} == {"at once": 2,

@@ -46,6 +46,10 @@ def test_fitted_buckets_are_hf_weights(tied, pad):
     for n, t in want.items():
         assert torch.equal(got[n], t), n
     assert got["lm_head.weight"].shape[0] == got["model.embed_tokens.weight"].shape[0] == V
+    # what vLLM serves, from the model itself: its input and output tables' first V rows
+    m = pol.model
+    assert torch.equal(got["model.embed_tokens.weight"], m.get_input_embeddings().weight[:V])
+    assert torch.equal(got["lm_head.weight"], m.get_output_embeddings().weight[:V])
 
 
 def test_lost_published_weights_are_a_clear_error(monkeypatch):
