@@ -2,7 +2,7 @@
 (the vLLM/Ray pool implements the same interface)."""
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Protocol, Sequence, TypeVar
 
 import torch
@@ -32,14 +32,22 @@ class RolloutEngine(Protocol):
 
 def each_agent(n: int, fn: Callable[[int], T], *, at_once: bool, name: str) -> list[T]:
     """``[fn(0), ..., fn(n-1)]``: with ``at_once`` (and n >= 2) each call from a driver thread
-    of its own (threads named ``hacpo-<name>``), all started before any is awaited; else one
-    after another. An agent's error is raised after every call has ended (the first agent's,
-    in agent order)."""
+    of its own (:func:`agents_at_once`), all started before any is awaited; else one after
+    another. An agent's error is raised after every call has ended (the first agent's, in
+    agent order)."""
     if n < 2 or not at_once:
         return [fn(k) for k in range(n)]
+    return [f.result() for f in agents_at_once(n, fn, name=name)]
+
+
+def agents_at_once(n: int, fn: Callable[[int], T], *, name: str) -> list[Future[T]]:
+    """``fn(0), ..., fn(n-1)``, each from a driver thread of its own (named ``hacpo-<name>``),
+    all started before any is awaited; returns their futures in agent order once every call
+    has ended, so a caller that takes ``result()`` in that order sees agent k's result (or
+    error) before agent k + 1's, whichever ended first."""
     with ThreadPoolExecutor(max_workers=n, thread_name_prefix=f"hacpo-{name}") as pool:
         futures = [pool.submit(fn, k) for k in range(n)]
-    return [f.result() for f in futures]      # every call has ended: the pool has joined
+    return futures                            # every call has ended: the pool has joined
 
 
 def generate_agents(engine: RolloutEngine, prompt_ids: Sequence[Sequence[Sequence[int]]], *,

@@ -111,7 +111,6 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
@@ -130,13 +129,14 @@ from hacpo.engine.agents import score_temperature
 from hacpo.engine.evaluate import evaluate_policy
 from hacpo.engine.losses import low_var_kl
 from hacpo.engine.pool import LearnerView, StepPool, scored_lengths
+from hacpo.engine.rollout import agents_at_once
 from hacpo.engine.timing import device_sync
 from hacpo.engine.update import NonFiniteUpdateError, _minibatch_metrics, _pad
 from hacpo.models.buckets import (bucket_bytes_of, check_bucket_shapes, copy_buckets,
                                   plan_buckets)
 from hacpo.models.policy import Policy
 
-from .ray_trainer import (TrainerActor, colocated_engines, draw_minibatches,
+from .ray_trainer import (TrainerActor, actor_update, colocated_engines, draw_minibatches,
                           drawn_update_result, rollout_cpus)
 
 log = logging.getLogger("hacpo")
@@ -984,10 +984,12 @@ class MegatronAgents:
                    generator: torch.Generator, nonfinite: dict,
                    ratio_logs: Sequence[dict | None], sw, timer) -> list[dict[str, float]]:
         """Every agent's :meth:`update` for two agents or more (agent k on ``views[k]``;
-        ``timer(k)`` entered around agent k's), the megatron groups' at once: their requests are made in agent order
-        (the minibatch shuffles draw from ``generator`` in that order), every group's ranks
-        get theirs before any result is awaited, each group's results are awaited by a driver
-        thread of its own (its wall time), and the results are taken in agent order (the
+        ``timer(k)`` entered around agent k's), the megatron groups' at once: their requests
+        are made in agent order (the minibatch shuffles draw from ``generator`` in that
+        order), every group's ranks get theirs before any result is awaited, each group's
+        results are awaited by a driver thread of its own (its wall time,
+        :func:`~hacpo.engine.rollout.agents_at_once`), and the results are taken in agent
+        order (the
         non-finite streak counts across agents as one after another). The same updates as
         one agent after another: a group's ranks stop early on a streak of non-finite updates
         only for their own (a later group is sent streak 0, as the earlier groups' results
@@ -995,7 +997,6 @@ class MegatronAgents:
         more minibatches of a run that then stops). A trainer=torch agent's actor updates at
         the same time, on minibatches the driver drew in its turn, and its updates' trace is
         counted into the streak in its turn (as :meth:`RayAgents.update_all`)."""
-        n = len(views)
         jobs, refs = [], []
         for k, g in enumerate(self._groups):        # requests (and draws) in agent order
             self._updating(k)
@@ -1015,9 +1016,8 @@ class MegatronAgents:
             with timer(k):
                 return None if refs[k] is None else self._gather(k, refs[k])
 
-        with ThreadPoolExecutor(max_workers=n, thread_name_prefix="hacpo-update") as ex:
-            futures = [ex.submit(wait, k) for k in range(n)]
         out = []
+        futures = agents_at_once(len(views), wait, name="update")
         for k, (job, fut) in enumerate(zip(jobs, futures)):
             results = fut.result()          # an agent's error, in agent order
             if job == "torch":
@@ -1119,16 +1119,9 @@ class MegatronAgents:
 
     def _update_torch(self, k, view, pool, generator, nonfinite, ratio_log, sw):
         """A trainer=torch agent: RayAgents.update's call of its TrainerActor."""
-        m, state, nf, rl, times = self._gather(k, [self._groups[k].ranks[0].update.remote(
-            view, pool.lp_old, pool.old_token_logp, pool.prompt, generator.get_state(),
-            dict(nonfinite), ratio_log is not None)])[0]
-        generator.set_state(state)
-        nonfinite.update(nf)
-        if ratio_log is not None and rl:
-            ratio_log.update(rl)
-        for key, v in times.items():
-            sw[key] = sw.get(key, 0.0) + v
-        return m
+        return actor_update(lambda ref: self._gather(k, [ref])[0], self._groups[k].ranks[0],
+                            view, pool, generator=generator, nonfinite=nonfinite,
+                            ratio_log=ratio_log, sw=sw)
 
     def _buckets(self, k: int, mb: float | None = None) -> list[list[tuple[str, int]]]:
         """Agent k's weight units (embedding, each layer, final norm + output layer) grouped

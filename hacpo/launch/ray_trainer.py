@@ -35,7 +35,6 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 # first: its environment must precede `import ray`
@@ -52,6 +51,7 @@ from hacpo.engine.algorithm import split_minibatches
 from hacpo.engine.evaluate import evaluate_policy
 from hacpo.engine.pool import LearnerView, StepPool, score_responses
 from hacpo.engine.rewards import RewardComputer
+from hacpo.engine.rollout import agents_at_once
 from hacpo.engine.timing import Stopwatch, device_sync
 from hacpo.engine.update import NonFiniteUpdateError, replay_nonfinite, update_learner
 from hacpo.models.policy import Policy
@@ -69,6 +69,23 @@ def draw_minibatches(cfg, view: LearnerView, pool: StepPool,
     M = algo.num_minibatches * algo.minibatch_factor
     return [mb.tolist() for mb in split_minibatches(pool.prompt[view.idx], view.is_self, M,
                                                     algo.minibatch_order, generator)]
+
+
+def actor_update(get, actor, view: LearnerView, pool: StepPool, *, generator: torch.Generator,
+                 nonfinite: dict, ratio_log: dict | None, sw) -> dict[str, float]:
+    """One :meth:`TrainerActor.update` call (``get``: how the caller awaits its actors'
+    calls): the run's shuffle RNG state and non-finite counters go with the request and come
+    back advanced; its ratio log and stage seconds are taken."""
+    m, state, nf, rl, times = get(actor.update.remote(
+        view, pool.lp_old, pool.old_token_logp, pool.prompt, generator.get_state(),
+        dict(nonfinite), ratio_log is not None))
+    generator.set_state(state)
+    nonfinite.update(nf)
+    if ratio_log is not None and rl:
+        ratio_log.update(rl)
+    for key, v in times.items():
+        sw[key] = sw.get(key, 0.0) + v
+    return m
 
 
 def drawn_update_result(result, name: str, nonfinite: dict, max_nonfinite: int,
@@ -324,29 +341,21 @@ class RayAgents:
 
     def update(self, k: int, view: LearnerView, pool: StepPool, *, generator: torch.Generator,
                nonfinite: dict, ratio_log: dict | None, sw) -> dict[str, float]:
-        m, state, nf, rl, times = self._get(k, self._actors[k].update.remote(
-            view, pool.lp_old, pool.old_token_logp, pool.prompt, generator.get_state(),
-            dict(nonfinite), ratio_log is not None))
-        generator.set_state(state)
-        nonfinite.update(nf)
-        if ratio_log is not None and rl:
-            ratio_log.update(rl)
-        for key, v in times.items():
-            sw[key] = sw.get(key, 0.0) + v
-        return m
+        return actor_update(lambda ref: self._get(k, ref), self._actors[k], view, pool,
+                            generator=generator, nonfinite=nonfinite, ratio_log=ratio_log, sw=sw)
 
     def update_all(self, views: Sequence[LearnerView], pool: StepPool, *,
                    generator: torch.Generator, nonfinite: dict,
                    ratio_logs: Sequence[dict | None], sw, timer) -> list[dict[str, float]]:
         """Every agent's :meth:`update` for two agents or more (agent k on ``views[k]``,
         ``timer(k)`` entered around its wait), all actors at once: the driver draws every
-        agent's minibatches from ``generator`` in agent order (the draws of one agent after another), each actor runs
-        its updates from a non-finite streak of 0 and returns their trace, and the driver
-        counts the traces in agent order (:func:`~hacpo.engine.update.replay_nonfinite`: the
+        agent's minibatches from ``generator`` in agent order (the draws of one agent after
+        another), each actor runs its updates from a non-finite streak of 0 and returns their
+        trace, awaited by a driver thread each (:func:`~hacpo.engine.rollout.agents_at_once`),
+        and the driver counts the traces in agent order (:func:`~hacpo.engine.update.replay_nonfinite`: the
         same counters, and the error at the same update, as one agent after another; a later
         agent's actor may by then have run updates of a run that stops). Bit-for-bit the
         updates of one agent after another."""
-        n = len(views)
         refs = [self._actors[k].update_drawn.remote(
                     v, pool.lp_old, pool.old_token_logp, draw_minibatches(self.cfg, v, pool,
                                                                           generator),
@@ -356,13 +365,11 @@ class RayAgents:
             with timer(k):
                 return self._get(k, refs[k])
 
-        with ThreadPoolExecutor(max_workers=n, thread_name_prefix="hacpo-update") as ex:
-            futures = [ex.submit(wait, k) for k in range(n)]
         # in agent order, each result (or its actor's error) before the next: a streak that
         # stops the run at agent k is raised before a later agent's failure, as in sequence
         return [drawn_update_result(f.result(), self.names[k], nonfinite,
                                     self.cfg.max_nonfinite, ratio_logs[k], sw)
-                for k, f in enumerate(futures)]
+                for k, f in enumerate(agents_at_once(len(views), wait, name="update"))]
 
     def pull_weights(self, k: int) -> None:
         """Copy agent k's trained weights into the driver's policy (what engines read)."""

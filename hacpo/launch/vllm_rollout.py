@@ -57,10 +57,12 @@ in-process sampler returns.
 - **Faults.** An engine that dies (actor killed, process crash) is restarted with the last
   synced weights and the failed call is re-sent with the same seeds, at most
   ``rollout.max_engine_restarts`` times per engine; past that, a ``RuntimeError`` names the
-  agent and the engine. A call either returns every sample once or raises. An engine that is
-  alive but does not answer a call (generate or weight load) within ``rollout.call_timeout_s``
-  (0: no limit) is killed and handled the same way (restart, same seeds, same budget), counted
-  in ``stats()["timeouts"]``.
+  agent and the engine. So does an engine that cannot fetch published weights lost with the
+  trainer rank that put them (no restart: the run resumes from its checkpoint). A call
+  either returns every sample once or raises. An engine that is alive but does not answer a
+  call (generate or weight load) within ``rollout.call_timeout_s`` (0: no limit) is killed
+  and handled the same way (restart, same seeds, same budget), counted in
+  ``stats()["timeouts"]``.
 """
 from __future__ import annotations
 
@@ -378,7 +380,7 @@ class VLLMRolloutEngine(GeneratorState):
         within rollout.call_timeout_s, is restarted and its call re-sent (the same arguments,
         so the same samples)."""
         import ray
-        from ray.exceptions import RayActorError
+        from ray.exceptions import ObjectLostError, RayActorError
 
         pending: dict = {}          # ref -> engine index
         deadlines: dict = {}        # ref -> time.monotonic() deadline (None: no limit)
@@ -404,6 +406,12 @@ class VLLMRolloutEngine(GeneratorState):
                 self._restart(k, j, e)
                 send(j)
                 continue
+            except ObjectLostError as e:   # an input the engine fetched: a restart cannot help
+                raise RuntimeError(
+                    f"{self._label(k, j)}: {what} could not fetch an object it was sent "
+                    f"({type(getattr(e, 'cause', None) or e).__name__}); weights a trainer "
+                    f"published are lost with their owner (its rank 0 died?): resume the run "
+                    f"from its last checkpoint with --resume") from e
             on_result(j, value)
 
     # -- RolloutEngine --------------------------------------------------------------------------

@@ -3,6 +3,9 @@
 (``Published.fit``, built by ``vllm_rollout.published``). Fitted, the buckets must be exactly
 what ``hf_weights`` makes of the driver's policy for the engine-side weight path, tied or
 untied, with or without embedding rows past the tokenizer's vocabulary."""
+import time
+import types
+
 import pytest
 import torch
 
@@ -73,3 +76,61 @@ def test_lost_published_weights_are_a_clear_error(monkeypatch):
                                            r"published are lost \(OwnerDiedError: the rank "
                                            r"died\?\); resume the run .* --resume"):
         list(agents._fetch_published(0))
+
+
+class _Owner:
+    """Stands in for a megatron rank 0: puts a bucket into the object store (it owns it)."""
+
+    def put(self):
+        import ray
+        return [ray.put({"w": torch.ones(2 ** 18)})]   # 1 MiB: in the shared object store
+
+
+class _Engine:
+    """Stands in for a vLLM engine actor: ``load_weights`` fetches every bucket it is sent, as
+    ``VLLMWorker.load_weights`` does; ``calls`` counts its loads (a restart would reset it)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def load_weights(self, weights, *, version):
+        import ray
+        self.calls += 1
+        return [ray.get(ref) for ref in weights]
+
+    def count(self):
+        return self.calls
+
+
+def test_engine_fetching_lost_published_weights_is_a_clear_error(cluster):
+    """A real Ray cluster: the actor that put a bucket dies, then an engine of the pool is told
+    to load it. Ray raises RayTaskError(OwnerDiedError) from the engine's call; the pool names
+    the engine and agent and says to resume, without restarting the engine (a restart would
+    fetch the same lost object)."""
+    import ray
+
+    from hacpo.launch.vllm_rollout import VLLMRolloutEngine
+
+    owner = ray.remote(_Owner).options(num_cpus=0).remote()
+    refs, lost = ray.get(owner.put.remote()), ray.get(owner.put.remote())
+    engine = ray.remote(_Engine).options(num_cpus=0, max_restarts=0).remote()
+    pool = VLLMRolloutEngine.__new__(VLLMRolloutEngine)
+    pool.actors, pool.policies = [[engine]], [types.SimpleNamespace(name="llama")]
+    pool._weights, pool._version, pool.engines_per_agent = [None], [0], 1
+    pool.call_timeout_s, pool.max_restarts, pool.restarts = 0, 1, [[0]]
+    pool._load(0, refs)                                   # alive owner: loads
+    assert pool._version == [1] and ray.get(engine.count.remote()) == 1
+    ray.kill(owner, no_restart=True)
+    deadline = time.monotonic() + 60     # until Ray has marked the object lost (a moment)
+    while True:
+        try:
+            ray.get(lost[0], timeout=10)
+        except ray.exceptions.OwnerDiedError:
+            break
+        assert time.monotonic() < deadline, "the killed owner's object is still readable"
+        time.sleep(0.5)
+    with pytest.raises(RuntimeError, match=r"vLLM engine 0 of agent 0 \('llama'\): "
+                                           r"load_weights could not fetch an object it was "
+                                           r"sent \(OwnerDiedError\); .* --resume"):
+        pool._load(0, lost)
+    assert ray.get(engine.count.remote()) == 2 and pool.restarts == [[0]]   # not restarted
