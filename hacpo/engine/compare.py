@@ -31,8 +31,20 @@ def mean_ci(xs: list[float]) -> tuple[float, float]:
 
 
 def run_compare(base: TrainConfig, algorithms: list[str], seeds: list[int], root: str, *,
-                pass_k: int = 4, echo=print) -> dict:
+                pass_k: int = 4, keep: dict | None = None, echo=print) -> dict:
+    """Train ``base`` under every algorithm preset x seed (``with_algorithm``, ``keep``: its
+    dotted algorithm overrides kept for every algorithm) into ``root/<algo>-seed<seed>``.
+
+    Resumable: a run that finished with exactly this config (its ``config.json``) is reused;
+    one that did not finish, or whose config differs only where a resume may change it (e.g.
+    more steps), is resumed from its checkpoint; any other difference is the trainer's
+    "cannot resume" error naming the keys (choose another ``root``)."""
     from .trainer import train
+    for algo in algorithms:                       # every name, before any run starts
+        with_algorithm(base, algo, keep)
+    if base.data.eval_size == 0:
+        raise ValueError("hacpo compare compares held-out accuracy, but the config has no "
+                         "held-out set (data.eval_size=0)")
     os.makedirs(root, exist_ok=True)
     results: dict[str, dict[str, list[dict]]] = {}
     for algo in algorithms:
@@ -40,10 +52,11 @@ def run_compare(base: TrainConfig, algorithms: list[str], seeds: list[int], root
             out = os.path.join(root, f"{algo}-seed{seed}")
             cfg = base.override({"seed": seed, "out_dir": out, "progress": False,
                                  "eval_pass_k": pass_k, "cache_dir": base.cache_dir})
-            cfg = with_algorithm(cfg, algo)
-            summ_path = os.path.join(out, "summary.json")
-            if os.path.exists(summ_path):         # finished earlier: reuse (resumable compare)
-                summary = json.load(open(summ_path))
+            cfg = with_algorithm(cfg, algo, keep)
+            if _finished_with(out, cfg):          # finished earlier with this config: reuse
+                with open(os.path.join(out, "summary.json")) as f:
+                    summary = json.load(f)
+                echo(f"[compare] {algo} seed {seed}: reusing the finished run in {out}")
             else:
                 echo(f"[compare] {algo} seed {seed} -> {out}")
                 summary = train(cfg, resume=True, echo=lambda *_: None)
@@ -60,13 +73,30 @@ def run_compare(base: TrainConfig, algorithms: list[str], seeds: list[int], root
     return results
 
 
-def with_algorithm(cfg: TrainConfig, algo: str) -> TrainConfig:
-    """``cfg`` under algorithm preset ``algo``, keeping its minibatch count and order (the
-    run budget); shared by compare and profile."""
+def _finished_with(out: str, cfg: TrainConfig) -> bool:
+    """Did the run in ``out`` finish (summary.json) with exactly ``cfg`` (its config.json)?"""
+    try:
+        with open(os.path.join(out, "config.json")) as f:
+            ran = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return (os.path.exists(os.path.join(out, "summary.json"))
+            and ran == json.loads(json.dumps(cfg.to_dict())))
+
+
+def with_algorithm(cfg: TrainConfig, algo: str, keep: dict | None = None) -> TrainConfig:
+    """``cfg`` under algorithm preset ``algo`` (a name of ``hacpo.engine.config``'s presets,
+    ablations included), keeping its minibatch count (the run budget: a run preset tunes it)
+    and ``keep``, dotted algorithm overrides (``{"loss.alpha": 0.5}``, the user's
+    ``--set algorithm.*`` / YAML ``algorithm:``), which win over the preset; shared by
+    ``hacpo train --algorithm``, compare and profile. ``keep`` may not name the algorithm."""
     import dataclasses
+    keep = dict(keep or {})
+    if "name" in keep:
+        raise ValueError(f"algorithm.name={keep['name']!r} conflicts with the algorithm preset "
+                         f"{algo!r}: choose the algorithm by its preset only")
     return dataclasses.replace(cfg, algorithm=preset(algo, {
-        "num_minibatches": cfg.algorithm.num_minibatches,
-        "minibatch_order": cfg.algorithm.minibatch_order}))
+        "num_minibatches": cfg.algorithm.num_minibatches, **keep}))
 
 
 def render_table(results: dict, pass_k: int) -> str:

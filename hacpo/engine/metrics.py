@@ -18,8 +18,8 @@ class MetricsLogger:
                 keep = [ln for ln in f if ln.strip() and json.loads(ln)["step"] < start_step]
             with open(self.path, "w") as f:
                 f.writelines(keep)
-        elif start_step == 0 and os.path.exists(self.path):
-            os.unlink(self.path)
+        else:              # a new run (or nothing logged before): an empty file, also for 0 steps
+            open(self.path, "w").close()
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter

@@ -61,23 +61,33 @@ UPDATE_PARTS = ("score_prompt", "backward_prompt", "score_self", "backward_self"
 # -- measuring ------------------------------------------------------------------------------
 def run_profile(base: TrainConfig, out_dir: str, *, algorithms=DEFAULT_ALGORITHMS,
                 rounds: int = 3, steps_per_round: int = 2, skip_steps: int = 1,
-                kappas=(0.25, 0.5, 1, 2, 4, 8, 16, 32, 64), echo=print) -> dict:
-    """Measure ``algorithms`` side by side on ``base`` (its steps are ignored) and write
-    profile.json, profile.md and profile.png into ``out_dir``. Returns the report dict."""
-    from .trainer import train
+                kappas=(0.25, 0.5, 1, 2, 4, 8, 16, 32, 64), keep: dict | None = None,
+                echo=print) -> dict:
+    """Measure ``algorithms`` side by side on ``base`` (its steps are ignored; ``keep``:
+    dotted algorithm overrides kept for every algorithm, see ``compare.with_algorithm``) and
+    write profile.json, profile.md and profile.png into ``out_dir``. Returns the report dict.
+    Every measurement is new: an ``out_dir`` that already holds one of the runs is an error
+    (its timings are not mixed into, nor replaced by, this profile's)."""
+    from .trainer import CHECKPOINT, train
     from .compare import with_algorithm
     if rounds < 1 or steps_per_round < 1 or skip_steps < 0:
         raise ValueError("rounds and steps_per_round must be >= 1, skip_steps >= 0")
     if rounds * steps_per_round <= skip_steps:
         raise ValueError(f"rounds x steps_per_round = {rounds * steps_per_round} steps leave "
                          f"nothing after skipping {skip_steps}")
-    os.makedirs(out_dir, exist_ok=True)
     runs = {}
     for algo in algorithms:
         cfg = base.override({"out_dir": os.path.join(out_dir, algo), "progress": False,
                              "plots": False, "tensorboard": False, "checkpoint_every": 1,
                              "profile_sync": True, "eval_every": 0, "eval_pass_k": 0})
-        runs[algo] = with_algorithm(cfg, algo)
+        runs[algo] = with_algorithm(cfg, algo, keep)
+    held = [c.out_dir for c in runs.values()
+            if os.path.exists(os.path.join(c.out_dir, CHECKPOINT))]
+    if held:
+        raise FileExistsError(f"{out_dir} already holds profile runs ({', '.join(held)}); a "
+                              f"profile measures new runs only: choose another --out-dir or "
+                              f"remove them")
+    os.makedirs(out_dir, exist_ok=True)
     order = list(runs)
     for r in range(1, rounds + 1):
         # rotate the order every round: each algorithm takes each position in turn, so the

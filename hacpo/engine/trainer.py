@@ -105,9 +105,15 @@ def _train(cfg: TrainConfig, rc: RewardComputer, resume: bool, echo) -> dict:
         if diff:
             raise ValueError(f"cannot resume {ck_path}: the config differs from the "
                              f"checkpoint's in {', '.join(diff)}")
+        if state["step"] > cfg.steps:
+            raise ValueError(f"cannot resume {ck_path} at step {state['step']} with steps="
+                             f"{cfg.steps}: the run is past it (its metrics and checkpoint "
+                             f"hold {state['step']} steps); pass steps >= {state['step']}")
     elif os.path.exists(ck_path) and not resume:
         raise FileExistsError(f"{cfg.out_dir} already holds a run ({CHECKPOINT}); pass --resume "
                               f"to continue it or choose another out_dir")
+    elif resume:
+        echo(f"[resume] no {CHECKPOINT} in {cfg.out_dir}: starting a new run there")
     with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
         json.dump(cfg.to_dict(), f, indent=2)
 
@@ -132,6 +138,7 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
     sampler = PromptSampler(data.train, seed=cfg.seed)
     shuffle_gen = torch.Generator().manual_seed(cfg.seed + 7)
     nonfinite = {"streak": 0, "total": 0}
+    ratio_log: dict[str, list[np.ndarray]] = defaultdict(list)   # plots: per agent and part
     if state is None:
         before, start = None, 0
     else:
@@ -143,18 +150,23 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
         shuffle_gen.set_state(state["shuffle_gen"])
         nonfinite = state["nonfinite"]
         before, start = state["eval_before"], state["step"]
+        # the ratios logged up to the checkpoint (older checkpoints: none kept)
+        ratio_log.update({key: [v] for key, v in state.get("ratio_log", {}).items()})
         echo(f"[resume] {ck_path} at step {start}")
     # engines holding weight copies start from these weights (the pools: all agents at once)
     sync_agents(agents, engine, n, timer=null_timer, pull=False, at_once=cfg.agents_at_once)
-    if before is None:
+    if not data.eval:
+        echo("[eval] no held-out set (data.eval_size=0): held-out evaluation skipped")
+        before = {name: None for name in names}
+    elif before is None:
         echo("[eval] held-out accuracy before RL ...")
         before = evaluate_all(cfg, data, agents, engine, rc)
     for name in names:
-        echo(f"[eval] {name}: before RL {before[name]['accuracy']:.3f} "
-             f"± {before[name]['stderr']:.3f}")
+        if before[name] is not None:
+            echo(f"[eval] {name}: before RL {before[name]['accuracy']:.3f} "
+                 f"± {before[name]['stderr']:.3f}")
 
     logger = MetricsLogger(cfg.out_dir, start_step=start, tensorboard=cfg.tensorboard)
-    ratio_log = defaultdict(list)
     algo = cfg.algorithm
     G = cfg.rollout.group_size * algo.samples_per_prompt_factor
     bar = _progress(cfg, start)
@@ -220,7 +232,8 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
             metrics.update(engine_metrics(engine.stats()))
             metrics.update(sw)
             metrics["time/step"] = time.perf_counter() - t_step
-            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+            if (data.eval and cfg.eval_every and (step + 1) % cfg.eval_every == 0
+                    and step + 1 < cfg.steps):
                 for name, r in evaluate_all(cfg, data, agents, engine, rc).items():
                     metrics[f"eval/{name}/accuracy"] = r["accuracy"]
             logger.log(step, metrics)
@@ -229,16 +242,19 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
                 bar.update(1)
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
                 _save(ck_path, cfg, step + 1, agents, tracker, sampler, engine, shuffle_gen,
-                      nonfinite, warm, before)
+                      nonfinite, warm, before, ratio_log)
                 agents.checkpoint_saved()      # e.g. drop optimizer shards no checkpoint names
     finally:
         if bar is not None:
             bar.close()
         logger.close()
-    echo("[eval] held-out accuracy after RL ...")
-    after = evaluate_all(cfg, data, agents, engine, rc, pass_k=cfg.eval_pass_k)
+    if data.eval:
+        echo("[eval] held-out accuracy after RL ...")
+        after = evaluate_all(cfg, data, agents, engine, rc, pass_k=cfg.eval_pass_k)
+    else:
+        after = {name: None for name in names}
     summary = {"before": before, "after": after, "warmup": warm, "steps": cfg.steps,
-               "algorithm": algo.name, "agents": names}
+               "algorithm": algo.name, "agents": names, "data": data.load_stats}
     with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     if cfg.plots:
@@ -249,10 +265,13 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
         plot_run(cfg.out_dir, names)
     for name in names:
         b, a = before[name], after[name]
+        if a is None:
+            continue
         diff = a["accuracy"] - b["accuracy"]
         se = (a["stderr"] ** 2 + b["stderr"] ** 2) ** 0.5
         echo(f"[result] {name}: held-out accuracy {b['accuracy']:.3f} -> {a['accuracy']:.3f} "
-             f"({diff:+.3f}, {diff / se if se else float('nan'):+.1f} SE) on {b['n']} problems")
+             f"({diff:+.3f}" + (f", {diff / se:+.1f} SE" if se else ", SE 0") + f") on "
+             f"{b['n']} problems")
     return summary
 
 
@@ -318,13 +337,17 @@ def _view_tokens(view, name: str) -> dict[str, float]:
 
 
 def _save(path, cfg, next_step, agents, tracker, sampler, engine, shuffle_gen, nonfinite, warm,
-          before):
+          before, ratio_log):
+    for key, parts in ratio_log.items():           # one array per key: the checkpoint's copy
+        if len(parts) > 1:
+            parts[:] = [np.concatenate(parts)]
     ckpt.save_atomic({
         "step": next_step, "config": cfg.to_dict(), "fingerprint": fingerprint_dict(cfg),
         "agents": [{"name": name, **agents.state_dict(k)} for k, name in enumerate(agents.names)],
         "tracker": tracker.state_dict(), "sampler": sampler.state_dict(),
         "engine": engine.state_dict(), "shuffle_gen": shuffle_gen.get_state(),
-        "nonfinite": dict(nonfinite), "warmup": warm, "eval_before": before}, path)
+        "nonfinite": dict(nonfinite), "warmup": warm, "eval_before": before,
+        "ratio_log": {key: parts[0] for key, parts in ratio_log.items() if parts}}, path)
 
 
 def _progress(cfg, start):

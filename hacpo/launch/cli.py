@@ -17,35 +17,52 @@ def _demo(args) -> int:
 
 
 def _train_config(args):
+    """The run's TrainConfig and the user's own dotted algorithm overrides (YAML
+    ``algorithm:`` then ``--set algorithm.*``): ``--algorithm`` puts the run under that preset
+    keeping the run preset's minibatch count and those overrides (compare.with_algorithm),
+    as compare and profile do for each of theirs."""
+    from hacpo.engine.compare import with_algorithm
     from hacpo.engine.configtools import parse_overrides
     from hacpo.engine.run_config import load_config
     overrides = parse_overrides(args.set or [])
-    if args.algorithm:
-        from hacpo.engine.config import preset
-        overrides = {**{f"algorithm.{k}": v for k, v in _flat(preset(args.algorithm).to_dict())
-                        .items()}, **overrides}
     if args.steps is not None:
         overrides["steps"] = args.steps
     if args.out_dir:
         overrides["out_dir"] = args.out_dir
     if getattr(args, "skip_bad_rows", False):
         overrides["data.skip_bad_rows"] = True
-    return load_config(args.preset, args.config, overrides)
+    cfg = load_config(args.preset, args.config, overrides)
+    keep = {k.removeprefix("algorithm."): v
+            for k, v in {**_yaml_overrides(args.config), **overrides}.items()
+            if k.startswith("algorithm.")}
+    if args.algorithm:
+        cfg = with_algorithm(cfg, args.algorithm, keep)
+    return cfg, keep
+
+
+def _yaml_overrides(path: str | None) -> dict:
+    """The dotted keys a ``--config`` YAML sets (load_config has checked the file)."""
+    if not path:
+        return {}
+    import yaml
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    return _flat(data) if isinstance(data, dict) else {}
 
 
 def _flat(d, prefix=""):
     out = {}
     for k, v in d.items():
-        if isinstance(v, dict):
+        if isinstance(v, dict) and k != "hf_config":
             out.update(_flat(v, f"{prefix}{k}."))
         else:
-            out[prefix + k] = v
+            out[f"{prefix}{k}"] = v
     return out
 
 
 def _train(args) -> int:
     from hacpo.engine.trainer import train
-    cfg = _train_config(args)
+    cfg, _ = _train_config(args)
     print(f"[hacpo] run dir {cfg.out_dir}; algorithm {cfg.algorithm.name}; agents "
           + ", ".join(f"{a.policy.name} ({a.policy.tokenizer})" for a in cfg.agents))
     train(cfg, resume=args.resume)
@@ -54,19 +71,37 @@ def _train(args) -> int:
 
 def _compare(args) -> int:
     from hacpo.engine.compare import run_compare
-    cfg = _train_config(args)
+    cfg, keep = _train_config(args)
     run_compare(cfg, args.algorithms, args.seeds, args.out_dir or "runs/compare",
-                pass_k=args.pass_k)
+                pass_k=args.pass_k, keep=keep)
     return 0
 
 
 def _profile(args) -> int:
     from hacpo.engine.profile import run_profile
-    cfg = _train_config(args)
+    cfg, keep = _train_config(args)
     run_profile(cfg, args.out_dir or "runs/profile", algorithms=args.algorithms,
                 rounds=args.rounds, steps_per_round=args.steps_per_round,
-                skip_steps=args.skip_steps)
+                skip_steps=args.skip_steps, keep=keep)
     return 0
+
+
+# What a run command reports as one line (exit status 2) rather than a traceback: wrong
+# configs, data, run dirs and resumes. HACPO_TRACEBACK=1 shows the traceback instead.
+_USER_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, NotADirectoryError)
+
+
+def _run_command(args) -> int:
+    import os
+    try:
+        return args.func(args)
+    except _USER_ERRORS as e:
+        if os.environ.get("HACPO_TRACEBACK") == "1":
+            raise
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"hacpo {args.command}: error: {msg}\n(HACPO_TRACEBACK=1 shows where it was "
+              f"raised)", file=sys.stderr)
+        return 2
 
 
 def _eval(args) -> int:
@@ -153,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     from .slurm import add_launch_parser
     add_launch_parser(sub)
     args = ap.parse_args(argv)
+    if args.command in ("train", "compare", "profile"):
+        return _run_command(args)
     return args.func(args)
 
 

@@ -2,7 +2,9 @@
 import json
 import math
 
-from hacpo.engine.compare import mean_ci, render_table, run_compare
+import pytest
+
+from hacpo.engine.compare import mean_ci, render_table, run_compare, with_algorithm
 from hacpo.engine.run_config import load_config
 
 
@@ -41,3 +43,45 @@ def test_compare_runs_and_writes_table(tmp_path):
     # the algorithm really differs between runs
     cfg_g = json.loads((root / "gspo-seed0" / "config.json").read_text())
     assert cfg_g["algorithm"]["name"] == "gspo" and cfg_g["seed"] == 0
+
+
+def test_compare_reuses_only_runs_finished_with_the_same_config(tmp_path):
+    """A finished run is reused only when its config.json is this config; more steps resume
+    it; an unknown algorithm is an error before any run starts."""
+    base = load_config("tiny3", overrides={"steps": 1, "cache_dir": str(tmp_path / "cache"),
+                                           "threads": 1, "plots": False, "tensorboard": False})
+    root = tmp_path / "cmp"
+    with pytest.raises(ValueError, match="unknown algorithm preset 'nosuch'"):
+        run_compare(base, ["gspo", "nosuch"], [0], str(root), pass_k=0, echo=lambda *_: None)
+    assert not root.exists()
+    said = []
+    first = run_compare(base, ["gspo"], [0], str(root), pass_k=0, echo=said.append)
+    again = run_compare(base, ["gspo"], [0], str(root), pass_k=0, echo=said.append)
+    assert again == first and any("reusing the finished run" in line for line in said)
+    said = []
+    run_compare(base.override({"steps": 2}), ["gspo"], [0], str(root), pass_k=0,
+                echo=said.append)
+    assert f"[compare] gspo seed 0 -> {root / 'gspo-seed0'}" in said
+    rows = [json.loads(line) for line in open(root / "gspo-seed0" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1]                  # resumed to the new budget
+    assert json.load(open(root / "gspo-seed0" / "summary.json"))["steps"] == 2
+    with pytest.raises(ValueError, match=r"cannot resume .* rollout\.group_size"):
+        run_compare(base.override({"steps": 2, "rollout.group_size": 3}), ["gspo"], [0],
+                    str(root), pass_k=0, echo=lambda *_: None)
+    with pytest.raises(ValueError, match="no held-out set"):
+        run_compare(base.override({"data.eval_size": 0}), ["gspo"], [0], str(tmp_path / "x"),
+                    echo=lambda *_: None)
+
+
+def test_with_algorithm_keeps_the_budget_and_the_users_overrides():
+    base = load_config("default")                 # hacpo, tuned to 2 minibatches
+    assert base.algorithm.num_minibatches == 2
+    g = with_algorithm(base, "gspo")
+    assert (g.algorithm.name, g.algorithm.num_minibatches) == ("gspo", 2)
+    h = with_algorithm(base, "hacpo", {"loss.alpha": 0.5, "capability.window": 2})
+    assert (h.algorithm.loss.alpha, h.algorithm.capability.window) == (0.5, 2)
+    # an ablation keeps what makes it one (before: the run's minibatch order overrode it)
+    assert with_algorithm(base, "hacpo-self-first").algorithm.minibatch_order == "self_first"
+    assert with_algorithm(base, "hacpo-table5").algorithm.loss.cross_clip_delta == 0.8
+    with pytest.raises(ValueError, match="algorithm.name='grpo' conflicts"):
+        with_algorithm(base, "gspo", {"name": "grpo"})

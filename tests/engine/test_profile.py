@@ -137,3 +137,10 @@ def test_profile_end_to_end_tiny(tmp_path):
         2 * rep["measured"]["gspo"]["trained_samples"]
     assert "ratio" in rep["per_trained_sample"]
     assert "HACPO wall time per trained sample" in (tmp_path / "prof" / "profile.md").read_text()
+    # a second profile into the same directory would measure nothing new: refused, untouched
+    before = (tmp_path / "prof" / "profile.json").read_text()
+    with pytest.raises(FileExistsError, match=r"already holds profile runs .* choose another "
+                                              r"--out-dir"):
+        run_profile(cfg, str(tmp_path / "prof"), rounds=2, steps_per_round=1, skip_steps=1,
+                    echo=lambda *_: None)
+    assert (tmp_path / "prof" / "profile.json").read_text() == before

@@ -108,6 +108,44 @@ def test_resume_with_other_config_is_clear_error(tmp_path):
     with pytest.raises(ValueError, match=r"agents\.1\.optim\.lr.*rollout\.group_size"):
         train(other, resume=True, echo=lambda *_: None)
     train(cfg.override({"steps": 2}), resume=True, echo=lambda *_: None)   # steps may grow
+    with pytest.raises(ValueError, match=r"at step 2 with steps=1: the run is past it .* "
+                                         r"pass steps >= 2"):
+        train(cfg, resume=True, echo=lambda *_: None)
+    said = []
+    train(cfg.override({"out_dir": str(tmp_path / "new")}), resume=True, echo=said.append)
+    assert f"[resume] no checkpoint.pt in {tmp_path / 'new'}: starting a new run there" in said
+
+
+def test_resumed_run_keeps_the_ratio_log(tmp_path):
+    """log_ratios.npz (the ratio histograms' data) of a run resumed after 2 of 4 steps equals
+    the uninterrupted run's: the ratios logged before the checkpoint come back with it."""
+    import numpy as np
+
+    over = {"plots": "true", "tensorboard": "false"}
+    train(_cfg(tmp_path, "straight", steps="4", **over), echo=lambda *_: None)
+    train(_cfg(tmp_path, "resumed", steps="2", **over), echo=lambda *_: None)
+    train(_cfg(tmp_path, "resumed", steps="4", **over), resume=True, echo=lambda *_: None)
+    want = np.load(tmp_path / "straight" / "log_ratios.npz")
+    got = np.load(tmp_path / "resumed" / "log_ratios.npz")
+    assert sorted(got.files) == sorted(want.files) and want.files
+    for key in want.files:
+        assert want[key].size > 0 and np.array_equal(got[key], want[key]), key
+
+
+def test_zero_steps_and_no_held_out_set(tmp_path):
+    """steps=0 evaluates the warm start only (plots of an empty run, no crash); data.eval_size=0
+    trains without held-out evaluation (summary: None per agent)."""
+    s0 = train(_cfg(tmp_path, "s0", steps="0", tensorboard="false"), echo=lambda *_: None)
+    assert (tmp_path / "s0" / "metrics.jsonl").read_text() == ""
+    assert s0["steps"] == 0 and s0["after"] == s0["before"]   # no step: the same weights
+    said = []
+    s1 = train(_cfg(tmp_path, "noeval", **{"steps": "1", "tensorboard": "false",
+                                           "data.eval_size": "0", "eval_every": "1"}),
+               echo=said.append)
+    assert "[eval] no held-out set (data.eval_size=0): held-out evaluation skipped" in said
+    assert s1["before"] == s1["after"] == {"char": None, "qwen3": None, "llama": None}
+    rows = [json.loads(l) for l in open(tmp_path / "noeval" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0] and not any(k.startswith("eval/") for k in rows[0])
 
 
 @register_reward("_test_out_of_range", in_process=True, overwrite=True)
