@@ -186,6 +186,8 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
         raise ValueError(f"samples must be >= 1, got {samples}")
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     benches = [b if isinstance(b, Benchmark) else parse_benchmark_spec(b) for b in benchmarks]
     names = [b.name for b in benches]
     if len(set(names)) != len(names):
@@ -225,7 +227,8 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
         os.makedirs(rdir, exist_ok=True)
         out_dirs.append(rdir)
         tmpl = template or cfg.data.template
-        max_new = max_new_tokens or cfg.eval_max_new_tokens or cfg.rollout.max_new_tokens
+        max_new = (max_new_tokens if max_new_tokens is not None else
+                   cfg.eval_max_new_tokens or cfg.rollout.max_new_tokens)
         temp = temperature if temperature is not None else \
             (0.0 if samples == 1 else cfg.rollout.temperature)
         echo(f"[eval] {label}: rebuilding {len(cfg.agents)} policies from {ck_path}")

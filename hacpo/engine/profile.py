@@ -158,7 +158,8 @@ def build_report(measured: dict, names: list[str], *, kappas=(1,)) -> dict:
                                 "hacpo_agent_time": ha["agent_time"],
                                 "cross_scoring_share": scoring / ga["agent_time"],
                                 "cross_backward_share": ha["backward_cross"] / ga["agent_time"],
-                                "extra_over_gspo": ha["agent_time"] / ga["agent_time"] - 1}
+                                "extra_over_gspo": ha["agent_time"] / ga["agent_time"] - 1,
+                                "cross_trained": ha["trained_cross"] > 0}
     if h and g2:
         ph = h["step_time"] / h["trained_samples"]
         p2 = g2["step_time"] / g2["trained_samples"]
@@ -333,8 +334,9 @@ def render_report(rep: dict) -> str:
                   "| --- | --- | --- | --- | --- | --- |"]
         for a, r in rep["agents"].items():
             ok = r["cross_scoring_share"] <= TARGET_EXTRA
+            mark = _mark(ok) if r.get("cross_trained", True) else "(no cross sample trained)"
             lines.append(f"| {a} | {r['gspo_agent_time']:.2f} | {r['hacpo_agent_time']:.2f} | "
-                         f"+{r['cross_scoring_share']:.0%} {_mark(ok)} | "
+                         f"+{r['cross_scoring_share']:.0%} {mark} | "
                          f"+{r['cross_backward_share']:.0%} | {r['extra_over_gspo']:+.0%} |")
     if "per_trained_sample" in rep:
         p = rep["per_trained_sample"]

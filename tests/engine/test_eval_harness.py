@@ -176,6 +176,8 @@ def test_bad_inputs(run, tmp_path, capsys):
         evaluate_checkpoints([str(tmp_path)], run["benches"])
     with pytest.raises(ValueError, match=r"unknown agent\(s\) \['bob'\].*'char'"):
         evaluate_checkpoints([str(run["dir"])], run["benches"], agents=["bob"])
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1, got 0"):  # not the default
+        evaluate_checkpoints([str(run["dir"])], run["benches"], max_new_tokens=0)
     for spec in ("gsm", "=x.jsonl", "gsm=", "gsm=x.jsonl:nope"):
         with pytest.raises(ValueError, match="malformed benchmark spec"):
             parse_benchmark_spec(spec)

@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from hacpo.engine.profile import (build_report, fit_cost_model, run_profile, summarize_run)
+from hacpo.engine.profile import (build_report, fit_cost_model, render_report, run_profile,
+                                  summarize_run)
 from hacpo.engine.run_config import load_config
 
 C = dict(gen=2e-3, old=3e-4, tself=9e-4, tcross=1.2e-3, retok=5e-5, opt=0.05, rew=1e-3,
@@ -108,6 +109,11 @@ def test_no_cross_samples_assumes_self_costs():
     model = fit_cost_model(meas["gspo"], ["a0", "a1"], cross_from=meas["hacpo"])
     assert not model.cross_measured
     assert model.train_cross_per_token == pytest.approx(C["tself"])
+    # the report marks no cross-scoring target as met when HACPO trained no cross sample
+    md = render_report(build_report(meas, ["a0", "a1"]))
+    assert md.count("+0% (no cross sample trained)") == 2 and "(met)" not in md
+    md = render_report(build_report({"gspo": _run(64, 0), "hacpo": _run(64, 32)}, ["a0", "a1"]))
+    assert "(no cross sample trained)" not in md and md.count("(met)") == 2
 
 
 def test_summarize_skips_first_steps():

@@ -102,6 +102,10 @@ def test_resume_after_kill_matches_uninterrupted(tmp_path):
 
 
 def test_resume_with_other_config_is_clear_error(tmp_path):
+    (tmp_path / "afile").write_text("mine")
+    with pytest.raises(NotADirectoryError, match="afile is a file, not a run directory"):
+        train(_cfg(tmp_path, "afile"), echo=lambda *_: None)
+    assert (tmp_path / "afile").read_text() == "mine"
     cfg = _cfg(tmp_path, steps="1", plots="false", tensorboard="false")
     train(cfg, echo=lambda *_: None)
     other = cfg.override({"agents.1.optim.lr": 0.5, "rollout.group_size": 3, "steps": 2})
