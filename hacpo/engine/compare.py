@@ -10,7 +10,7 @@ import os
 import statistics
 
 from .config import preset
-from .run_config import TrainConfig
+from .run_config import TrainConfig, config_hash
 
 # two-sided 95% Student-t quantiles by degrees of freedom
 _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
@@ -74,14 +74,15 @@ def run_compare(base: TrainConfig, algorithms: list[str], seeds: list[int], root
 
 
 def _finished_with(out: str, cfg: TrainConfig) -> bool:
-    """Did the run in ``out`` finish (summary.json) with exactly ``cfg`` (its config.json)?"""
+    """Did the run in ``out`` finish with exactly ``cfg`` (its summary.json names the config
+    it finished with; a run resumed since with another config, interrupted or not, does not
+    match)?"""
     try:
-        with open(os.path.join(out, "config.json")) as f:
-            ran = json.load(f)
+        with open(os.path.join(out, "summary.json")) as f:
+            finished = json.load(f).get("config_hash")
     except (OSError, ValueError):
         return False
-    return (os.path.exists(os.path.join(out, "summary.json"))
-            and ran == json.loads(json.dumps(cfg.to_dict())))
+    return finished == config_hash(cfg.to_dict())
 
 
 def with_algorithm(cfg: TrainConfig, algo: str, keep: dict | None = None) -> TrainConfig:

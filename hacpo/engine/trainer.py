@@ -38,7 +38,8 @@ from .metrics import MetricsLogger
 from .pool import build_pool, learner_view
 from .rewards import RewardComputer
 from .rollout import generate_agents, sync_agents
-from .run_config import TrainConfig, config_diff, default_fingerprint, fingerprint_dict
+from .run_config import (TrainConfig, config_diff, config_hash, default_fingerprint,
+                         fingerprint_dict)
 from .timing import Stopwatch, device_sync, null_timer
 
 CHECKPOINT = "checkpoint.pt"
@@ -256,7 +257,8 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
     else:
         after = {name: None for name in names}
     summary = {"before": before, "after": after, "warmup": warm, "steps": cfg.steps,
-               "algorithm": algo.name, "agents": names, "data": data.load_stats}
+               "algorithm": algo.name, "agents": names, "data": data.load_stats,
+               "config_hash": config_hash(cfg.to_dict())}     # the config that finished
     with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     if cfg.plots:
