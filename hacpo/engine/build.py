@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import logging
 import os
 from dataclasses import dataclass, asdict
@@ -11,8 +13,8 @@ import torch
 from hacpo.models.policy import Policy, build_policy
 
 from . import checkpoint as ckpt
-from .data import Example, GSM8K_FIELDS, MATH_ANSWER_FIELDS, MATH_FIELDS, \
-    apply_prompt_template, load_examples
+from .data import DataError, Example, GSM8K_FIELDS, LoadStats, MATH_ANSWER_FIELDS, \
+    MATH_FIELDS, apply_prompt_template, load_examples
 from .run_config import TrainConfig, config_hash
 from .tasks import ArithmeticTask, reference_solution
 from .warmup import supervised_warmup
@@ -33,6 +35,17 @@ class Data:
 
 
 def load_data(cfg: TrainConfig) -> Data:
+    """The run's training and held-out examples.
+
+    data.task="arithmetic": ``train_size`` and ``eval_size`` problems of the embedded task
+    (DataConfig checks train_size >= 1, eval_size >= 0); ``load_stats`` is ``{}``.
+    data.task="files": every example of ``train_path`` and the first ``eval_size`` of
+    ``eval_path``; ``eval_size=0`` means no held-out set (``eval`` is ``[]``, the eval file is
+    not read and its stats are zeros). A file that yields no examples (no rows, or every row
+    bad and skipped) is a DataError naming it. ``load_stats`` is ``{"train": S, "eval": S}``,
+    ``S = {"path", "rows", "loaded", "skipped", "problems", "bad_rows"}`` (the path and
+    :class:`~hacpo.engine.data.LoadStats`); each file read is logged, as a warning where rows
+    were skipped."""
     d = cfg.data
     if d.task == "arithmetic":
         task = ArithmeticTask.from_difficulty(d.difficulty, wording=d.wording, seed=d.seed)
@@ -42,8 +55,39 @@ def load_data(cfg: TrainConfig) -> Data:
         raise ValueError(f"unknown data.field_map {d.field_map!r}; one of auto, "
                          f"{', '.join(_FIELD_MAPS)}")
     train, st = load_examples(d.train_path, fm, skip_bad_rows=d.skip_bad_rows)
-    ev, se = load_examples(d.eval_path, fm, skip_bad_rows=d.skip_bad_rows, limit=d.eval_size)
-    return Data(train, ev, False, {"train": asdict(st), "eval": asdict(se)})
+    _check_loaded("train", d.train_path, d.field_map, st)
+    if d.eval_size == 0:
+        ev, se = [], LoadStats()
+    else:
+        ev, se = load_examples(d.eval_path, fm, skip_bad_rows=d.skip_bad_rows,
+                               limit=d.eval_size)
+        _check_loaded("eval", d.eval_path, d.field_map, se)
+    return Data(train, ev, False, {"train": {"path": d.train_path, **asdict(st)},
+                                   "eval": {"path": d.eval_path, **asdict(se)}})
+
+
+def _check_loaded(role: str, path: str, field_map: str, st: LoadStats) -> None:
+    """Log what data.<role>_path yielded (a warning if rows were skipped); DataError if it
+    yielded no examples."""
+    where = f"data.{role}_path {path}"
+    if st.skipped:
+        at = ", ".join(st.bad_rows[:5]) + (", ..." if st.skipped > 5 else "")
+        log.warning(f"{where}: {st.loaded} examples from {st.rows} rows; skipped {st.skipped} "
+                    f"bad rows (data.skip_bad_rows) at {at}; first: {st.problems[0]}")
+    else:
+        log.info(f"{where}: {st.loaded} examples from {st.rows} rows")
+    if st.loaded:
+        return
+    fm = _FIELD_MAPS.get(field_map)
+    fields = "auto (detected from the first good row)" if fm is None else \
+        f"{field_map} (prompt {fm.prompt!r}, answer {fm.answer!r}, format {fm.answer_format})"
+    if st.rows == 0:
+        why = "the file has no rows (empty, or blank lines only)"
+    else:
+        shown = "; ".join(st.problems[:3])
+        why = (f"all {st.rows} non-blank rows were bad and skipped (data.skip_bad_rows), "
+               f"field map {fields}; first: {shown}")
+    raise DataError(f"{where} yields no examples: {why}")
 
 
 def prompt_text(cfg: TrainConfig, ex: Example) -> str:
@@ -70,26 +114,31 @@ def build_policies(cfg: TrainConfig, data: Data) -> list[Policy]:
 
 def warm_start(cfg: TrainConfig, data: Data, policies: list[Policy], echo=print) -> list[dict]:
     """Supervised warm-up per agent, cached in cfg.cache_dir by a hash of everything that
-    determines its result. It does not depend on the RL seed or algorithm, so every run of
-    `hacpo compare` shares it."""
+    determines its result: the policy's config and initial weights, its tokenizer's vocabulary
+    (a reduced one depends on the data), the warm-up config and batch seed, and the token ids
+    of the prompts and targets it trains on (their content, not the files' paths). It does not
+    depend on the RL seed or algorithm, so every run of `hacpo compare` shares it. A cached
+    state that cannot be read or does not fit the policy is a logged miss: trained again."""
     out = []
     for k, (a, pol) in enumerate(zip(cfg.agents, policies)):
         if a.warmup.steps <= 0:
             out.append({"steps": 0})
             continue
-        key = config_hash({"policy": asdict(a.policy), "warmup": asdict(a.warmup),
-                           "data": asdict(cfg.data), "v": 1})
+        tok = pol.tokenizer
+        prompts = [tok.prompt_ids(prompt_text(cfg, e)) for e in data.train]
+        targets = [tok.response_ids(data.target_text(e), add_eos=True) for e in data.train]
+        seed = a.policy.seed + 101 * k
+        key = config_hash({"policy": asdict(a.policy), "warmup": asdict(a.warmup), "seed": seed,
+                           "init": _state_digest(pol), "tokenizer": _tokenizer_digest(tok),
+                           "examples": _digest([prompts, targets]), "v": 2})
         path = os.path.join(cfg.cache_dir, f"warmup-{a.policy.name}-{key}.pt")
-        if os.path.exists(path):
-            state = ckpt.load(path)
+        state = _cached_warm_start(path, pol)
+        if state is not None:
             pol.load_state_dict(state["model"])
             echo(f"[warm-up] {a.policy.name}: loaded cached warm start {path}")
             out.append({"steps": a.warmup.steps, "cached": True,
                         "final_loss": state["losses"][-1]})
             continue
-        tok = pol.tokenizer
-        prompts = [tok.prompt_ids(prompt_text(cfg, e)) for e in data.train]
-        targets = [tok.response_ids(data.target_text(e), add_eos=True) for e in data.train]
         every = max(1, a.warmup.steps // 5)
 
         def progress(step, loss, name=a.policy.name, total=a.warmup.steps):
@@ -97,11 +146,76 @@ def warm_start(cfg: TrainConfig, data: Data, policies: list[Policy], echo=print)
                 echo(f"[warm-up] {name}: step {step + 1}/{total} loss {loss:.3f}")
 
         losses = supervised_warmup(pol, prompts, targets, steps=a.warmup.steps, lr=a.warmup.lr,
-                                   batch_size=a.warmup.batch_size, seed=a.policy.seed + 101 * k,
+                                   batch_size=a.warmup.batch_size, seed=seed,
                                    micro_batch=cfg.micro_batch, progress=progress)
         ckpt.save_atomic({"model": pol.state_dict(), "losses": losses}, path)
         out.append({"steps": a.warmup.steps, "cached": False, "final_loss": losses[-1]})
     return out
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, separators=(",", ":")).encode()).hexdigest()
+
+
+def _tokenizer_digest(tok) -> str:
+    """Hash of what a tokenizer's ids mean: its class, name, special ids and every id's token
+    (a reduced vocabulary: the kept tokens, in id order)."""
+    if hasattr(tok, "token_strings"):
+        tokens = tok.token_strings()
+    else:
+        tokens = [tok.decode([i], skip_special=False) for i in range(tok.vocab_size)]
+    return _digest([type(tok).__name__, tok.name, tok.vocab_size, tok.eos_id, tok.pad_id,
+                    tok.bos_id, tokens])
+
+
+def _state_digest(module: torch.nn.Module) -> str:
+    """Hash of a module's state: every entry's name, dtype, shape and bytes."""
+    h = hashlib.sha256()
+    for name, t in module.state_dict().items():
+        if not isinstance(t, torch.Tensor):
+            h.update(f"{name}={t!r};".encode())
+            continue
+        t = t.detach().cpu().contiguous().reshape(-1)
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def _cached_warm_start(path: str, pol: Policy) -> dict | None:
+    """The cached warm start at ``path`` if there is one that fits ``pol`` (the same entries,
+    shapes and dtypes); None otherwise, with a warning where a file was there but unusable
+    (nothing of it is loaded; the warm-up trains again and replaces it)."""
+    if not os.path.exists(path):
+        return None
+    try:
+        state = ckpt.load(path)
+    except (RuntimeError, OSError) as e:   # unreadable, or removed since the check
+        log.warning(f"[warm-up] {pol.name}: ignoring the cached warm start, {e}; "
+                    "training it again")
+        return None
+    problem = _state_misfit(state, pol)
+    if problem is None:
+        return state
+    log.warning(f"[warm-up] {pol.name}: ignoring the cached warm start {path}: it does not "
+                f"fit the policy ({problem}); training it again")
+    return None
+
+
+def _state_misfit(state, pol: Policy) -> str | None:
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict) \
+            or not state.get("losses"):
+        return "not a warm-start file: no model state and losses"
+    want, got = pol.state_dict(), state["model"]
+    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    if missing or extra:
+        return f"missing entries {missing[:3]}, unexpected entries {extra[:3]}"
+    for name, w in want.items():
+        g = got[name]
+        if isinstance(w, torch.Tensor) and (not isinstance(g, torch.Tensor)
+                                            or g.shape != w.shape or g.dtype != w.dtype):
+            have = f"{list(g.shape)} {g.dtype}" if isinstance(g, torch.Tensor) else type(g)
+            return f"{name}: {have} in the file, {list(w.shape)} {w.dtype} in the policy"
+    return None
 
 
 def rollout_engine(cfg: TrainConfig, policies: list[Policy], agents=None):

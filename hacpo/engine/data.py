@@ -79,10 +79,15 @@ class DataError(ValueError):
 
 @dataclasses.dataclass
 class LoadStats:
+    """What :func:`load_examples` read. ``problems`` and ``bad_rows`` hold the first
+    ``MAX_KEPT`` skipped rows' messages and places (``"line N"``, 1-based, in JSONL;
+    ``"row N"``, 0-based, in parquet)."""
+
     rows: int = 0       # non-blank rows read
     loaded: int = 0
     skipped: int = 0
     problems: list = dataclasses.field(default_factory=list)  # first messages of skipped rows
+    bad_rows: list = dataclasses.field(default_factory=list)  # their places: "line 3", "row 0"
 
     MAX_KEPT = 20
 
@@ -187,6 +192,7 @@ def load_examples(path: Union[str, os.PathLike], field_map: Union[FieldMap, str]
             stats.skipped += 1
             if len(stats.problems) < stats.MAX_KEPT:
                 stats.problems.append(str(e))
+                stats.bad_rows.append(loc.rsplit(":", 1)[-1].strip())
     stats.loaded = len(out)
     return out, stats
 

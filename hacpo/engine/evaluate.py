@@ -80,12 +80,20 @@ def evaluate_policy(policy, prompt_ids: list[list[int]], golds: list[str], rewar
                     agent: int | None = None) -> dict[str, float]:
     """Accuracy of ``policy`` on the prompts. samples=1 & temperature=0: greedy avg@1.
     With samples>1: avg@k (mean reward) and pass@k (unbiased, k = samples). ``engine`` /
-    ``agent``: sample with that rollout engine's agent instead (:func:`sample_and_score`)."""
+    ``agent``: sample with that rollout engine's agent instead (:func:`sample_and_score`).
+    ValueError on no prompts (an empty held-out set is the caller's to skip)."""
+    n = len(prompt_ids)
+    if n == 0:
+        raise ValueError("evaluate_policy: no prompts to evaluate (the held-out set is empty; "
+                         "with data.eval_size=0 the evaluation is to be skipped)")
+    if len(golds) != n:
+        raise ValueError(f"evaluate_policy: {n} prompts but {len(golds)} gold answers")
+    if samples < 1:
+        raise ValueError(f"evaluate_policy: samples must be >= 1, got {samples}")
     rewards, _, stats = sample_and_score(
         policy, prompt_ids, golds, reward_computer, max_new_tokens=max_new_tokens,
         samples=samples, temperature=temperature, top_p=top_p, batch=batch, seed=seed,
         where=lambda i: f"held-out prompt {i}", engine=engine, agent=agent)
-    n = len(prompt_ids)
     per_prompt = torch.tensor(rewards).view(n, samples)
     acc = float(per_prompt.mean())
     out = {"accuracy": acc, "stderr": math.sqrt(max(acc * (1 - acc), 0.0) / n), "n": n,

@@ -13,7 +13,8 @@ def supervised_warmup(policy, prompt_ids: list[list[int]], target_ids: list[list
     if steps <= 0:
         return []
     if len(prompt_ids) != len(target_ids) or not prompt_ids:
-        raise ValueError("warm-up needs as many targets as prompts, and at least one")
+        raise ValueError(f"warm-up needs as many targets as prompts, and at least one (got "
+                         f"{len(prompt_ids)} prompts, {len(target_ids)} targets)")
     opt = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / max(1, steps // 10)) * max(0.1, 1 - s / steps))

@@ -143,3 +143,19 @@ def test_prompt_sampler_resume_is_exact():
 
     with pytest.raises(ValueError, match="different examples"):
         PromptSampler(_examples(9), seed=11).load_state_dict(state)
+
+
+def test_skipped_rows_record_their_places(tmp_path):
+    """LoadStats.bad_rows: where each skipped row is (1-based JSONL line, 0-based parquet row),
+    next to its message in problems."""
+    path = _write_jsonl(tmp_path / "bad.jsonl",
+                        [GSM_ROWS[0], "", "{not json", {"question": "q"}, GSM_ROWS[1]])
+    examples, stats = load_examples(path, skip_bad_rows=True)
+    assert len(examples) == 2 and stats.bad_rows == ["line 3", "line 4"]
+    assert [p.split(": ", 1)[0].rsplit(":", 1)[-1] for p in stats.problems] == stats.bad_rows
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"problem": ["A?", "B?"], "solution": [None, r"\boxed{2}"]}),
+                   tmp_path / "m.parquet")
+    _, stats = load_examples(tmp_path / "m.parquet", skip_bad_rows=True)
+    assert stats.bad_rows == ["row 0"] and stats.skipped == 1
