@@ -23,6 +23,10 @@ def test_train_cli_bad_override_is_clear(capsys, monkeypatch):
         assert "Traceback" not in err
     assert main(["train", "--preset", "big"]) == 2
     assert "unknown run preset 'big'" in capsys.readouterr().err
+    # --set given twice: both apply (the first one's bad key is reported)
+    assert main(["train", "--preset", "tiny3", "--set", "rollout.gsize=3", "--set",
+                 "steps=1"]) == 2
+    assert "unknown config key 'rollout.gsize'" in capsys.readouterr().err
     monkeypatch.setenv("HACPO_TRACEBACK", "1")
     with pytest.raises(ValueError, match="unknown run preset 'big'"):
         main(["train", "--preset", "big"])

@@ -1,8 +1,10 @@
-"""Generic helpers for the typed config dataclasses: nested from_dict with unknown-key errors,
-and dotted-key overrides ("loss.alpha=0", "agents.1.lr=3e-4") parsed to each field's type."""
+"""Generic helpers for the typed config dataclasses: nested from_dict with unknown-key and
+wrong-type errors, and dotted-key overrides ("loss.alpha=0", "agents.1.lr=3e-4") parsed to each
+field's type."""
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import types
 import typing
 from typing import Any
@@ -24,7 +26,13 @@ def _list_item(tp) -> type | None:
 
 
 def from_dict(cls, d: dict[str, Any], prefix: str = ""):
-    """Build dataclass ``cls`` from a nested dict; unknown keys are an error naming them."""
+    """Build dataclass ``cls`` from a nested dict; unknown keys, and values that are not of
+    their field's type, are errors naming the dotted key.
+
+    Strings are parsed as their field's type (YAML spells ``1e-3`` as a string) and an int
+    where a float is expected becomes a float. The dataclass's own checks run first (their
+    messages say which values are allowed, e.g. "an integer >= 1, got 1.5"); the types are
+    checked after them, or where those checks fail on a value of the wrong type."""
     if not isinstance(d, dict):
         raise ValueError(f"config section {prefix.rstrip('.') or cls.__name__!r} must be a "
                          f"mapping, got {type(d).__name__}")
@@ -36,18 +44,111 @@ def from_dict(cls, d: dict[str, Any], prefix: str = ""):
                          f"known: {sorted(prefix + k for k in names)}")
     kwargs = {}
     for k, v in d.items():
-        tp = hints[k]
+        tp, key = hints[k], prefix + k
         sub, item = _dataclass_of(tp), _list_item(tp)
-        if sub is not None and isinstance(v, dict):
-            v = from_dict(sub, v, f"{prefix}{k}.")
+        if sub is not None:
+            v = v if isinstance(v, sub) else from_dict(sub, v, f"{key}.")
         elif item is not None and isinstance(v, (list, tuple)):
-            v = [from_dict(item, x, f"{prefix}{k}.{i}.") if isinstance(x, dict) else x
+            v = [x if isinstance(x, item) else _list_entry(item, x, f"{key}.{i}")
                  for i, x in enumerate(v)]
+        else:
+            v = _normalize(v, tp, key)
         kwargs[k] = v
-    return cls(**kwargs)
+    try:
+        obj = cls(**kwargs)
+    except ValueError:
+        raise
+    except Exception:       # e.g. TypeError: '>' not supported between 'list' and 'int'
+        _check_types(kwargs, hints, prefix)     # a value of the wrong type: say which
+        raise
+    _check_types(kwargs, hints, prefix)
+    return obj
+
+
+def _list_entry(item: type, x: Any, path: str):
+    """Entry ``path`` (e.g. "agents.0") of a list of ``item`` sections. An error inside it is
+    prefixed with where it is: ``item.config_error(x, path, message)`` if the class defines it
+    (e.g. to name the agent), else ``path``."""
+    if not isinstance(x, dict):
+        return from_dict(item, x, f"{path}.")      # the error: entry <path> must be a mapping
+    try:
+        return from_dict(item, x, f"{path}.")
+    except ValueError as e:
+        where = getattr(item, "config_error", None)
+        raise ValueError(where(x, path, str(e)) if where else f"{path}: {e}") from None
+
+
+def _matches(value: Any, tp) -> bool:
+    """Is ``value`` of field type ``tp``? (an int is no float here, a bool no int)"""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, a) for a in args)
+    if origin is typing.Literal:
+        return any(type(value) is type(a) and value == a for a in args)
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, numbers.Real) and not isinstance(value, (bool, numbers.Integral))
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            return False
+        items = [a for a in args if a is not Ellipsis]
+        return len(items) != 1 or all(_matches(x, items[0]) for x in value)
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            return False
+        return len(args) != 2 or all(_matches(k, args[0]) and _matches(v, args[1])
+                                     for k, v in value.items())
+    return isinstance(value, tp) if isinstance(tp, type) else True
+
+
+def _describe(tp) -> str:
+    """Field type ``tp`` in words, for error messages: "an integer", "a number or null"."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(map(repr, args))
+    if origin in (list, tuple):
+        items = [a for a in args if a is not Ellipsis]
+        return f"a list of {_describe(items[0])}" if len(items) == 1 else "a list"
+    if origin is dict or tp is dict or _dataclass_of(tp):
+        return "a mapping"
+    words = {type(None): "null", bool: "true or false", int: "an integer", float: "a number",
+             str: "a string"}
+    return words.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _normalize(value: Any, tp, key: str) -> Any:
+    """A leaf value as field type ``tp`` where it is another spelling of one: a string parsed
+    (:func:`_coerce`), an int where only a float fits made a float. Anything else unchanged
+    (checked by :func:`_check_types`)."""
+    if _matches(value, tp):
+        return value
+    if isinstance(value, str):
+        return _coerce(value, tp, key)
+    if (isinstance(value, numbers.Integral) and not isinstance(value, bool)
+            and _matches(float(value), tp)):
+        return float(value)
+    return value
+
+
+def _check_types(kwargs: dict[str, Any], hints: dict[str, Any], prefix: str) -> None:
+    for k, v in kwargs.items():
+        if not _matches(v, hints[k]):
+            raise ValueError(f"config key {prefix + k!r} must be {_describe(hints[k])}, got "
+                             f"{v!r} ({type(v).__name__})")
 
 
 def _coerce(value: Any, tp, key: str) -> Any:
+    """A string value parsed as field type ``tp`` (CLI ``--set`` values, YAML strings); other
+    values unchanged (from_dict checks their types)."""
     base = tp
     if typing.get_origin(tp) in (typing.Union, types.UnionType):    # Optional[X], X | None
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -55,8 +156,6 @@ def _coerce(value: Any, tp, key: str) -> Any:
             return None
         base = args[0] if len(args) == 1 else str
     if not isinstance(value, str) or base is str:
-        if base is float and isinstance(value, int) and not isinstance(value, bool):
-            return float(value)
         return value
     try:
         if base is bool:
@@ -68,9 +167,12 @@ def _coerce(value: Any, tp, key: str) -> Any:
             raise ValueError
         if base in (int, float):
             return base(value)
-        if typing.get_origin(base) in (list, tuple, dict):
+        if typing.get_origin(base) in (list, tuple, dict) or base is dict:
             import yaml
-            return yaml.safe_load(value)
+            try:
+                return yaml.safe_load(value)    # from_dict checks what it gives
+            except yaml.YAMLError:
+                raise ValueError from None
     except (ValueError, TypeError):
         raise ValueError(f"cannot parse {value!r} as {getattr(base, '__name__', base)} for "
                          f"config key {key!r}") from None

@@ -8,10 +8,25 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from hacpo.models.policy import LM_HEADS, PolicyConfig
+from hacpo.models.decoder import DecoderConfig
+from hacpo.models.policy import DTYPES, LM_HEADS, PolicyConfig
 
 from .config import AlgorithmConfig, preset as algorithm_preset
 from .configtools import ConfigMixin
+
+
+def _check_count(key: str, v, low: int, note: str = "") -> None:
+    """A count: an integer (not a bool) >= ``low``; ``note`` says what the lowest value means."""
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ValueError(f"{key} must be an integer >= {low}{note}, got {v!r}")
+
+
+def _check_range(key: str, v, ok: bool, allowed: str) -> None:
+    """``ok``: ``v`` in range, computed by comparisons that are False for NaN (and raise a
+    TypeError for a value that is no number, which configtools.from_dict turns into an error
+    naming the key and the type expected)."""
+    if not ok:
+        raise ValueError(f"{key} must be {allowed}, got {v!r}")
 
 
 @dataclass
@@ -20,12 +35,16 @@ class OptimConfig:
     weight_decay: float = 0.0
     beta1: float = 0.9
     beta2: float = 0.99
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0         # max gradient norm; 0: no clipping
 
     def __post_init__(self):
-        if not self.lr > 0 or self.grad_clip < 0:
-            raise ValueError(f"optim.lr must be > 0 and grad_clip >= 0, got {self.lr}, "
-                             f"{self.grad_clip}")
+        _check_range("optim.lr", self.lr, 0 < self.lr < math.inf, "a finite number > 0")
+        _check_range("optim.weight_decay", self.weight_decay, self.weight_decay >= 0, ">= 0")
+        for k in ("beta1", "beta2"):      # torch.optim.AdamW: 0 <= beta < 1
+            v = getattr(self, k)
+            _check_range(f"optim.{k}", v, 0 <= v < 1, "in [0, 1)")
+        _check_range("optim.grad_clip", self.grad_clip, self.grad_clip >= 0,
+                     ">= 0 (0: no clipping)")
 
 
 @dataclass
@@ -34,6 +53,11 @@ class WarmupConfig:
     steps: int = 0
     lr: float = 3e-3
     batch_size: int = 32
+
+    def __post_init__(self):
+        _check_count("warmup.steps", self.steps, 0, " (0: no warm-up)")
+        _check_range("warmup.lr", self.lr, 0 < self.lr < math.inf, "a finite number > 0")
+        _check_count("warmup.batch_size", self.batch_size, 1)
 
 
 TRAINERS = ("torch", "megatron")
@@ -151,9 +175,7 @@ class AgentConfig:
         if self.trainer not in TRAINERS:
             raise ValueError(f"agent {self.policy.name!r}: unknown trainer {self.trainer!r}; "
                              f"choose one of {', '.join(TRAINERS)}")
-        if self.policy.lm_head not in LM_HEADS:
-            raise ValueError(f"agent {self.policy.name!r}: policy.lm_head must be one of "
-                             f"{', '.join(LM_HEADS)}, got {self.policy.lm_head!r}")
+        _check_policy(self.policy)
         if self.trainer == "megatron":
             _check_megatron_agent(self)
         else:       # a layout asked for where nothing would use it: say so, never ignore it
@@ -165,6 +187,70 @@ class AgentConfig:
                 raise ValueError(f"agent {self.policy.name!r}: {', '.join(set_)} only apply to "
                                  f"trainer=megatron, but this agent has trainer="
                                  f"{self.trainer!r}")
+
+    @staticmethod
+    def config_error(d, path: str, msg: str) -> str:
+        """An error in entry ``path`` ("agents.0") of a config's agent list, built from ``d``,
+        naming the agent (configtools.from_dict): "agent 'char' (agents.0): optim.lr ..."."""
+        pol = d.get("policy") if isinstance(d, dict) else None
+        name = pol.get("name", PolicyConfig.name) if isinstance(pol, dict) else None
+        if name is None:
+            return f"{path}: {msg}"
+        where = f"agent {name!r}"
+        return msg if msg.startswith(where) else f"{where} ({path}): {msg}"
+
+
+def check_vllm_kinds(agents: list[tuple[str, str]]) -> None:
+    """vLLM serves Hugging Face architectures only: every agent ((name, policy kind)) must be
+    ``kind="hf"`` with ``rollout.engine="vllm"`` (checked before a run starts:
+    :meth:`TrainConfig.check_runnable`, and by the engine pool itself)."""
+    for k, (name, kind) in enumerate(agents):
+        if kind != "hf":
+            raise ValueError(
+                f"rollout.engine='vllm' needs Hugging Face policies (policy.kind='hf'), but "
+                f"agent {k} ({name!r}) is kind {kind!r}: vLLM cannot serve hacpo's plain-torch "
+                f"decoder. Use rollout.engine='local' or 'ray' for it, or give the agent a "
+                f"kind='hf' policy.")
+
+
+# PolicyConfig fields only a kind="hf" policy uses (build_policy): a decoder would ignore them
+HF_ONLY_POLICY_FIELDS = ("arch", "hf_config", "path")
+
+
+def _check_policy(p: PolicyConfig) -> None:
+    """What build_policy would reject, or silently ignore, checked when the config loads."""
+    where = f"agent {p.name!r}"
+    if p.kind not in ("decoder", "hf"):
+        raise ValueError(f"{where}: policy.kind must be 'decoder' or 'hf', got {p.kind!r}")
+    if p.lm_head not in LM_HEADS:
+        raise ValueError(f"{where}: policy.lm_head must be one of {', '.join(LM_HEADS)}, got "
+                         f"{p.lm_head!r}")
+    if p.dtype not in DTYPES:
+        raise ValueError(f"{where}: policy.dtype must be one of {', '.join(DTYPES)}, got "
+                         f"{p.dtype!r}")
+    if p.kind == "hf":
+        if p.path is not None and p.hf_config:
+            raise ValueError(f"{where}: policy.hf_config={p.hf_config!r} only applies to a "
+                             f"model built from policy.arch, but policy.path={p.path!r} loads "
+                             f"one (its config.json sets the architecture)")
+        return
+    default = PolicyConfig()       # a setting nothing would use: say so, never ignore it
+    set_ = [f"policy.{k}={getattr(p, k)!r}" for k in HF_ONLY_POLICY_FIELDS
+            if getattr(p, k) != getattr(default, k)]
+    if set_:
+        raise ValueError(f"{where}: {', '.join(set_)} only appl{'y' if len(set_) > 1 else 'ies'} "
+                         f"to policy.kind='hf', but this agent has policy.kind={p.kind!r}")
+    for k in ("d_model", "n_layers", "n_heads", "max_len"):
+        try:
+            _check_count(f"policy.{k}", getattr(p, k), 1)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+    try:       # the decoder's own checks (heads divide d_model, even head dim)
+        DecoderConfig(vocab_size=1, d_model=p.d_model, n_layers=p.n_layers, n_heads=p.n_heads,
+                      max_len=p.max_len)
+    except ValueError as e:
+        sizes = "" if "d_model=" in str(e) else f" (d_model={p.d_model}, n_heads={p.n_heads})"
+        raise ValueError(f"{where}: policy: {e}{sizes}") from None
 
 
 def _check_megatron_agent(a: AgentConfig) -> None:
@@ -228,15 +314,16 @@ class RolloutConfig:
                                    # sleeps (frees its GPU memory) while the ranks work
 
     def __post_init__(self):
-        if self.group_size < 1 or self.max_new_tokens < 1:
-            raise ValueError(f"rollout.group_size and max_new_tokens must be >= 1, got "
-                             f"{self.group_size}, {self.max_new_tokens}")
+        _check_count("rollout.group_size", self.group_size, 1)
+        _check_count("rollout.max_new_tokens", self.max_new_tokens, 1)
+        _check_range("rollout.temperature", self.temperature, 0 <= self.temperature < math.inf,
+                     "a finite number >= 0 (0: greedy)")
+        _check_range("rollout.top_p", self.top_p, 0 < self.top_p <= 1, "in (0, 1] (1: off)")
         if self.engine not in ROLLOUT_ENGINES:
             raise ValueError(f"unknown rollout.engine {self.engine!r}; choose one of "
                              f"{', '.join(ROLLOUT_ENGINES)}")
-        if self.engines_per_agent < 1 or self.max_engine_restarts < 0:
-            raise ValueError(f"rollout.engines_per_agent must be >= 1 and max_engine_restarts "
-                             f">= 0, got {self.engines_per_agent}, {self.max_engine_restarts}")
+        _check_count("rollout.engines_per_agent", self.engines_per_agent, 1)
+        _check_count("rollout.max_engine_restarts", self.max_engine_restarts, 0)
         if not self.call_timeout_s >= 0:
             raise ValueError(f"rollout.call_timeout_s must be >= 0 (0: no limit), got "
                              f"{self.call_timeout_s}")
@@ -293,6 +380,8 @@ class DataConfig:
             raise ValueError(f"data.task must be 'arithmetic' or 'files', got {self.task!r}")
         if self.task == "files" and not (self.train_path and self.eval_path):
             raise ValueError("data.task='files' needs data.train_path and data.eval_path")
+        _check_count("data.train_size", self.train_size, 1)
+        _check_count("data.eval_size", self.eval_size, 0, " (0: no held-out set)")
 
 
 @dataclass
@@ -300,6 +389,10 @@ class RewardConfig:
     name: str = "math"
     num_workers: int = 0           # 0: in-process (fast path covers plain numbers)
     timeout_s: float = 5.0
+
+    def __post_init__(self):
+        _check_count("reward.num_workers", self.num_workers, 0, " (0: in-process)")
+        _check_range("reward.timeout_s", self.timeout_s, self.timeout_s > 0, "> 0")
 
 
 @dataclass
@@ -320,7 +413,7 @@ class TrainConfig(ConfigMixin):
                                     # trainer's policies; for megatron agents the driver's CPU
                                     # copy) | "rollout" (the rollout engine, e.g. vLLM, holding
                                     # the same weights); EVAL_ENGINES
-    checkpoint_every: int = 10
+    checkpoint_every: int = 10      # >= 1; the last step is always saved
     max_nonfinite: int = 3          # stop after this many non-finite updates in a row
     drop_unencodable: bool = True   # cross samples the learner's vocabulary cannot spell
     threads: int = 0                # torch intra-op threads (0: torch's default)
@@ -343,14 +436,28 @@ class TrainConfig(ConfigMixin):
     plots: bool = True
     tensorboard: bool = True
 
+    def check_runnable(self) -> None:
+        """What a run of this config needs beyond a valid config, checked before any work
+        (``hacpo train``, the launchers' dry runs): vLLM engines serve HF policies only."""
+        if self.rollout.engine == "vllm":
+            check_vllm_kinds([(a.policy.name, a.policy.kind) for a in self.agents])
+
     def __post_init__(self):
         if len(self.agents) < 1:
             raise ValueError("need at least one agent")
         names = [a.policy.name for a in self.agents]
         if len(set(names)) != len(names):
             raise ValueError(f"agent names must be unique, got {names}")
-        if self.steps < 0 or self.prompts_per_step < 1 or self.max_nonfinite < 1:
-            raise ValueError("steps >= 0, prompts_per_step >= 1 and max_nonfinite >= 1 needed")
+        for key, low, note in (("steps", 0, " (0: no RL steps)"),
+                               ("prompts_per_step", 1, ""),
+                               ("micro_batch", 1, ""),
+                               ("eval_every", 0, " (0: evaluate before and after training only)"),
+                               ("eval_max_new_tokens", 0, " (0: rollout.max_new_tokens)"),
+                               ("eval_pass_k", 0, " (0 or 1: no pass@k)"),
+                               ("checkpoint_every", 1, " (the last step is always saved)"),
+                               ("max_nonfinite", 1, ""),
+                               ("threads", 0, " (0: torch's default)")):
+            _check_count(key, getattr(self, key), low, note)
         if self.eval_engine not in EVAL_ENGINES:
             raise ValueError(f"unknown eval_engine {self.eval_engine!r}; choose one of "
                              f"{', '.join(EVAL_ENGINES)}")
@@ -534,7 +641,13 @@ def load_config(preset: str = "default", yaml_path: str | None = None,
     if yaml_path:
         import yaml
         with open(yaml_path) as f:
-            data = yaml.safe_load(f) or {}
+            data = yaml.safe_load(f)
+        if data is None:        # an empty file: nothing to override
+            data = {}
+        if not isinstance(data, dict):
+            raise ValueError(f"config file {yaml_path}: the top level must be a mapping of "
+                             f"config keys (e.g. 'steps: 10'), got {type(data).__name__} "
+                             f"{data!r:.60}")
         cfg = cfg.override(_flatten(data))
     if overrides:
         cfg = cfg.override(overrides)

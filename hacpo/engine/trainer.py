@@ -96,6 +96,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, echo=print) -> dict:
 
 
 def _train(cfg: TrainConfig, rc: RewardComputer, resume: bool, echo) -> dict:
+    cfg.check_runnable()                   # before the warm-up, not at the engines' start
     if os.path.exists(cfg.out_dir) and not os.path.isdir(cfg.out_dir):
         raise NotADirectoryError(f"out_dir {cfg.out_dir} is a file, not a run directory")
     os.makedirs(cfg.out_dir, exist_ok=True)

@@ -130,8 +130,9 @@ def _add_run_args(p):
                         "or an ablation (see README)")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--out-dir", default=None)
-    p.add_argument("--set", nargs="*", metavar="KEY=VALUE",
-                   help="dotted overrides, e.g. agents.0.optim.lr=3e-4 rollout.group_size=4")
+    p.add_argument("--set", nargs="*", action="extend", metavar="KEY=VALUE",
+                   help="dotted overrides, e.g. agents.0.optim.lr=3e-4 rollout.group_size=4 "
+                        "(repeatable)")
 
 
 def main(argv: list[str] | None = None) -> int:

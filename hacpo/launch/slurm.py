@@ -71,7 +71,9 @@ def load_run(args):
         overrides["out_dir"] = args.out_dir
     overrides["rollout.engine"] = args.rollout_engine
     try:
-        return load_config(args.preset, args.config, overrides)
+        cfg = load_config(args.preset, args.config, overrides)
+        cfg.check_runnable()            # e.g. vLLM engines for plain-torch decoder agents
+        return cfg
     except Exception as e:  # the config loader's own error (yaml, unknown key, bad value)
         raise LaunchError(f"config {args.config or '(preset ' + args.preset + ')'} does not "
                           f"load: {type(e).__name__}: {e}") from e
@@ -433,7 +435,8 @@ def _cancel(job_id: str, t0: float, timeout_s: float, why: str, out: Path, ray_l
 def _add_run_args(p) -> None:
     p.add_argument("--preset", default="default", help="run preset (default, tiny3)")
     p.add_argument("--config", default=None, help="YAML file of overrides")
-    p.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="dotted overrides for the run")
+    p.add_argument("--set", nargs="*", action="extend", metavar="KEY=VALUE",
+                   help="dotted overrides for the run (repeatable)")
     p.add_argument("--out-dir", default=None, help="run dir (default: the config's out_dir)")
     p.add_argument("--rollout-engine", default="ray", choices=["ray", "vllm", "local"],
                    help="rollout.engine of the driver (default ray: actors over the cluster)")

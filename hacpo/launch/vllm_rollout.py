@@ -80,7 +80,7 @@ import torch
 from hacpo.models.buckets import bucket_bytes_of, weight_buckets
 from hacpo.models.generation import Rollout, check_generate_args, empty_rollout
 from hacpo.engine.rollout import GeneratorState, agent_generators
-from hacpo.engine.run_config import gpu_needs
+from hacpo.engine.run_config import check_vllm_kinds, gpu_needs
 from hacpo.models.policy import Policy
 
 # before any `import ray`: ray_cluster sets Ray's loopback-only env
@@ -127,15 +127,11 @@ def vllm_python(path: str | os.PathLike | None = None) -> str:
 
 
 def check_hf_policies(policies: Sequence[Policy]) -> None:
-    """vLLM serves Hugging Face architectures only: every agent must be ``kind="hf"``."""
-    for k, p in enumerate(policies):
-        kind = getattr(p, "kind", type(p).__name__)
-        if kind != "hf":
-            raise ValueError(
-                f"rollout.engine='vllm' needs Hugging Face policies (policy.kind='hf'), but "
-                f"agent {k} ({getattr(p, 'name', '?')!r}) is kind {kind!r}: vLLM cannot serve "
-                f"hacpo's plain-torch decoder. Use rollout.engine='local' or 'ray' for it, or "
-                f"give the agent a kind='hf' policy.")
+    """vLLM serves Hugging Face architectures only: every agent must be ``kind="hf"`` (the
+    config checks it too, :func:`~hacpo.engine.run_config.check_vllm_kinds`; policies built
+    by hand are checked here)."""
+    check_vllm_kinds([(getattr(p, "name", "?"), getattr(p, "kind", type(p).__name__))
+                      for p in policies])
 
 
 def hf_config_dict(policy: Policy) -> dict:

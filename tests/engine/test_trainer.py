@@ -120,6 +120,13 @@ def test_resume_with_other_config_is_clear_error(tmp_path):
     assert f"[resume] no checkpoint.pt in {tmp_path / 'new'}: starting a new run there" in said
 
 
+def test_vllm_engines_for_decoder_agents_fail_before_any_work(tmp_path):
+    cfg = _cfg(tmp_path, "v", **{"rollout.engine": "vllm"})
+    with pytest.raises(ValueError, match=r"agent 0 \('char'\) is kind 'decoder'"):
+        train(cfg, echo=lambda *_: None)
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "v").exists()   # no warm-up
+
+
 def test_resumed_run_keeps_the_ratio_log(tmp_path):
     """log_ratios.npz (the ratio histograms' data) of a run resumed after 2 of 4 steps equals
     the uninterrupted run's: the ratios logged before the checkpoint come back with it."""

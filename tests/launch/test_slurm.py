@@ -109,12 +109,17 @@ def test_dry_run_script(tmp_path, capsys):
 def test_dry_run_extra_options(tmp_path, capsys):
     script, _ = _dry_run(tmp_path, capsys, "--cpus-per-node", "4", "--object-store-mb", "300",
                          "--sbatch-arg=--account=abc", "--setup", "module load cuda",
-                         "--rollout-engine", "vllm")
+                         "--rollout-engine", "vllm", *_HF_AGENTS)
     d = _sbatch_directives(script)
     assert d["cpus-per-task"] == "4" and d["account"] == "abc"
     assert "NODE_ARGS=(--num-cpus=4 --num-gpus=2 --object-store-memory=314572800)" in script
     assert "module load cuda" in script.splitlines()
     assert "rollout.engine=vllm" in script and "rollout.engine=ray" not in script
+
+
+# tiny3's three agents as HF Llama policies (what vLLM engines serve)
+_HF_AGENTS = ("--set", *(f"agents.{k}.policy.{f}" for k in range(3)
+                         for f in ("kind=hf", "arch=llama")))
 
 
 @pytest.mark.parametrize("args, message", [
@@ -126,7 +131,7 @@ def test_dry_run_extra_options(tmp_path, capsys):
     (["--cpus-per-node", "1"], "needs 3 Ray CPUs"),      # tiny3: 3 agents x 1 actor x 1 CPU
     # 3 agents x 1 vLLM engine on cuda + 2 megatron ranks on cuda
     (["--rollout-engine", "vllm", "--gpus-per-node", "4", "--set", "rollout.device=cuda",
-      "trainer_backend=ray", "agents.0.policy.kind=hf", "agents.0.policy.arch=llama",
+      "trainer_backend=ray", *_HF_AGENTS[1:],
       "agents.0.trainer=megatron", "agents.0.parallel.dp=2", "agents.0.parallel.device=cuda"],
      "the run needs 5 GPUs (2 for megatron ranks with parallel.device=cuda + 3 for vLLM engines "
      "with rollout.device=cuda, rollout.engine_tp each) but 1 node(s) x --gpus-per-node 4 "

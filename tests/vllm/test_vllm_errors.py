@@ -16,7 +16,10 @@ def test_decoder_policy_is_a_clear_error():
     configs = [tiny_policy_configs()[0], PolicyConfig(name="plain", kind="decoder")]
     policies = [build_policy(configs[0]), build_policy(configs[1])]
     with pytest.raises(ValueError, match=r"agent 1 \('plain'\) is kind 'decoder'"):
-        VLLMRolloutEngine(policies, vllm_config(configs))
+        vllm_config(configs)             # the config already: before any work
+    cfg = vllm_config(configs[:1])
+    with pytest.raises(ValueError, match=r"agent 1 \('plain'\) is kind 'decoder'"):
+        VLLMRolloutEngine(policies, cfg)     # policies built by hand: the engine checks too
 
 
 def test_missing_vllm_venv_is_a_clear_error(monkeypatch, tmp_path):

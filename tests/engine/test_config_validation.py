@@ -1,0 +1,224 @@
+"""Run config validation at load time: counts and ranges, the type of every YAML / override
+value, the YAML file's shape, errors that name the agent, and policy settings nothing would
+use. Each bad value is a clear ValueError naming the key before anything is built."""
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+import pytest
+
+from hacpo.engine.configtools import from_dict
+from hacpo.engine.run_config import load_config
+
+
+def _yaml(tmp_path, text: str) -> str:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+# -- counts and ranges ------------------------------------------------------------------------
+@pytest.mark.parametrize("key,bad,msg", [
+    # trainer.py divides by checkpoint_every and steps through range(.., micro_batch)
+    ("checkpoint_every", "0", r"checkpoint_every must be an integer >= 1 \(the last step is "
+                              r"always saved\), got 0"),
+    ("micro_batch", "0", r"micro_batch must be an integer >= 1, got 0"),
+    ("steps", "-1", r"steps must be an integer >= 0 \(0: no RL steps\), got -1"),
+    ("prompts_per_step", "0", r"prompts_per_step must be an integer >= 1, got 0"),
+    ("max_nonfinite", "0", r"max_nonfinite must be an integer >= 1, got 0"),
+    ("eval_every", "-1", r"eval_every must be an integer >= 0 \(0: evaluate before and after "
+                         r"training only\), got -1"),
+    ("eval_max_new_tokens", "-1", r"eval_max_new_tokens must be an integer >= 0"),
+    ("eval_pass_k", "-2", r"eval_pass_k must be an integer >= 0 .*got -2"),
+    ("threads", "-1", r"threads must be an integer >= 0 \(0: torch's default\), got -1"),
+    ("rollout.group_size", "0", r"rollout.group_size must be an integer >= 1, got 0"),
+    ("rollout.max_new_tokens", "0", r"rollout.max_new_tokens must be an integer >= 1, got 0"),
+    ("rollout.engines_per_agent", "0", r"rollout.engines_per_agent must be an integer >= 1"),
+    ("rollout.max_engine_restarts", "-1", r"rollout.max_engine_restarts must be an integer "
+                                          r">= 0, got -1"),
+    ("data.train_size", "0", r"data.train_size must be an integer >= 1, got 0"),
+    ("data.eval_size", "-1", r"data.eval_size must be an integer >= 0 \(0: no held-out set\)"),
+    ("reward.num_workers", "-1", r"reward.num_workers must be an integer >= 0"),
+    ("reward.timeout_s", "0", r"reward.timeout_s must be > 0, got 0.0"),
+    ("agents.0.warmup.steps", "-1", r"warmup.steps must be an integer >= 0"),
+    ("agents.0.warmup.batch_size", "0", r"warmup.batch_size must be an integer >= 1, got 0"),
+    ("agents.0.warmup.lr", "0", r"warmup.lr must be a finite number > 0, got 0.0"),
+    ("agents.0.optim.lr", "nan", r"optim.lr must be a finite number > 0, got nan"),
+    ("agents.0.optim.weight_decay", "-0.1", r"optim.weight_decay must be >= 0, got -0.1"),
+    ("agents.0.optim.beta1", "1", r"optim.beta1 must be in \[0, 1\), got 1.0"),
+    ("agents.0.optim.beta2", "-0.5", r"optim.beta2 must be in \[0, 1\), got -0.5"),
+    ("agents.0.optim.grad_clip", "nan", r"optim.grad_clip must be >= 0 \(0: no clipping\), "
+                                        r"got nan"),
+    ("agents.0.policy.n_layers", "0", r"policy.n_layers must be an integer >= 1, got 0"),
+    ("agents.0.policy.max_len", "0", r"policy.max_len must be an integer >= 1, got 0"),
+    ("agents.0.policy.dtype", "fp8", r"policy.dtype must be one of float32, bfloat16, "
+                                     r"float16, got 'fp8'"),
+])
+def test_counts_and_ranges_are_checked_at_load(key, bad, msg):
+    with pytest.raises(ValueError, match=msg):
+        load_config("tiny3", overrides={key: bad})
+
+
+def test_lowest_allowed_values_load():
+    """0 where 0 has a meaning (no RL steps, no periodic eval, torch's threads, no held-out
+    set, no warm-up, no clipping, greedy sampling, in-process rewards)."""
+    cfg = load_config("tiny3", overrides={
+        "steps": "0", "eval_every": "0", "threads": "0", "data.eval_size": "0",
+        "agents.0.warmup.steps": "0", "agents.0.optim.grad_clip": "0",
+        "rollout.temperature": "0", "rollout.top_p": "1", "reward.num_workers": "0",
+        "checkpoint_every": "1", "micro_batch": "1"})
+    assert (cfg.steps, cfg.checkpoint_every, cfg.micro_batch, cfg.rollout.temperature) == \
+        (0, 1, 1, 0.0)
+
+
+@pytest.mark.parametrize("key,bad,msg", [
+    ("rollout.temperature", "-1", r"rollout.temperature must be a finite number >= 0 "
+                                  r"\(0: greedy\), got -1.0"),
+    ("rollout.temperature", "inf", r"rollout.temperature must be a finite number >= 0"),
+    ("rollout.top_p", "0", r"rollout.top_p must be in \(0, 1\] \(1: off\), got 0.0"),
+    ("rollout.top_p", "1.5", r"rollout.top_p must be in \(0, 1\] \(1: off\), got 1.5"),
+])
+def test_sampling_settings_are_checked_at_load(key, bad, msg):
+    """Not only at the first rollout, after the warm-up."""
+    with pytest.raises(ValueError, match=msg):
+        load_config("tiny3", overrides={key: bad})
+
+
+# -- types of YAML (and programmatic) values --------------------------------------------------
+@pytest.mark.parametrize("text,msg", [
+    ("rollout: {group_size: 2.5}", r"rollout.group_size must be an integer >= 1, got 2.5"),
+    ("steps: 1.5", r"steps must be an integer >= 0 \(0: no RL steps\), got 1.5"),
+    ("steps: 2.0", r"steps must be an integer >= 0 .*got 2.0"),     # as "--set steps=2.0"
+    ("seed: true", r"config key 'seed' must be an integer, got True \(bool\)"),
+    ("agents: {0: {optim: {lr: [1]}}}",
+     r"^agent 'char' \(agents.0\): config key 'agents.0.optim.lr' must be a number, got \[1\] "
+     r"\(list\)$"),
+    ("rollout: {temperature: true}", r"config key 'rollout.temperature' must be a number, "
+                                     r"got True \(bool\)"),
+    ("progress: 1", r"config key 'progress' must be true or false, got 1 \(int\)"),
+    ("out_dir: 5", r"config key 'out_dir' must be a string, got 5 \(int\)"),
+    ("rollout: {gpu_memory_utilization: high}", r"cannot parse 'high' as float for config key "
+                                                r"'rollout.gpu_memory_utilization'"),
+    ("data: {train_path: [a.jsonl]}", r"config key 'data.train_path' must be a string or null, "
+                                      r"got \['a.jsonl'\] \(list\)"),
+    ("agents: {1: {policy: {kind: gpt}}}", r"config key 'agents.1.policy.kind' must be one of "
+                                           r"'decoder', 'hf', got 'gpt' \(str\)"),
+    ("agents: {1: {policy: {kind: hf, hf_config: [1]}}}",
+     r"config key 'agents.1.policy.hf_config' must be a mapping, got \[1\] \(list\)"),
+    ("algorithm: {advantage: {binary_guard: 0}}",
+     r"config key 'algorithm.advantage.binary_guard' must be true or false, got 0 \(int\)"),
+    ("agents:\n  - {policy: {name: a}}\n  - {policy: {name: b}, optim: {lr: '1e-3x'}}",
+     r"agent 'b' \(agents.1\): cannot parse '1e-3x' as float for config key 'agents.1.optim.lr'"),
+    ("agents: [1]", r"config section 'agents.0' must be a mapping, got int"),
+])
+def test_yaml_values_of_the_wrong_type_are_clear_errors(tmp_path, text, msg):
+    with pytest.raises(ValueError, match=msg):
+        load_config("tiny3", _yaml(tmp_path, text))
+
+
+def test_yaml_values_of_another_spelling_are_converted(tmp_path):
+    """An int where a float is expected is that float; YAML strings (``1e-3`` without a dot is
+    one) are parsed as the field's type, in a whole agents list too."""
+    cfg = load_config("tiny3", _yaml(tmp_path, "agents: {0: {optim: {lr: 1}}}\n"
+                                               "rollout: {temperature: 1}\n"))
+    assert cfg.agents[0].optim.lr == 1.0 and isinstance(cfg.agents[0].optim.lr, float)
+    assert isinstance(cfg.rollout.temperature, float)
+    cfg = load_config("tiny3", _yaml(tmp_path, "agents:\n"
+                                               "  - {policy: {name: a}, optim: {lr: 1e-3}}\n"
+                                               "  - {policy: {name: b}, warmup: {steps: '3'}}\n"))
+    assert (cfg.agents[0].optim.lr, cfg.agents[1].warmup.steps) == (1e-3, 3)
+    assert load_config("tiny3", _yaml(tmp_path, "")).steps == load_config("tiny3").steps
+    # programmatic overrides: the same checks (bools are no numbers)
+    with pytest.raises(ValueError, match=r"config key 'agents.0.optim.lr' must be a number, "
+                                         r"got True \(bool\)"):
+        load_config("tiny3").override({"agents.0.optim.lr": True})
+
+
+@dataclass
+class _Leaf:
+    n: int = 1
+    x: float = 1.0
+    on: bool = False
+    s: str = "a"
+    opt: float | None = None
+    kind: Literal["p", "q"] = "p"
+    names: list[str] = field(default_factory=list)
+    table: dict[str, int] = field(default_factory=dict)
+
+
+@pytest.mark.parametrize("key,bad,expected", [
+    ("n", 2.5, "an integer"), ("n", True, "an integer"), ("x", True, "a number"),
+    ("on", 1, "true or false"), ("s", 1, "a string"), ("opt", False, "a number or null"),
+    ("kind", "r", "one of 'p', 'q'"), ("kind", 1, "one of 'p', 'q'"),
+    ("names", ["a", 1], "a list of a string"), ("names", "a", "a list of a string"),
+    ("table", {"a": 1.5}, "a mapping"),
+])
+def test_from_dict_checks_every_kind_of_annotation(key, bad, expected):
+    """configtools.from_dict against each kind of annotation the configs use."""
+    with pytest.raises(ValueError, match=rf"^config key 'leaf.{key}' must be {expected}, got "
+                                         rf"{re.escape(repr(bad))} \({type(bad).__name__}\)$"):
+        from_dict(_Leaf, {key: bad}, "leaf.")
+
+
+@pytest.mark.parametrize("key,value,got", [
+    ("n", "2", 2), ("x", "1.5", 1.5), ("x", 3, 3.0), ("on", "yes", True), ("opt", "none", None),
+    ("opt", 2, 2.0), ("kind", "q", "q"), ("names", ["a"], ["a"]), ("table", {"a": 1}, {"a": 1}),
+])
+def test_from_dict_converts_other_spellings(key, value, got):
+    out = getattr(from_dict(_Leaf, {key: value}, "leaf."), key)
+    assert out == got and type(out) is type(got)
+
+
+# -- the YAML file's shape --------------------------------------------------------------------
+@pytest.mark.parametrize("text,kind", [("- steps: 3\n- seed: 1\n", "list"), ("3\n", "int"),
+                                       ("just words\n", "str")])
+def test_yaml_top_level_must_be_a_mapping(tmp_path, text, kind):
+    path = _yaml(tmp_path, text)
+    with pytest.raises(ValueError, match=rf"config file {path}: the top level must be a "
+                                         rf"mapping of config keys .*got {kind}"):
+        load_config("tiny3", path)
+
+
+# -- errors inside an agent name it ------------------------------------------------------------
+def test_errors_inside_an_agent_name_it(tmp_path):
+    with pytest.raises(ValueError, match=r"^agent 'char' \(agents.0\): optim.lr must be a "
+                                         r"finite number > 0, got -1.0$"):
+        load_config("tiny3", overrides={"agents.0.optim.lr": "-1"})
+    with pytest.raises(ValueError, match=r"^agent 'llama' \(agents.2\): warmup.batch_size"):
+        load_config("tiny3", overrides={"agents.2.warmup.batch_size": "0"})
+    with pytest.raises(ValueError, match=r"^agent 'b' \(agents.1\): optim.lr must be"):
+        load_config("tiny3", _yaml(tmp_path, "agents:\n  - {policy: {name: a}}\n"
+                                             "  - {policy: {name: b}, optim: {lr: 0}}\n"))
+    # a decoder policy's shape, checked as the config loads (not when the model is built)
+    with pytest.raises(ValueError, match=r"^agent 'qwen3': policy: d_model=32 is not divisible "
+                                         r"by n_heads=3$"):
+        load_config("tiny3", overrides={"agents.1.policy.n_heads": "3"})
+    with pytest.raises(ValueError, match=r"^agent 'char': policy: head dim must be even for "
+                                         r"rotary embeddings \(d_model=12, n_heads=4\)$"):
+        load_config("tiny3", overrides={"agents.0.policy.d_model": "12",
+                                        "agents.0.policy.n_heads": "4"})
+    with pytest.raises(ValueError, match=r"^agent 'char': policy.n_heads must be an integer "
+                                         r">= 1, got 0$"):
+        load_config("tiny3", overrides={"agents.0.policy.n_heads": "0"})
+
+
+# -- settings nothing would use ----------------------------------------------------------------
+def test_hf_settings_on_a_decoder_policy_are_an_error():
+    """hf_config / arch / path configure an HF model (policy.kind='hf'); a decoder policy would
+    ignore them, so setting them is an error naming them, like parallel.* on a torch agent."""
+    with pytest.raises(ValueError, match=r"agent 'char': policy.hf_config=\{'hidden_size': 32\} "
+                                         r"only applies to policy.kind='hf', but this agent "
+                                         r"has policy.kind='decoder'"):
+        load_config("tiny3", overrides={"agents.0.policy.hf_config": "{hidden_size: 32}"})
+    with pytest.raises(ValueError, match=r"agent 'qwen3': policy.arch='qwen2', "
+                                         r"policy.path='m' only apply to policy.kind='hf'"):
+        load_config("tiny3", overrides={"agents.1.policy.arch": "qwen2",
+                                        "agents.1.policy.path": "m"})
+    hf = load_config("tiny3", overrides={"agents.0.policy.kind": "hf",
+                                         "agents.0.policy.hf_config": "{hidden_size: 32}"})
+    assert hf.agents[0].policy.hf_config == {"hidden_size": 32}
+    # a model loaded from policy.path brings its own config: hf_config would be ignored
+    with pytest.raises(ValueError, match=r"agent 'char': policy.hf_config=\{'hidden_size': 32\} "
+                                         r"only applies to a model built from policy.arch, but "
+                                         r"policy.path='ckpt' loads one"):
+        hf.override({"agents.0.policy.path": "ckpt"})
