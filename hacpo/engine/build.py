@@ -115,22 +115,25 @@ def build_policies(cfg: TrainConfig, data: Data) -> list[Policy]:
 def warm_start(cfg: TrainConfig, data: Data, policies: list[Policy], echo=print) -> list[dict]:
     """Supervised warm-up per agent, cached in cfg.cache_dir by a hash of everything that
     determines its result: the policy's config and initial weights, its tokenizer's vocabulary
-    (a reduced one depends on the data), the warm-up config and batch seed, and the token ids
-    of the prompts and targets it trains on (their content, not the files' paths). It does not
+    (a reduced one depends on the data), the warm-up config and batch seed, and the prompt and
+    target texts it trains on (their content, not the files' paths; with the tokenizer, the
+    token ids). It does not
     depend on the RL seed or algorithm, so every run of `hacpo compare` shares it. A cached
     state that cannot be read or does not fit the policy is a logged miss: trained again."""
     out = []
+    examples_digest = None
     for k, (a, pol) in enumerate(zip(cfg.agents, policies)):
         if a.warmup.steps <= 0:
             out.append({"steps": 0})
             continue
+        if examples_digest is None:     # the texts trained on (with the tokenizer: the ids)
+            examples_digest = _texts_digest((prompt_text(cfg, e), data.target_text(e))
+                                            for e in data.train)
         tok = pol.tokenizer
-        prompts = [tok.prompt_ids(prompt_text(cfg, e)) for e in data.train]
-        targets = [tok.response_ids(data.target_text(e), add_eos=True) for e in data.train]
         seed = a.policy.seed + 101 * k
         key = config_hash({"policy": asdict(a.policy), "warmup": asdict(a.warmup), "seed": seed,
                            "init": _state_digest(pol), "tokenizer": _tokenizer_digest(tok),
-                           "examples": _digest([prompts, targets]), "v": 2})
+                           "examples": examples_digest, "v": 3})
         path = os.path.join(cfg.cache_dir, f"warmup-{a.policy.name}-{key}.pt")
         state = _cached_warm_start(path, pol)
         if state is not None:
@@ -139,6 +142,8 @@ def warm_start(cfg: TrainConfig, data: Data, policies: list[Policy], echo=print)
             out.append({"steps": a.warmup.steps, "cached": True,
                         "final_loss": state["losses"][-1]})
             continue
+        prompts = [tok.prompt_ids(prompt_text(cfg, e)) for e in data.train]
+        targets = [tok.response_ids(data.target_text(e), add_eos=True) for e in data.train]
         every = max(1, a.warmup.steps // 5)
 
         def progress(step, loss, name=a.policy.name, total=a.warmup.steps):
@@ -155,6 +160,16 @@ def warm_start(cfg: TrainConfig, data: Data, policies: list[Policy], echo=print)
 
 def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, separators=(",", ":")).encode()).hexdigest()
+
+
+def _texts_digest(pairs) -> str:
+    """Hash of (prompt, target) text pairs, fed one pair at a time (a large dataset never
+    becomes one string)."""
+    h = hashlib.sha256()
+    for pair in pairs:
+        h.update(json.dumps(pair).encode())
+        h.update(b"\n")
+    return h.hexdigest()
 
 
 def _tokenizer_digest(tok) -> str:

@@ -9,7 +9,7 @@ import math
 import os
 import statistics
 
-from .config import preset
+from .config import preset, preset_settings
 from .run_config import TrainConfig, config_hash
 
 # two-sided 95% Student-t quantiles by degrees of freedom
@@ -35,16 +35,19 @@ def run_compare(base: TrainConfig, algorithms: list[str], seeds: list[int], root
     """Train ``base`` under every algorithm preset x seed (``with_algorithm``, ``keep``: its
     dotted algorithm overrides kept for every algorithm) into ``root/<algo>-seed<seed>``.
 
-    Resumable: a run that finished with exactly this config (its ``config.json``) is reused;
+    Resumable: a run that finished with exactly this config (the hash its ``summary.json``
+    records) is reused;
     one that did not finish, or whose config differs only where a resume may change it (e.g.
     more steps), is resumed from its checkpoint; any other difference is the trainer's
     "cannot resume" error naming the keys (choose another ``root``)."""
+    from .errors import user_errors
     from .trainer import train
-    for algo in algorithms:                       # every name, before any run starts
-        with_algorithm(base, algo, keep)
-    if base.data.eval_size == 0:
-        raise ValueError("hacpo compare compares held-out accuracy, but the config has no "
-                         "held-out set (data.eval_size=0)")
+    with user_errors(ValueError):
+        for algo in algorithms:                   # every name, before any run starts
+            with_algorithm(base, algo, keep)
+        if base.data.eval_size == 0:
+            raise ValueError("hacpo compare compares held-out accuracy, but the config has no "
+                             "held-out set (data.eval_size=0)")
     os.makedirs(root, exist_ok=True)
     results: dict[str, dict[str, list[dict]]] = {}
     for algo in algorithms:
@@ -88,16 +91,30 @@ def _finished_with(out: str, cfg: TrainConfig) -> bool:
 def with_algorithm(cfg: TrainConfig, algo: str, keep: dict | None = None) -> TrainConfig:
     """``cfg`` under algorithm preset ``algo`` (a name of ``hacpo.engine.config``'s presets,
     ablations included), keeping its minibatch count (the run budget: a run preset tunes it)
-    and ``keep``, dotted algorithm overrides (``{"loss.alpha": 0.5}``, the user's
-    ``--set algorithm.*`` / YAML ``algorithm:``), which win over the preset; shared by
-    ``hacpo train --algorithm``, compare and profile. ``keep`` may not name the algorithm."""
+    and ``keep``, dotted algorithm settings (``{"loss.alpha": 0.5}``: the user's own, see
+    ``hacpo.launch.cli``), applied over the preset; shared by ``hacpo train --algorithm``,
+    compare and profile. A kept setting that contradicts what makes ``algo`` that preset (e.g.
+    ``loss.alpha=0.5`` for ``hacpo-alpha0``), or the algorithm's name, is an error: two
+    algorithms of a comparison would otherwise silently be one."""
     import dataclasses
     keep = dict(keep or {})
     if "name" in keep:
         raise ValueError(f"algorithm.name={keep['name']!r} conflicts with the algorithm preset "
                          f"{algo!r}: choose the algorithm by its preset only")
-    return dataclasses.replace(cfg, algorithm=preset(algo, {
-        "num_minibatches": cfg.algorithm.num_minibatches, **keep}))
+    out = preset(algo, {"num_minibatches": cfg.algorithm.num_minibatches, **keep})
+    own = preset(algo)
+    for key in preset_settings(algo):
+        if key in keep and _dotted(out, key) != _dotted(own, key):
+            raise ValueError(f"algorithm.{key}={_dotted(out, key)!r} contradicts the algorithm "
+                             f"preset {algo!r}, which sets {key}={_dotted(own, key)!r}: drop "
+                             f"the setting or compare another preset")
+    return dataclasses.replace(cfg, algorithm=out)
+
+
+def _dotted(obj, key: str):
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def render_table(results: dict, pass_k: int) -> str:

@@ -152,6 +152,12 @@ def available_presets() -> tuple[str, ...]:
     return tuple(_PRESETS)
 
 
+def preset_settings(name: str) -> dict[str, Any]:
+    """The dotted keys preset ``name`` sets over the defaults (what makes it that preset)."""
+    preset(name)                                    # an unknown name: the same error
+    return dict(_PRESETS[name])
+
+
 def preset(name: str, overrides: dict[str, Any] | None = None) -> AlgorithmConfig:
     """Named preset, then optional dotted-key overrides (see AlgorithmConfig.override)."""
     if name not in _PRESETS:

@@ -129,6 +129,10 @@ def _normalize(value: Any, tp, key: str) -> Any:
     """A leaf value as field type ``tp`` where it is another spelling of one: a string parsed
     (:func:`_coerce`), an int where only a float fits made a float. Anything else unchanged
     (checked by :func:`_check_types`)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+        value = int(value)                   # e.g. numpy's: what JSON and the checks take
+    elif isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):
+        value = float(value)
     if _matches(value, tp):
         return value
     if isinstance(value, str):

@@ -68,25 +68,27 @@ def run_profile(base: TrainConfig, out_dir: str, *, algorithms=DEFAULT_ALGORITHM
     write profile.json, profile.md and profile.png into ``out_dir``. Returns the report dict.
     Every measurement is new: an ``out_dir`` that already holds one of the runs is an error
     (its timings are not mixed into, nor replaced by, this profile's)."""
-    from .trainer import CHECKPOINT, train
     from .compare import with_algorithm
-    if rounds < 1 or steps_per_round < 1 or skip_steps < 0:
-        raise ValueError("rounds and steps_per_round must be >= 1, skip_steps >= 0")
-    if rounds * steps_per_round <= skip_steps:
-        raise ValueError(f"rounds x steps_per_round = {rounds * steps_per_round} steps leave "
-                         f"nothing after skipping {skip_steps}")
-    runs = {}
-    for algo in algorithms:
-        cfg = base.override({"out_dir": os.path.join(out_dir, algo), "progress": False,
-                             "plots": False, "tensorboard": False, "checkpoint_every": 1,
-                             "profile_sync": True, "eval_every": 0, "eval_pass_k": 0})
-        runs[algo] = with_algorithm(cfg, algo, keep)
-    held = [c.out_dir for c in runs.values()
-            if os.path.exists(os.path.join(c.out_dir, CHECKPOINT))]
-    if held:
-        raise FileExistsError(f"{out_dir} already holds profile runs ({', '.join(held)}); a "
-                              f"profile measures new runs only: choose another --out-dir or "
-                              f"remove them")
+    from .errors import user_errors
+    from .trainer import CHECKPOINT, train
+    with user_errors(ValueError, FileExistsError):
+        if rounds < 1 or steps_per_round < 1 or skip_steps < 0:
+            raise ValueError("rounds and steps_per_round must be >= 1, skip_steps >= 0")
+        if rounds * steps_per_round <= skip_steps:
+            raise ValueError(f"rounds x steps_per_round = {rounds * steps_per_round} steps "
+                             f"leave nothing after skipping {skip_steps}")
+        runs = {}
+        for algo in algorithms:
+            cfg = base.override({"out_dir": os.path.join(out_dir, algo), "progress": False,
+                                 "plots": False, "tensorboard": False, "checkpoint_every": 1,
+                                 "profile_sync": True, "eval_every": 0, "eval_pass_k": 0})
+            runs[algo] = with_algorithm(cfg, algo, keep)
+        held = [c.out_dir for c in runs.values()
+                if os.path.exists(os.path.join(c.out_dir, CHECKPOINT))]
+        if held:
+            raise FileExistsError(f"{out_dir} already holds profile runs ({', '.join(held)}); "
+                                  f"a profile measures new runs only: choose another "
+                                  f"--out-dir or remove them")
     os.makedirs(out_dir, exist_ok=True)
     order = list(runs)
     for r in range(1, rounds + 1):

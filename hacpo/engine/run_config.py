@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import numbers
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -17,7 +18,7 @@ from .configtools import ConfigMixin
 
 def _check_count(key: str, v, low: int, note: str = "") -> None:
     """A count: an integer (not a bool) >= ``low``; ``note`` says what the lowest value means."""
-    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < low:
         raise ValueError(f"{key} must be an integer >= {low}{note}, got {v!r}")
 
 
@@ -378,8 +379,10 @@ class DataConfig:
     def __post_init__(self):
         if self.task not in ("arithmetic", "files"):
             raise ValueError(f"data.task must be 'arithmetic' or 'files', got {self.task!r}")
-        if self.task == "files" and not (self.train_path and self.eval_path):
-            raise ValueError("data.task='files' needs data.train_path and data.eval_path")
+        if self.task == "files" and not (self.train_path and (self.eval_path
+                                                              or self.eval_size == 0)):
+            raise ValueError("data.task='files' needs data.train_path and data.eval_path "
+                             "(data.eval_path may be empty with data.eval_size=0)")
         _check_count("data.train_size", self.train_size, 1)
         _check_count("data.eval_size", self.eval_size, 0, " (0: no held-out set)")
 
@@ -648,7 +651,9 @@ def load_config(preset: str = "default", yaml_path: str | None = None,
             raise ValueError(f"config file {yaml_path}: the top level must be a mapping of "
                              f"config keys (e.g. 'steps: 10'), got {type(data).__name__} "
                              f"{data!r:.60}")
-        cfg = cfg.override(_flatten(data))
+        # one pass, YAML keys first (an agents list is replaced before --set edits it): the
+        # config is checked as the two give it together, never half-applied
+        overrides = {**_flatten(data), **(overrides or {})}
     if overrides:
         cfg = cfg.override(overrides)
     return cfg

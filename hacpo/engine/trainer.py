@@ -33,6 +33,7 @@ from .agents import build_agents, score_temperature, update_agents
 from .algorithm import learner_samples, sample_omega
 from .capability import CapabilityTracker
 from .data import PromptSampler
+from .errors import user_errors
 from .evaluate import evaluate_policy, score_named
 from .metrics import MetricsLogger
 from .pool import build_pool, learner_view
@@ -96,6 +97,22 @@ def train(cfg: TrainConfig, *, resume: bool = False, echo=print) -> dict:
 
 
 def _train(cfg: TrainConfig, rc: RewardComputer, resume: bool, echo) -> dict:
+    with user_errors():     # the run's inputs: config, run dir, checkpoint, data, warm start
+        data, policies, state, warm, ck_path = _prepare(cfg, resume, echo)
+    agents = build_agents(cfg, policies)   # first: a Ray cluster it starts also holds the engine
+    try:
+        engine = build.rollout_engine(cfg, policies, agents)
+        try:
+            return _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo)
+        finally:
+            engine.close()
+    finally:
+        agents.close()
+
+
+def _prepare(cfg: TrainConfig, resume: bool, echo):
+    """Everything before the trainers start: checks, run dir, the checkpoint to resume, data,
+    policies and their warm start."""
     cfg.check_runnable()                   # before the warm-up, not at the engines' start
     if os.path.exists(cfg.out_dir) and not os.path.isdir(cfg.out_dir):
         raise NotADirectoryError(f"out_dir {cfg.out_dir} is a file, not a run directory")
@@ -124,15 +141,7 @@ def _train(cfg: TrainConfig, rc: RewardComputer, resume: bool, echo) -> dict:
     data = build.load_data(cfg)
     policies = build.build_policies(cfg, data)
     warm = build.warm_start(cfg, data, policies, echo) if state is None else state["warmup"]
-    agents = build_agents(cfg, policies)   # first: a Ray cluster it starts also holds the engine
-    try:
-        engine = build.rollout_engine(cfg, policies, agents)
-        try:
-            return _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo)
-        finally:
-            engine.close()
-    finally:
-        agents.close()
+    return data, policies, state, warm, ck_path
 
 
 def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
@@ -146,8 +155,9 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
     if state is None:
         before, start = None, 0
     else:
-        for k, s in enumerate(state["agents"]):
-            agents.load_state_dict(k, s)
+        with user_errors(ValueError, KeyError):    # e.g. a checkpoint of another layout
+            for k, s in enumerate(state["agents"]):
+                agents.load_state_dict(k, s)
         tracker.load_state_dict(state["tracker"])
         sampler.load_state_dict(state["sampler"])
         engine.load_state_dict(state["engine"])

@@ -17,26 +17,36 @@ def _demo(args) -> int:
 
 
 def _train_config(args):
-    """The run's TrainConfig and the user's own dotted algorithm overrides (YAML
-    ``algorithm:`` then ``--set algorithm.*``): ``--algorithm`` puts the run under that preset
-    keeping the run preset's minibatch count and those overrides (compare.with_algorithm),
-    as compare and profile do for each of theirs."""
-    from hacpo.engine.compare import with_algorithm
+    """The run's TrainConfig and the user's own algorithm settings: the dotted
+    ``algorithm.*`` keys the YAML or ``--set`` give a value other than the run preset's
+    (a saved config.json as ``--config`` keeps only what its run changed), without the name.
+    ``--algorithm`` puts the run under that preset keeping the run preset's minibatch count
+    and those settings (compare.with_algorithm), as compare and profile do for each of
+    theirs."""
+    from hacpo.engine.compare import _dotted, with_algorithm
     from hacpo.engine.configtools import parse_overrides
     from hacpo.engine.run_config import load_config
-    overrides = parse_overrides(args.set or [])
-    if args.steps is not None:
-        overrides["steps"] = args.steps
-    if args.out_dir:
-        overrides["out_dir"] = args.out_dir
-    if getattr(args, "skip_bad_rows", False):
-        overrides["data.skip_bad_rows"] = True
-    cfg = load_config(args.preset, args.config, overrides)
-    keep = {k.removeprefix("algorithm."): v
-            for k, v in {**_yaml_overrides(args.config), **overrides}.items()
-            if k.startswith("algorithm.")}
-    if args.algorithm:
-        cfg = with_algorithm(cfg, args.algorithm, keep)
+    from hacpo.engine.errors import user_errors
+    with user_errors():
+        overrides = parse_overrides(args.set or [])
+        if args.steps is not None:
+            overrides["steps"] = args.steps
+        if args.out_dir:
+            overrides["out_dir"] = args.out_dir
+        if getattr(args, "skip_bad_rows", False):
+            overrides["data.skip_bad_rows"] = True
+        cfg = load_config(args.preset, args.config, overrides)
+        given = [k.removeprefix("algorithm.")
+                 for k in {**_yaml_overrides(args.config), **overrides}
+                 if k.startswith("algorithm.")]
+        base = load_config(args.preset).algorithm
+        keep = {k: _dotted(cfg.algorithm, k) for k in given
+                if k != "name" and _dotted(cfg.algorithm, k) != _dotted(base, k)}
+        if args.algorithm:
+            if "name" in given and cfg.algorithm.name != base.name:
+                raise ValueError(f"algorithm.name={cfg.algorithm.name!r} and --algorithm "
+                                 f"{args.algorithm} both choose the algorithm: give one")
+            cfg = with_algorithm(cfg, args.algorithm, keep)
     return cfg, keep
 
 
@@ -86,19 +96,20 @@ def _profile(args) -> int:
     return 0
 
 
-# What a run command reports as one line (exit status 2) rather than a traceback: wrong
-# configs, data, run dirs and resumes. HACPO_TRACEBACK=1 shows the traceback instead.
-_USER_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, NotADirectoryError)
-
-
 def _run_command(args) -> int:
+    """A run command; an error in the user's input (a wrong config, dataset, run directory or
+    resume: hacpo.engine.errors) is one line on stderr and exit status 2
+    (HACPO_TRACEBACK=1: the traceback instead); any other error propagates with its
+    traceback."""
     import os
+
+    from hacpo.engine.errors import is_user_error
     try:
         return args.func(args)
-    except _USER_ERRORS as e:
-        if os.environ.get("HACPO_TRACEBACK") == "1":
+    except Exception as e:
+        if not is_user_error(e) or os.environ.get("HACPO_TRACEBACK") == "1":
             raise
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        msg = e.args[0] if isinstance(e, KeyError) and len(e.args) == 1 else e
         print(f"hacpo {args.command}: error: {msg}\n(HACPO_TRACEBACK=1 shows where it was "
               f"raised)", file=sys.stderr)
         return 2

@@ -376,7 +376,7 @@ class VLLMRolloutEngine(GeneratorState):
         within rollout.call_timeout_s, is restarted and its call re-sent (the same arguments,
         so the same samples)."""
         import ray
-        from ray.exceptions import ObjectLostError, RayActorError
+        from ray.exceptions import OwnerDiedError, RayActorError
 
         pending: dict = {}          # ref -> engine index
         deadlines: dict = {}        # ref -> time.monotonic() deadline (None: no limit)
@@ -402,12 +402,12 @@ class VLLMRolloutEngine(GeneratorState):
                 self._restart(k, j, e)
                 send(j)
                 continue
-            except ObjectLostError as e:   # an input the engine fetched: a restart cannot help
-                raise RuntimeError(
+            except OwnerDiedError as e:    # an input the engine fetched, gone with the process
+                raise RuntimeError(            # that put it: a restart cannot bring it back
                     f"{self._label(k, j)}: {what} could not fetch an object it was sent "
-                    f"({type(getattr(e, 'cause', None) or e).__name__}); weights a trainer "
-                    f"published are lost with their owner (its rank 0 died?): resume the run "
-                    f"from its last checkpoint with --resume") from e
+                    f"(OwnerDiedError); weights a trainer published are lost with their owner "
+                    f"(its rank 0 died?): resume the run from its last checkpoint with "
+                    f"--resume") from e
             on_result(j, value)
 
     # -- RolloutEngine --------------------------------------------------------------------------

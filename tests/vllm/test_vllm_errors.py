@@ -15,11 +15,11 @@ def test_decoder_policy_is_a_clear_error():
 
     configs = [tiny_policy_configs()[0], PolicyConfig(name="plain", kind="decoder")]
     policies = [build_policy(configs[0]), build_policy(configs[1])]
+    cfg = vllm_config(configs)
     with pytest.raises(ValueError, match=r"agent 1 \('plain'\) is kind 'decoder'"):
-        vllm_config(configs)             # the config already: before any work
-    cfg = vllm_config(configs[:1])
+        cfg.check_runnable()             # what train and the launchers check before any work
     with pytest.raises(ValueError, match=r"agent 1 \('plain'\) is kind 'decoder'"):
-        VLLMRolloutEngine(policies, cfg)     # policies built by hand: the engine checks too
+        VLLMRolloutEngine(policies, vllm_config(configs[:1]))   # policies built by hand
 
 
 def test_missing_vllm_venv_is_a_clear_error(monkeypatch, tmp_path):
