@@ -372,8 +372,8 @@ class DataConfig:
     field_map: str = "auto"        # auto | gsm8k | math | math_answer
     template: str = "plain"
     skip_bad_rows: bool = False
-    train_size: int = 20000
-    eval_size: int = 500
+    train_size: int = 20000        # embedded task's problems (task="files": every row)
+    eval_size: int = 500           # held-out problems (files: the first N); 0: no held-out set
     seed: int = 0                  # task/data seed: fixed across RL seeds so runs compare
 
     def __post_init__(self):
