@@ -176,6 +176,9 @@ class AgentConfig:
         if self.trainer not in TRAINERS:
             raise ValueError(f"agent {self.policy.name!r}: unknown trainer {self.trainer!r}; "
                              f"choose one of {', '.join(TRAINERS)}")
+        if self.trainer == "megatron" and self.policy.kind != "hf":   # the first thing to fix
+            raise ValueError(f"agent {self.policy.name!r} (trainer=megatron): needs an HF "
+                             f"policy (policy.kind='hf'), got kind={self.policy.kind!r}")
         _check_policy(self.policy)
         if self.trainer == "megatron":
             _check_megatron_agent(self)
@@ -262,8 +265,6 @@ def _check_megatron_agent(a: AgentConfig) -> None:
     from hacpo.models.megatron.build import ArchSpec
     p, par = a.policy, a.parallel
     where = f"agent {p.name!r} (trainer=megatron)"
-    if p.kind != "hf":
-        raise ValueError(f"{where}: needs an HF policy (policy.kind='hf'), got kind={p.kind!r}")
     if p.path is None:
         from hacpo.models.hf import TINY_DEFAULTS
         if p.arch not in ("llama", "qwen2"):
