@@ -9,6 +9,8 @@ machine) and removes the temp dir. Exits with the driver's exit code. With ``--w
 S``, a launch not finished S seconds after it started (Ray bring-up included) kills the
 driver's process group (SIGTERM, SIGKILL after 10 s), tears the cluster down the same way and
 exits 124 naming the driver's process group, the elapsed time and where the logs are.
+SIGTERM to the launcher (or Ctrl-C) ends the driver's process group and the cluster the same
+way (exit 143 on SIGTERM).
 """
 from __future__ import annotations
 
@@ -75,7 +77,30 @@ def _kill_group(p: subprocess.Popen, grace_s: float = 10.0) -> None:
             return
 
 
+class _Terminated(BaseException):
+    """SIGTERM (``kill``, ``timeout``, a scheduler) to the launcher: unwinds through its
+    teardown like Ctrl-C, then exits 143."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated()
+
+
 def launch_local(args) -> int:
+    """See the module docstring; SIGTERM tears down the driver and the cluster as Ctrl-C
+    does, and the launcher exits 143."""
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return _launch_local(args)
+    except _Terminated:
+        print("[hacpo launch] terminated (SIGTERM): the driver and the Ray cluster were "
+              "stopped", file=sys.stderr, flush=True)
+        return 128 + signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _launch_local(args) -> int:
     t_start = time.time()
     cfg = load_run(args)
     check_wait_timeout(args.wait_timeout)

@@ -25,6 +25,8 @@ log = logging.getLogger("hacpo")
 _RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 for _k, _v in _RAY_ENV.items():
     os.environ.setdefault(_k, _v)
+# the address this process joined a cluster by, keyed by the address the cluster reports
+_joined: dict[str, str] = {}
 _OBJECT_STORE_MIN = 256 * 1024 ** 2   # private cluster: at least this (rollouts, small weights)
 _OBJECT_STORE_MEMORY_FRACTION = 0.3    # and at most this share of the machine's memory (Ray's
                                        # own default for a cluster it sizes itself)
@@ -231,7 +233,9 @@ def connect(address: str = "", *, num_cpus: int | None = None,
 
     if ray.is_initialized():
         current = ray.get_runtime_context().gcs_address
-        if address and address != "auto" and address != current:
+        # the cluster may report another address for itself (its node IP) than the one this
+        # process joined it by (e.g. 127.0.0.1): either names it
+        if address and address != "auto" and address not in (current, _joined.get(current)):
             raise RuntimeError(f"this process is already connected to the Ray cluster at "
                                f"{current!r}; cannot also join rollout.ray_address={address!r}")
         return RayCluster(current, owned=False, connected_here=False)
@@ -270,5 +274,6 @@ def connect(address: str = "", *, num_cpus: int | None = None,
         ctx = ray.init(address=address, log_to_driver=True, configure_logging=False)
     except (ConnectionError, TimeoutError) as e:
         raise ConnectionError(f"cannot connect to the Ray cluster at {address!r}: {e}") from e
+    _joined[ray.get_runtime_context().gcs_address] = address
     log.info("joined the Ray cluster at %s", ctx.address_info["address"])
     return RayCluster(ctx.address_info["address"], owned=False, connected_here=True)

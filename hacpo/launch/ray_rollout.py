@@ -42,7 +42,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import ray
+# first: its environment must precede `import ray`
+from .ray_cluster import RayCluster, call_deadline, connect, next_ready, weight_bytes
+
+import ray  # noqa: E402
 import torch
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -51,8 +54,6 @@ from hacpo.models.buckets import bucket_bytes_of, copy_buckets, weight_buckets
 from hacpo.models.generation import Rollout, generate
 from hacpo.engine.rollout import GeneratorState, agent_generators
 from hacpo.models.policy import Policy
-
-from .ray_cluster import RayCluster, call_deadline, connect, next_ready, weight_bytes
 
 log = logging.getLogger("hacpo")
 

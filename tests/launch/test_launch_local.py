@@ -73,3 +73,36 @@ def test_launch_local_ray_head_that_exits_is_a_clear_error(tmp_path):
     assert "minimum allowed is 78643200 bytes" in r.stderr
     tmp = _temp_dir(r.stdout)
     assert not Path(tmp).exists() and not processes_mentioning(tmp)
+
+
+def test_launch_local_sigterm_stops_driver_and_cluster(tmp_path):
+    """SIGTERM to the launcher (kill, timeout, a scheduler) mid-run: the driver and every Ray
+    process it started end, the temp dir goes, exit 143 (before: the launcher died alone and
+    the cluster and driver ran on)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from ._launch_helpers import REPO
+
+    out = tmp_path / "run"
+    args = tiny_run_args(out, tmp_path)
+    args[args.index("steps=2")] = "steps=40"                   # still running when signalled
+    p = subprocess.Popen([sys.executable, "-m", "hacpo.launch.cli", "launch", "local",
+                          "--cpus-per-node", "3", "--ray-timeout", "240", *args], cwd=REPO,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", **INHERITED_RAY_ENV},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (out / "metrics.jsonl").exists():
+        time.sleep(0.5)
+    assert (out / "metrics.jsonl").exists(), "the driver never started training"
+    p.send_signal(signal.SIGTERM)
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode == 143, stdout + stderr
+    assert "terminated (SIGTERM)" in stderr
+    tmp = _temp_dir(stdout)
+    assert not Path(tmp).exists()
+    assert not processes_mentioning(tmp), "Ray processes left running"
+    assert not processes_mentioning(str(out)), "the driver was left running"
