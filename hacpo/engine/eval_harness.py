@@ -188,6 +188,12 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
         raise ValueError(f"limit must be >= 1, got {limit}")
     if max_new_tokens is not None and max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if temperature is not None and not 0 <= temperature < math.inf:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
     benches = [b if isinstance(b, Benchmark) else parse_benchmark_spec(b) for b in benchmarks]
     names = [b.name for b in benches]
     if len(set(names)) != len(names):

@@ -35,8 +35,9 @@ def sample_and_score(policy, prompt_ids: list[list[int]], golds: list[str], rewa
     """Generate ``samples`` responses per prompt (batched) and score them with the verifier.
 
     The responses come from ``policy`` in-process (its KV-cache sampler, a generator seeded
-    with ``seed``), or with ``engine`` from that rollout engine's agent ``agent`` (its own
-    seeds; ``policy`` then only decodes and names). Returns (rewards [n][samples],
+    with ``seed``), or with ``engine`` from that rollout engine's agent ``agent``, its
+    generator reseeded with ``seed`` (the caller restores the engine's state if training goes
+    on; ``policy`` then only decodes and names): with the local engine, the same samples. Returns (rewards [n][samples],
     texts [n][samples], stats) with stats holding mean_response_tokens and eos_rate.
     ``where(prompt_index)`` names a prompt in errors."""
     if engine is not None and agent is None:
@@ -44,6 +45,8 @@ def sample_and_score(policy, prompt_ids: list[list[int]], golds: list[str], rewa
     was = policy.training
     policy.eval()
     gen = torch.Generator().manual_seed(seed)
+    if engine is not None:
+        engine.seed_agent(agent, seed)
     rewards: list[list[float]] = [[] for _ in prompt_ids]
     texts: list[list[str]] = [[] for _ in prompt_ids]
     lengths: list[int] = []

@@ -124,6 +124,11 @@ class GeneratorState:
         for g, s in zip(self.generators, sd["generators"]):
             g.set_state(s)
 
+    def seed_agent(self, agent: int, seed: int) -> None:
+        """Reseed agent's generator (evaluation through the engine samples from ``seed``, as
+        the in-process evaluation does; its caller saves and restores the state around it)."""
+        self.generators[agent].manual_seed(seed)
+
 
 class LocalRolloutEngine(GeneratorState):
     """Samples with the trainer's own policies (KV-cache sampler), one generator per agent.

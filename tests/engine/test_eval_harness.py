@@ -178,6 +178,11 @@ def test_bad_inputs(run, tmp_path, capsys):
         evaluate_checkpoints([str(run["dir"])], run["benches"], agents=["bob"])
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1, got 0"):  # not the default
         evaluate_checkpoints([str(run["dir"])], run["benches"], max_new_tokens=0)
+    for kw, msg in (({"batch": 0}, "batch must be >= 1, got 0"),
+                    ({"top_p": 0.0}, r"top_p must be in \(0, 1\], got 0.0"),
+                    ({"temperature": -1.0}, "temperature must be a finite number >= 0")):
+        with pytest.raises(ValueError, match=msg):
+            evaluate_checkpoints([str(run["dir"])], run["benches"], **kw)
     for spec in ("gsm", "=x.jsonl", "gsm=", "gsm=x.jsonl:nope"):
         with pytest.raises(ValueError, match="malformed benchmark spec"):
             parse_benchmark_spec(spec)

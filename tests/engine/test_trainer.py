@@ -374,11 +374,13 @@ def test_fused_lm_head_run_equals_logits_run(tmp_path, monkeypatch):
 def test_eval_engine_rollout_equals_trainer(tmp_path, monkeypatch):
     """eval_engine="rollout": the held-out responses come from the rollout engine (here the
     local one, the same sampler on the same policies), so the greedy accuracies before, during
-    (eval_every) and after training equal eval_engine="trainer"'s, and training is unchanged;
-    every greedy request went to the engine."""
+    (eval_every) and after training, and the sampled avg@k / pass@k after it (the engine's
+    generator seeded as the in-process one), equal eval_engine="trainer"'s, and training is
+    unchanged; every greedy request went to the engine."""
     from hacpo.engine import rollout as ro
     quiet = dict(echo=lambda *_: None)
-    over = {"steps": "2", "eval_every": "1", "plots": "false", "tensorboard": "false"}
+    over = {"steps": "2", "eval_every": "1", "plots": "false", "tensorboard": "false",
+            "eval_pass_k": "4"}
     calls = []
     gen = ro.LocalRolloutEngine.generate
     monkeypatch.setattr(ro.LocalRolloutEngine, "generate", lambda self, k, p, **kw: (
@@ -391,6 +393,7 @@ def test_eval_engine_rollout_equals_trainer(tmp_path, monkeypatch):
     # before, after step 0 (eval_every=1; not after the last step) and after: 3 agents x 16
     assert sorted(greedy) == sorted([(k, 16) for k in range(3)] * 3)
     assert a["before"] == b["before"] and a["after"] == b["after"]
+    assert any(r["pass@4"] > 0 for r in a["after"].values())    # samples that can differ
     ra, rb = ([json.loads(line) for line in open(tmp_path / n / "metrics.jsonl")]
               for n in ("trainer", "rollout"))
     assert _strip_times(ra) == _strip_times(rb)
