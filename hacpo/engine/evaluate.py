@@ -37,8 +37,9 @@ def sample_and_score(policy, prompt_ids: list[list[int]], golds: list[str], rewa
     The responses come from ``policy`` in-process (its KV-cache sampler, a generator seeded
     with ``seed``), or with ``engine`` from that rollout engine's agent ``agent``, its
     generator reseeded with ``seed`` (the caller restores the engine's state if training goes
-    on; ``policy`` then only decodes and names): with the local engine, the same samples. Returns (rewards [n][samples],
-    texts [n][samples], stats) with stats holding mean_response_tokens and eos_rate.
+    on; ``policy`` then only decodes and names): with the local engine, the same samples.
+    Returns (rewards [n][samples], texts [n][samples], stats) with stats holding
+    mean_response_tokens and eos_rate.
     ``where(prompt_index)`` names a prompt in errors."""
     if engine is not None and agent is None:
         raise ValueError("sampling with a rollout engine needs the agent index")
