@@ -352,9 +352,10 @@ class RayAgents:
         agent's minibatches from ``generator`` in agent order (the draws of one agent after
         another), each actor runs its updates from a non-finite streak of 0 and returns their
         trace, awaited by a driver thread each (:func:`~hacpo.engine.rollout.agents_at_once`),
-        and the driver counts the traces in agent order (:func:`~hacpo.engine.update.replay_nonfinite`: the
-        same counters, and the error at the same update, as one agent after another; a later
-        agent's actor may by then have run updates of a run that stops). Bit-for-bit the
+        and the driver counts the traces in agent order
+        (:func:`~hacpo.engine.update.replay_nonfinite`: the same counters, and the error at the
+        same update, as one agent after another; a later agent's actor may by then have run
+        updates of a run that stops). Bit-for-bit the
         updates of one agent after another."""
         refs = [self._actors[k].update_drawn.remote(
                     v, pool.lp_old, pool.old_token_logp, draw_minibatches(self.cfg, v, pool,
