@@ -1,6 +1,7 @@
 """``hacpo launch local``: what the Slurm job does, on this machine without Slurm.
 
-Starts a Ray head (``ray start --head --block``, its own temp dir, loopback, no dashboard) and
+Starts a Ray head (``ray start --head --block``, its own temp dir, loopback, no dashboard,
+token authentication with a fresh token: Ray listens on every interface) and
 ``--workers`` K more Ray nodes as local processes, waits until all 1 + K nodes are registered
 (``--ray-timeout``), runs the driver ``hacpo train ... --set rollout.engine=ray
 rollout.ray_address=127.0.0.1:PORT`` as a child process, then tears the cluster down by
@@ -24,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from .ray_cluster import new_auth_env, use_auth_env
 from .ray_wait import ClusterTimeout, Node, wait_for_cluster
 from .slurm import (LaunchError, WaitTimeout, check_resources, check_wait_timeout, driver_argv,
                     load_run)
@@ -119,8 +121,12 @@ def _launch_local(args) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     port = args.ray_port or _free_port()
     address = f"{_HOST}:{port}"
+    # Ray listens on every interface: the cluster requires a fresh token, which the nodes, the
+    # driver and this process (its cluster queries) get through their environment
+    auth = new_auth_env()
+    use_auth_env(auth)
     # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (e.g. inherited) would refuse the worker nodes
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled",
+    env = {**os.environ, **auth, "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
     tmp = tempfile.mkdtemp(prefix="hacpo-launch-ray-")   # short: Ray's socket paths live here
     node_args = [f"--node-ip-address={_HOST}", f"--temp-dir={tmp}", f"--num-cpus={cpus}",

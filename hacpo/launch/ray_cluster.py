@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
 import socket
 import tempfile
@@ -31,6 +32,30 @@ _OBJECT_STORE_MIN = 256 * 1024 ** 2   # private cluster: at least this (rollouts
 _OBJECT_STORE_MEMORY_FRACTION = 0.3    # and at most this share of the machine's memory (Ray's
                                        # own default for a cluster it sizes itself)
 _OBJECT_STORE_COPIES = 4               # copies of the weights it should hold (see below)
+
+
+# Ray's GCS and raylets listen on every interface, whatever --node-ip-address says: a cluster
+# a launcher starts requires a token (Ray's token authentication), fresh per launch, that only
+# the launch's own processes get through their environment.
+AUTH_ENV_KEYS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
+
+
+def new_auth_env() -> dict[str, str]:
+    """The environment that makes Ray processes require (``ray start``) and present (drivers,
+    ``GcsClient``) a new random token: ``RAY_AUTH_MODE=token`` and a 256-bit
+    ``RAY_AUTH_TOKEN``."""
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+
+
+def use_auth_env(auth: dict[str, str]) -> None:
+    """Make this process present ``auth``'s token to the clusters it queries or joins (sets
+    ``os.environ``; if Ray is already loaded, refreshes its cached auth mode and token)."""
+    import sys
+    os.environ.update(auth)      # RAY_AUTH_TOKEN outranks RAY_AUTH_TOKEN_PATH and ~/.ray's
+    if "ray._raylet" in sys.modules:
+        from ray._raylet import AuthenticationTokenLoader, Config
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
 
 
 # Ray's GPU accounting of a colocated vLLM engine and of the trainer rank whose GPU it shares
@@ -176,6 +201,25 @@ def wait_reachable(address: str, timeout_s: float) -> None:
         time.sleep(0.25)
 
 
+def _check_token(address: str) -> None:
+    """A ConnectionError now if the cluster at ``address`` refuses this process's token (or its
+    lack of one): ``ray.init`` would retry for minutes. Any other failure of this one GCS query
+    is left to ``ray.init`` to report."""
+    from .ray_wait import alive_node_ips, refused
+    try:
+        alive_node_ips(address)
+    except Exception as e:
+        if not refused(e):
+            return
+        mode = os.environ.get("RAY_AUTH_MODE", "unset")
+        token = "set" if os.environ.get("RAY_AUTH_TOKEN") else "unset"
+        raise ConnectionError(
+            f"the Ray cluster at {address!r} refused this process's authentication token "
+            f"(RAY_AUTH_MODE={mode}, RAY_AUTH_TOKEN {token}): "
+            f"run the driver with the cluster's RAY_AUTH_MODE=token and RAY_AUTH_TOKEN "
+            f"(`hacpo launch` gives its driver both)") from None
+
+
 def weight_bytes(policies) -> int:
     """The bytes of every policy's parameters (the driver's copies: what a weight sync puts
     into the object store)."""
@@ -269,7 +313,10 @@ def connect(address: str = "", *, num_cpus: int | None = None,
         return RayCluster(ctx.address_info["address"], owned=True, connected_here=True,
                           temp_dir=temp_dir)
     if address != "auto":
-        wait_reachable(address, timeout_s)
+        from hacpo.engine.errors import user_errors
+        with user_errors(ConnectionError, ValueError):   # the address, the token: the user's
+            wait_reachable(address, timeout_s)
+            _check_token(address)
     try:
         ctx = ray.init(address=address, log_to_driver=True, configure_logging=False)
     except (ConnectionError, TimeoutError) as e:

@@ -26,6 +26,20 @@ class ClusterTimeout(RuntimeError):
     """The cluster did not reach the expected nodes before the deadline."""
 
 
+class ClusterRefused(ClusterTimeout):
+    """The head's GCS refused this process's token (or its lack of one): waiting longer cannot
+    help. A :class:`ClusterTimeout` so that the launchers report it the same way."""
+
+
+def refused(error: BaseException) -> bool:
+    """True for Ray's error for a token the cluster does not accept (or a missing one)."""
+    try:
+        from ray.exceptions import AuthenticationError
+    except ImportError:     # a ray without token authentication
+        return False
+    return isinstance(error, AuthenticationError)
+
+
 @dataclass
 class Node:
     """One node the cluster must contain: a name for messages, the IP its raylet registers
@@ -146,6 +160,11 @@ def wait_for_cluster(address: str, nodes: list[Node], deadline: float, *, poll_s
         if query is None:
             query = _Query(address)
         if query.done.wait(poll_s):
+            if query.error is not None and refused(query.error):
+                raise ClusterRefused(
+                    f"the Ray cluster at {address} refused this process's authentication "
+                    f"token ({query.error}); the launch's nodes and its cluster queries must "
+                    f"share RAY_AUTH_MODE=token and one RAY_AUTH_TOKEN")
             if query.error is not None:   # GCS still starting: retried until the deadline
                 log(f"[ray_wait] GCS at {address} not answering yet "
                     f"({type(query.error).__name__})")

@@ -3,13 +3,18 @@
 The launcher loads and checks the run config (so a bad config fails here, before anything is
 submitted), writes an sbatch script into the run dir and submits it. The script:
 
-1. starts a Ray head on the job's first node (``srun -w NODE ray start --head --block``, one
-   task, in the background) and waits until its GCS answers;
+1. makes a fresh Ray authentication token for the job (``RAY_AUTH_MODE=token``: Ray listens on
+   every interface of every node, and only the job's own processes, which get the token through
+   their environment, may join or drive the cluster), starts a Ray head on the job's first node
+   (``srun -w NODE ray start --head --block``, one task, in the background) and waits until
+   its GCS answers;
 2. starts a Ray worker on every other node the same way and waits until all N nodes are
    registered. Both waits share one deadline (``--ray-timeout``); if it passes, or a node's
    ``ray start`` exits, the job prints which node / what timed out and exits 1 (Slurm state
    FAILED);
-3. runs the driver: ``hacpo train ... --set rollout.engine=ray rollout.ray_address=HEAD:PORT``;
+3. runs the driver: ``hacpo train ... --set rollout.engine=ray rollout.ray_address=HEAD:PORT``
+   (``--resume`` with ``hacpo launch --resume``, and always in a job Slurm requeued, e.g.
+   after a preemption: ``SLURM_RESTART_COUNT`` > 0);
 4. ends the ``srun`` steps (SIGTERM to each step; ``ray start --block`` then stops its node's
    processes) and removes the Ray temp dir. Never ``ray stop``: on a shared machine it would
    stop every Ray there.
@@ -73,10 +78,23 @@ def load_run(args):
     try:
         cfg = load_config(args.preset, args.config, overrides)
         cfg.check_runnable()            # e.g. vLLM engines for plain-torch decoder agents
-        return cfg
     except Exception as e:  # the config loader's own error (yaml, unknown key, bad value)
         raise LaunchError(f"config {args.config or '(preset ' + args.preset + ')'} does not "
                           f"load: {type(e).__name__}: {e}") from e
+    _check_run_dir(cfg, args.resume)
+    return cfg
+
+
+def _check_run_dir(cfg, resume: bool) -> None:
+    """What the driver would refuse, refused before anything starts (or waits in a queue): a
+    run dir that is a file, or one holding a run without ``--resume``."""
+    from hacpo.engine.trainer import CHECKPOINT
+    run_dir = Path(cfg.out_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise LaunchError(f"the run dir {run_dir} is a file, not a directory")
+    if (run_dir / CHECKPOINT).exists() and not resume:
+        raise LaunchError(f"{run_dir} already holds a run ({CHECKPOINT}); pass --resume to "
+                          f"continue it or choose another --out-dir")
 
 
 def cluster_needs(cfg) -> dict[str, float]:
@@ -132,6 +150,8 @@ def driver_argv(args, cfg, python: str) -> list[str]:
     Paths are absolute: the job may start elsewhere."""
     argv = [python, "-m", "hacpo.launch.cli", "train", "--preset", args.preset,
             "--out-dir", str(Path(cfg.out_dir).resolve())]
+    if args.resume:
+        argv.append("--resume")
     if args.config:
         argv += ["--config", str(Path(args.config).resolve())]
     argv += ["--set", *(args.set or []), f"rollout.engine={args.rollout_engine}"]
@@ -152,9 +172,16 @@ SBATCH_TEMPLATE = r"""#!/bin/bash
 # {ray_timeout}s), run the driver, end the srun steps (never `ray stop`).
 set -uo pipefail
 {setup}export PATH={bin_dir}:$PATH
-export RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled
+export RAY_USAGE_STATS_ENABLED=0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1   # an inherited 0 would refuse every worker node
 PY={python}
+# Ray listens on every interface of every node: the cluster requires a token, made here for this
+# job only and passed to the srun steps and the driver through their environment (never written
+# to a file or printed)
+export RAY_AUTH_MODE=token
+RAY_AUTH_TOKEN=$("$PY" -c 'import secrets; print(secrets.token_hex(32))') &&
+  [ -n "$RAY_AUTH_TOKEN" ] || {{ echo "[hacpo launch] ERROR: cannot make a Ray token" >&2; exit 1; }}
+export RAY_AUTH_TOKEN
 RAY_PORT={ray_port}
 RAY_TIMEOUT={ray_timeout}
 LOG_DIR={log_dir}/job-$SLURM_JOB_ID
@@ -227,6 +254,10 @@ say "Ray cluster of {nodes} nodes up after $(( $(date +%s) - T0 ))s"
 
 # 3. the driver
 DRIVER=({driver} "rollout.ray_address=$ADDR")
+if (( ${{SLURM_RESTART_COUNT:-0}} > 0 )) && [[ " ${{DRIVER[*]}} " != *" --resume "* ]]; then
+  DRIVER+=(--resume)   # requeued (preemption, node failure): continue from the last checkpoint
+  say "restart $SLURM_RESTART_COUNT of this job: the driver resumes the run"
+fi
 say "driver: ${{DRIVER[*]}}"
 "${{DRIVER[@]}}"
 RC=$?
@@ -438,6 +469,10 @@ def _add_run_args(p) -> None:
     p.add_argument("--set", nargs="*", action="extend", metavar="KEY=VALUE",
                    help="dotted overrides for the run (repeatable)")
     p.add_argument("--out-dir", default=None, help="run dir (default: the config's out_dir)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in the run dir (the driver runs `hacpo train "
+                        "--resume`); without it a run dir holding a run is an error. A Slurm "
+                        "job that Slurm requeues resumes either way")
     p.add_argument("--rollout-engine", default="ray", choices=["ray", "vllm", "local"],
                    help="rollout.engine of the driver (default ray: actors over the cluster)")
     p.add_argument("--cpus-per-node", type=int, default=None,

@@ -2,15 +2,21 @@
 through the Ray rollout engine, and teardown that leaves nothing running."""
 from __future__ import annotations
 
+import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from hacpo.launch.cli import main
 
-from ._launch_helpers import (INHERITED_RAY_ENV, check_finished_run, hacpo, processes_mentioning,
-                              tiny_run_args)
+from ._launch_helpers import (INHERITED_RAY_ENV, REPO, TINY_STEPS, check_finished_run, free_port,
+                              hacpo, processes_mentioning, tiny_run_args)
 
 
 def _temp_dir(stdout: str) -> str:
@@ -33,6 +39,16 @@ def test_launch_local_head_and_worker_trains(tmp_path):
     tmp = _temp_dir(r.stdout)
     assert not Path(tmp).exists()
     assert not processes_mentioning(tmp), "Ray processes left running"
+    # --resume: a new cluster, the driver continues the run from its checkpoint
+    args = tiny_run_args(out, tmp_path)
+    args[args.index(f"steps={TINY_STEPS}")] = f"steps={TINY_STEPS + 1}"
+    r = hacpo(["launch", "local", "--cpus-per-node", "3", "--ray-timeout", "240", "--resume",
+               *args], env=INHERITED_RAY_ENV, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"[resume] {out / 'checkpoint.pt'} at step {TINY_STEPS}" in r.stdout + r.stderr
+    steps = [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(TINY_STEPS + 1))
+    assert not processes_mentioning(_temp_dir(r.stdout))
 
 
 def test_launch_local_ray_not_up_in_time_is_a_clear_error(tmp_path):
@@ -75,30 +91,93 @@ def test_launch_local_ray_head_that_exits_is_a_clear_error(tmp_path):
     assert not Path(tmp).exists() and not processes_mentioning(tmp)
 
 
-def test_launch_local_sigterm_stops_driver_and_cluster(tmp_path):
-    """SIGTERM to the launcher (kill, timeout, a scheduler) mid-run: the driver and every Ray
+def _stranger(code: list[str], auth: dict[str, str], timeout: float = 60
+              ) -> tuple[int | None, str, str]:
+    """``python CODE...`` from a process that is not the launch's (its environment minus Ray's
+    auth variables, plus ``auth``): (exit status, None if still running after ``timeout`` s
+    and killed; stdout; stderr)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    try:
+        r = subprocess.run([sys.executable, *code], cwd=REPO, env={**env, **auth},
+                           capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:      # Ray's client retries a refused token
+        def text(b):
+            return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+        return None, text(e.stdout), text(e.stderr)
+    return r.returncode, r.stdout, r.stderr
+
+
+def _driver_token(out: Path) -> str:
+    """RAY_AUTH_TOKEN from the environment of the launch's driver (``hacpo train`` for
+    ``out``)."""
+    for line in processes_mentioning(str(out)):
+        pid, cmd = line.split(" ", 1)
+        if " train " not in cmd:
+            continue
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        tokens = [e.split(b"=", 1)[1].decode() for e in environ
+                  if e.startswith(b"RAY_AUTH_TOKEN=")]
+        assert len(tokens) == 1 and len(tokens[0]) == 64, "the driver has no launch token"
+        return tokens[0]
+    raise AssertionError(f"no driver process for {out}: {processes_mentioning(str(out))}")
+
+
+def test_launch_local_refuses_strangers_and_sigterm_stops_driver_and_cluster(tmp_path):
+    """While a launch trains, processes without its token (none, or a wrong one) can neither
+    join its cluster (ray.init) nor query its GCS (ray_wait: refused at once, not a wait to the
+    deadline); Ray listens on every interface, so this is what keeps the network out.
+    Then SIGTERM to the launcher (kill, timeout, a scheduler) mid-run: the driver and every Ray
     process it started end, the temp dir goes, exit 143 (before: the launcher died alone and
     the cluster and driver ran on)."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from ._launch_helpers import REPO
-
     out = tmp_path / "run"
     args = tiny_run_args(out, tmp_path)
-    args[args.index("steps=2")] = "steps=40"                   # still running when signalled
+    args[args.index("steps=2")] = "steps=1000"                 # still running when signalled
+    port = free_port()
     p = subprocess.Popen([sys.executable, "-m", "hacpo.launch.cli", "launch", "local",
-                          "--cpus-per-node", "3", "--ray-timeout", "240", *args], cwd=REPO,
+                          "--cpus-per-node", "3", "--ray-timeout", "240", "--ray-port",
+                          str(port), *args], cwd=REPO,
                          env={**os.environ, "OMP_NUM_THREADS": "1", **INHERITED_RAY_ENV},
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-    while time.time() < deadline and not (out / "metrics.jsonl").exists():
-        time.sleep(0.5)
-    assert (out / "metrics.jsonl").exists(), "the driver never started training"
-    p.send_signal(signal.SIGTERM)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and not (out / "metrics.jsonl").exists():
+            time.sleep(0.5)
+        assert (out / "metrics.jsonl").exists(), "the driver never started training"
+        address = f"127.0.0.1:{port}"
+        wrong = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64}
+        join = ["-c", f"import ray; ray.init(address={address!r}); print('JOINED')"]
+        for auth in ({}, wrong):   # refused: an error, or Ray's client retrying until killed
+            rc, stdout, stderr = _stranger(join, auth, timeout=20)
+            assert rc != 0 and "JOINED" not in stdout, (auth, rc, stdout)
+            assert "InvalidAuthToken" in stderr or "Failed to connect" in stderr, \
+                (auth, stderr[-2000:])
+        # control: the token the launch gave its driver (read from the driver's environment)
+        # joins, so the refusals above are the token's doing
+        token = _driver_token(out)
+        rc, stdout, stderr = _stranger(join, {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token})
+        assert rc == 0 and "JOINED" in stdout, (rc, stderr[-2000:])
+        t0 = time.time()
+        rc, stdout, stderr = _stranger(["-m", "hacpo.launch.ray_wait", "--address", address,
+                                        "--node", "head=127.0.0.1", "--deadline",
+                                        str(time.time() + 90)], wrong, timeout=120)
+        assert rc == 3, (rc, stdout + stderr)
+        assert f"the Ray cluster at {address} refused this process's authentication token" \
+            in stderr, stderr[-2000:]
+        assert time.time() - t0 < 60, "a refused token waited for the deadline"
+        # a driver joining with a wrong token: the command's one-line error, exit 2, at once
+        t0 = time.time()
+        rc, stdout, stderr = _stranger(["-m", "hacpo.launch.cli", "train", *tiny_run_args(
+            tmp_path / "stranger", tmp_path), "--set", "rollout.engine=ray",
+            f"rollout.ray_address={address}"], wrong, timeout=240)
+        assert rc == 2, (rc, stdout[-2000:] + stderr[-2000:])
+        assert f"hacpo train: error: the Ray cluster at '{address}' refused this process's " \
+               f"authentication token (RAY_AUTH_MODE=token, RAY_AUTH_TOKEN set)" in stderr, \
+            stderr[-2000:]
+        assert "Traceback" not in stderr
+        print(f"wrong-token driver refused after {time.time() - t0:.1f}s")
+        assert p.poll() is None, "the launch ended while strangers knocked"
+    finally:
+        p.send_signal(signal.SIGTERM)
     stdout, stderr = p.communicate(timeout=120)
     assert p.returncode == 143, stdout + stderr
     assert "terminated (SIGTERM)" in stderr

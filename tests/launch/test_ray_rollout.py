@@ -265,6 +265,8 @@ try:
     sys.exit("no error")
 except ConnectionError as e:
     assert f"127.0.0.1:{port}" in str(e) and "within 2 s" in str(e), e
+    from hacpo.engine.errors import is_user_error
+    assert is_user_error(e), "the command line would print a traceback"
 assert time.time() - t0 < 15, time.time() - t0
 assert not ray.is_initialized()
 

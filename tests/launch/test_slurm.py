@@ -104,6 +104,15 @@ def test_dry_run_script(tmp_path, capsys):
     assert 'kill -TERM "${SRUN_PIDS[@]}"' in cleanup and 'rm -rf "$RAY_TMP"' in cleanup
     assert "ray stop" not in script.replace("never `ray stop`", "")
     assert [ln.strip() for ln in lines].count("SRUN_PIDS+=($!)") == 2   # both steps ended
+    # token authentication (Ray listens on every interface): a fresh token made when the job
+    # runs, exported before the first srun step (the steps and the driver inherit it); no token
+    # is in the script itself
+    assert "export RAY_AUTH_MODE=token" in lines and "export RAY_AUTH_TOKEN" in lines
+    make = next(ln for ln in lines if ln.startswith("RAY_AUTH_TOKEN="))
+    assert make.startswith("RAY_AUTH_TOKEN=$(\"$PY\" -c 'import secrets; print(secrets.token_hex(32))')")
+    first_srun = next(i for i, ln in enumerate(lines) if ln.strip().startswith("srun "))
+    assert lines.index("export RAY_AUTH_TOKEN") < first_srun
+    assert "RAY_AUTH_MODE=disabled" not in script
 
 
 def test_dry_run_extra_options(tmp_path, capsys):
@@ -115,6 +124,60 @@ def test_dry_run_extra_options(tmp_path, capsys):
     assert "NODE_ARGS=(--num-cpus=4 --num-gpus=2 --object-store-memory=314572800)" in script
     assert "module load cuda" in script.splitlines()
     assert "rollout.engine=vllm" in script and "rollout.engine=ray" not in script
+
+
+def _driver_after_requeue(script: str, restart_count: int | None) -> list[str]:
+    """The driver command the job would run, from the script's own lines (the DRIVER array and
+    the requeue branch), with ``SLURM_RESTART_COUNT`` as given (None: unset)."""
+    lines = _logical_lines(script)
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("DRIVER=("))
+    end = next(i for i in range(start, len(lines)) if lines[i] == "fi")
+    env = {k: v for k, v in os.environ.items() if k != "SLURM_RESTART_COUNT"}
+    if restart_count is not None:
+        env["SLURM_RESTART_COUNT"] = str(restart_count)
+    code = ("set -uo pipefail\nsay() { :; }\nADDR=10.0.0.1:6400\n"
+            + "\n".join(lines[start:end + 1]) + '\nprintf "%s\\n" "${DRIVER[@]}"\n')
+    p = subprocess.run(["bash", "-c", code], env=env, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    return p.stdout.splitlines()
+
+
+def test_dry_run_resume_and_requeue(tmp_path, capsys):
+    """``--resume`` reaches the driver; without it the driver resumes only in a job Slurm
+    requeued (SLURM_RESTART_COUNT > 0), e.g. after a preemption, where a fresh start would
+    fail on the run's own checkpoint."""
+    script, _ = _dry_run(tmp_path, capsys)
+    first = _driver_after_requeue(script, None)
+    assert "--resume" not in first and first[-1] == "rollout.ray_address=10.0.0.1:6400"
+    assert _driver_after_requeue(script, 0) == first
+    requeued = _driver_after_requeue(script, 2)
+    assert requeued == first + ["--resume"]
+    script, _ = _dry_run(tmp_path, capsys, "--resume")
+    given = _driver_after_requeue(script, None)
+    assert given.count("--resume") == 1 and given.index("--resume") < given.index("--set")
+    assert _driver_after_requeue(script, 3) == given      # not twice
+
+
+@pytest.mark.parametrize("launcher", ["slurm", "local"])
+def test_run_dir_holding_a_run_needs_resume(tmp_path, capsys, launcher):
+    """Refused before anything is submitted or started (the driver would refuse it after the
+    queue and the Ray bring-up); with --resume it passes that check (a dry run)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoint.pt").write_bytes(b"x")
+    base = ["launch", launcher, *(["--nodes", "1"] if launcher == "slurm" else []),
+            "--preset", "tiny3", "--out-dir", str(run)]
+    rc, out, err = launch(base, capsys)
+    assert rc == 2, (out, err)
+    assert f"hacpo launch: error: {run} already holds a run (checkpoint.pt); pass --resume " \
+           f"to continue it or choose another --out-dir" in err
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoint.pt"]
+    if launcher == "slurm":
+        rc, out, err = launch(base + ["--resume", "--dry-run"], capsys)
+        assert rc == 0 and out.startswith("#!/bin/bash"), err
+    (tmp_path / "file").write_text("")
+    rc, out, err = launch(base[:-1] + [str(tmp_path / "file")], capsys)
+    assert rc == 2 and f"the run dir {tmp_path / 'file'} is a file" in err, err
 
 
 # tiny3's three agents as HF Llama policies (what vLLM engines serve)
