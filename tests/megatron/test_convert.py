@@ -133,6 +133,26 @@ def test_vocab_rows_must_match_the_config():
         hf_to_megatron(sd, arch, tp=2)
 
 
+@pytest.mark.parametrize("arch_name", ARCHS)
+def test_hf_weights_must_all_map(arch_name):
+    """A weight the conversion does not know (a feature megatron would silently lack: before,
+    it was dropped) and a missing one are errors naming them; a tied model may carry its
+    lm_head.weight (HF's state_dict lists it)."""
+    model = tiny_hf(arch_name, tie=True)
+    arch = ArchSpec.from_hf(model.config)
+    sd = hf_state_dict(model)
+    hf_to_megatron({**sd, "lm_head.weight": sd["model.embed_tokens.weight"]}, arch)
+    extra = {**sd, "model.layers.1.self_attn.o_proj.bias": torch.zeros(arch.hidden_size)}
+    with pytest.raises(ValueError, match=rf"the HF weights do not fit the megatron {arch_name} "
+                                         r"model of this config; not mapped to megatron \(an "
+                                         r"unsupported feature\?\): model.layers.1.self_attn."
+                                         r"o_proj.bias$"):
+        hf_to_megatron(extra, arch, tp=2, tp_rank=1)
+    short = {k: v for k, v in sd.items() if k != "model.layers.0.mlp.up_proj.weight"}
+    with pytest.raises(ValueError, match=r"; missing: model.layers.0.mlp.up_proj.weight$"):
+        hf_to_megatron(short, arch, pp=2, pp_rank=1)   # even on a stage without that layer
+
+
 def test_roundtrip_transformer_engine_names():
     model = tiny_hf("qwen3", tie=False)
     arch = ArchSpec.from_hf(model.config)

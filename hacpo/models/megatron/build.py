@@ -99,6 +99,22 @@ class ArchSpec:
                 raise ValueError(f"{key} {rope!r} is not supported (only plain RoPE)")
         if model_type == "llama" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
             raise ValueError("llama with attention_bias/mlp_bias is not supported")
+        # Qwen3's attention_bias adds q/k/v *and* o_proj biases (Qwen2's fixed q/k/v biases are
+        # supported); the megatron model would have no place for them
+        if model_type == "qwen3" and cfg.get("attention_bias"):
+            raise ValueError("qwen3 with attention_bias=True (q/k/v/o_proj biases) is not "
+                             "supported")
+        # Qwen2/Qwen3 sliding-window attention (use_sliding_window; transformers 5 lists it per
+        # layer in layer_types): megatron's attention here is full causal attention
+        types = cfg.get("layer_types")
+        if types is None and cfg.get("use_sliding_window") and \
+                cfg.get("sliding_window") is not None:   # a transformers-4 style dict
+            first = cfg.get("max_window_layers") or 0    # layers from this one on slide
+            types = ["sliding_attention" if i >= first else "full_attention"
+                     for i in range(cfg["num_hidden_layers"])]
+        if any(t != "full_attention" for t in types or ()):
+            raise ValueError(f"sliding-window attention (use_sliding_window, layer types "
+                             f"{sorted(set(types))}) is not supported (only full attention)")
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         rope_theta = cfg.get("rope_theta")

@@ -99,14 +99,59 @@ def _unpad_vocab(full: Tensor, arch: ArchSpec, tp: int, name: str) -> Tensor:
 
 
 # -- HF -> Megatron -------------------------------------------------------------------------------
+def hf_names(arch: ArchSpec) -> list[str]:
+    """The HF weight names of ``arch``, in HF order: what :func:`megatron_to_hf` produces and
+    :func:`hf_to_megatron` reads (a tied model has no ``lm_head.weight`` here)."""
+    names = ["model.embed_tokens.weight"]
+    for i in range(arch.num_layers):
+        h = f"model.layers.{i}."
+        a = h + "self_attn."
+        names += [h + "input_layernorm.weight", a + "q_proj.weight", a + "k_proj.weight",
+                  a + "v_proj.weight"]
+        if arch.qkv_bias:
+            names += [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]
+        if arch.qk_norm:
+            names += [a + "q_norm.weight", a + "k_norm.weight"]
+        names += [a + "o_proj.weight", h + "post_attention_layernorm.weight",
+                  h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight",
+                  h + "mlp.down_proj.weight"]
+    names.append("model.norm.weight")
+    if not arch.tie_word_embeddings:
+        names.append("lm_head.weight")
+    return names
+
+
+def check_hf_names(names, arch: ArchSpec) -> None:
+    """A ValueError naming the weights a full HF state dict of ``arch`` lacks, and those the
+    megatron model has no place for (a feature the conversion does not know would otherwise
+    be dropped silently: different numbers, not an error). A tied model may carry its
+    ``lm_head.weight``."""
+    expected = hf_names(arch)
+    have = set(names)
+    missing = [n for n in expected if n not in have]
+    extra = sorted(have - set(expected) - ({"lm_head.weight"} if arch.tie_word_embeddings
+                                           else set()))
+    if missing or extra:
+        def few(xs):
+            return ", ".join(xs[:6]) + (f" (+{len(xs) - 6} more)" if len(xs) > 6 else "")
+        raise ValueError(
+            f"the HF weights do not fit the megatron {arch.model_type} model of this config"
+            + (f"; missing: {few(missing)}" if missing else "")
+            + (f"; not mapped to megatron (an unsupported feature?): {few(extra)}"
+               if extra else ""))
+
+
 def hf_to_megatron(hf: Mapping[str, Tensor], arch: ArchSpec, *, tp: int = 1, tp_rank: int = 0,
                    pp: int = 1, pp_rank: int = 0,
                    transformer_impl: str = "local") -> dict[str, Tensor]:
     """Full HF state dict -> the megatron state dict of shard (tp_rank, pp_rank).
 
-    ``_extra_state`` entries are not produced (load with :func:`load_megatron_state`).
+    Every weight of ``hf`` must map to megatron and none may be missing
+    (:func:`check_hf_names`). ``_extra_state`` entries are not produced (load with
+    :func:`load_megatron_state`).
     """
     arch.check_parallel(tp, pp)
+    check_hf_names(hf.keys(), arch)
     ln1, ln2 = _norm_names(transformer_impl)
     out: dict[str, Tensor] = {}
     embed = hf["model.embed_tokens.weight"]
