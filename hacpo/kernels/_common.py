@@ -21,7 +21,8 @@ def triton_available() -> bool:
 
 
 def interpreter_enabled() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """TRITON_INTERPRET is on, read as triton reads it (1/true/on/yes/y, any case)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes", "y")
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -51,6 +52,10 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def check_temperature(temperature: float) -> float:
+    """1 / temperature for a real number > 0 (a Python or numpy number, a 0-dim tensor; not a
+    string or a bool)."""
+    if isinstance(temperature, (str, bytes, bool)):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
     t = float(temperature)
     if not (math.isfinite(t) and t > 0):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
@@ -62,6 +67,8 @@ def check_logits_targets(logits: torch.Tensor, targets: torch.Tensor) -> None:
         raise ValueError(f"logits must be [T, V], got shape {tuple(logits.shape)}")
     if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"logits dtype must be float32/bfloat16/float16, got {logits.dtype}")
+    if logits.shape[1] == 0:
+        raise ValueError(f"logits must have V >= 1 columns, got shape {tuple(logits.shape)}")
     check_targets(targets, logits.shape[0], logits.device)
 
 
@@ -86,6 +93,45 @@ def vocab_layout(v_local: int, group) -> tuple[int, int]:
         return 0, v_local
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     return rank * v_local, world * v_local
+
+
+def shard_status(v_local: int, group, device: torch.device) -> torch.Tensor | None:
+    """Device tensor [2] = (widest, -narrowest) V-shard over the tp group, by one MAX all-reduce
+    of 2 numbers (validation only; no host sync here), or None without a group. Shards of unequal
+    width break the layout `vocab_layout` assumes and would give wrong log-probs silently."""
+    if group is None:
+        return None
+    st = torch.tensor([v_local, -v_local], dtype=torch.long, device=device)
+    dist.all_reduce(st, op=dist.ReduceOp.MAX, group=group)
+    return st
+
+
+class _NotDifferentiable(torch.autograd.Function):
+    """Identity on `grad` whose own backward raises. Like `once_differentiable`'s error node, but
+    connected to everything the gradient depends on (the saved inputs too, not only the
+    upstream grads), so that a double backward is an error even when the upstream grad is a
+    constant (e.g. `logp.sum()`), instead of silently missing the second-order terms."""
+
+    @staticmethod
+    def forward(ctx, grad, *depends_on):
+        return grad
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError("hacpo.kernels log-prob functions are differentiable once: their "
+                           "gradient is computed outside autograd, so a double backward "
+                           "(create_graph=True, then differentiating the gradient) is not "
+                           "supported; use the *_reference functions for higher-order gradients")
+
+
+def not_differentiable(grads: tuple, depends_on: tuple) -> tuple:
+    """Mark a custom backward's results as not differentiable (see `_NotDifferentiable`). A
+    no-op in an ordinary backward (grad mode is off there); only create_graph=True builds the
+    error nodes, and only for results whose inputs require grad."""
+    deps = [t for t in depends_on if isinstance(t, torch.Tensor)]
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in deps):
+        return grads
+    return tuple(None if gr is None else _NotDifferentiable.apply(gr, *deps) for gr in grads)
 
 
 def first_index(mask: torch.Tensor) -> torch.Tensor:
@@ -117,11 +163,22 @@ def cu_seqlens_status(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
 
 
 def raise_if_invalid(token_st: torch.Tensor | None, T: int, cu_st: torch.Tensor | None = None,
-                     cu_seqlens: torch.Tensor | None = None) -> None:
-    """The one host sync of validation: pull all flags in a single `.tolist()`."""
+                     cu_seqlens: torch.Tensor | None = None,
+                     shard_st: torch.Tensor | None = None) -> None:
+    """The one host sync of validation: pull all flags in a single `.tolist()`.
+    The shard check comes first: with unequal shards the other flags differ between ranks, while
+    the shard flags are the same on every rank, so every rank raises the same error."""
     parts = [s.to(torch.long).cpu() if s.device.type != "cpu" else s.to(torch.long)
-             for s in (token_st, cu_st) if s is not None]
+             for s in (shard_st, token_st, cu_st) if s is not None]
     flags = torch.cat(parts).tolist()
+    if shard_st is not None:
+        widest, narrowest = flags[0], -flags[1]
+        flags = flags[2:]
+        if widest != narrowest:
+            raise ValueError(f"tp_group: the vocab shards are {narrowest} to {widest} columns "
+                             "wide; they must be equal contiguous V-slices (rank r holds ids "
+                             "[r * V/tp, (r + 1) * V/tp)): pad the vocabulary to a multiple of "
+                             "the group size")
     if cu_st is not None:
         c0, clast, empty = flags[-3:]
         S = cu_seqlens.shape[0] - 1

@@ -20,6 +20,11 @@ pads V to a multiple of TP; the padding rows are the last global ids) has the lo
 ids >= vocab_size set to -inf in every chunk, forward and backward: they get probability 0 and
 zero gradient, and the log-probs are those of the real vocab_size-way softmax.
 
+Autocast: under `torch.autocast` the chunk logits are formed in the autocast dtype (as the
+model's lm_head would), and the backward recomputes them under that same autocast state, so the
+recomputed softmax matches the forward's lse; dlogits and the grad_hidden / grad_weight GEMMs
+are in the inputs' dtype (one more [C, V] buffer then).
+
 Memory: saved for backward = hidden, weight (inputs, not copies), targets, and the row max and
 log-sum-exp offset [T] f32 each. Peak extra = one chunk of logits [C, V] in the input dtype
 (overwritten in place by its dlogits in backward) + the torch path's float32 row-chunk, plus a
@@ -27,11 +32,15 @@ float32 [V, H] grad_weight accumulator when the weight is bf16/fp16.
 """
 from __future__ import annotations
 
+import contextlib
+import numbers
+
 import torch
 import torch.distributed as dist
 
-from hacpo.kernels._common import (check_targets, check_temperature, raise_if_invalid,
-                                   resolve_backend, token_status, vocab_layout)
+from hacpo.kernels._common import (check_targets, check_temperature, not_differentiable,
+                                   raise_if_invalid, resolve_backend, shard_status, token_status,
+                                   vocab_layout)
 from hacpo.kernels.logprobs import (allreduce_stats, finish, local_grad, local_stats,
                                     token_logprobs_reference)
 
@@ -54,6 +63,22 @@ def default_chunk_size(T: int, v_local: int, device: torch.device) -> int:
     # V=65536, H=1024 were 2.5x slower than the unchunked matmul; 512 rows are not).
     budget = 1 << 26 if device.type == "cuda" else 1 << 25
     return max(1, min(max(T, 1), budget // max(v_local, 1)))
+
+
+def _autocast_dtype(device: torch.device):
+    """The dtype autocast casts matmuls to on `device` right now, or None (off / unsupported)."""
+    dev = device.type
+    if torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return None
+
+
+def _autocast_as_in_forward(device: torch.device, dtype):
+    """Context for the backward's logits recompute: the forward's autocast state (dtype, or off
+    when None), whatever autocast state the backward itself runs under."""
+    if not torch.amp.is_autocast_available(device.type):
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
 
 
 class _FusedLinearLogProbs(torch.autograd.Function):
@@ -79,11 +104,20 @@ class _FusedLinearLogProbs(torch.autograd.Function):
         ent = ent if need_entropy else logp.new_empty(0)
         ctx.save_for_backward(hidden, weight, tlocal, m, ls)
         ctx.cfg = (inv_temp, chunk, backend, group, n_valid)
+        ctx.autocast_dtype = _autocast_dtype(hidden.device)   # the chunk logits' dtype if set
         ctx.mark_non_differentiable(ent)
         return logp, ent
 
     @staticmethod
     def backward(ctx, g, _g_ent):
+        with torch.no_grad():        # create_graph=True: still no graph through the kernels
+            grad_h, grad_w = _FusedLinearLogProbs._grads(ctx, g)
+        hidden, weight = ctx.saved_tensors[:2]
+        grad_h, grad_w = not_differentiable((grad_h, grad_w), (hidden, weight, g))
+        return grad_h, grad_w, None, None, None, None, None, None, None
+
+    @staticmethod
+    def _grads(ctx, g):
         hidden, weight, tlocal, m, ls = ctx.saved_tensors
         inv_temp, chunk, backend, group, n_valid = ctx.cfg
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -97,13 +131,17 @@ class _FusedLinearLogProbs(torch.autograd.Function):
         for c0 in range(0, T, chunk):
             c1 = min(c0 + chunk, T)
             h = hidden[c0:c1]
-            logits = h @ weight.t()
+            with _autocast_as_in_forward(hidden.device, ctx.autocast_dtype):
+                logits = h @ weight.t()                    # the forward's logits, bit for bit
             if n_valid < logits.shape[1]:
                 logits[:, n_valid:] = float("-inf")        # -> zero dlogits there
-            # dlogits overwrite the recomputed chunk logits: one [C, V] buffer per chunk
+            # dlogits overwrite the recomputed chunk logits: one [C, V] buffer per chunk (under
+            # autocast the logits are in its dtype: dlogits get their own buffer in the inputs')
+            out = logits if logits.dtype == weight.dtype else torch.empty(
+                logits.shape, dtype=weight.dtype, device=logits.device)
             dl = local_grad(backend, logits, tlocal[c0:c1], m[c0:c1], ls[c0:c1], g[c0:c1],
-                            inv_temp, out=logits)
-            del logits
+                            inv_temp, out=out)
+            del logits, out
             if need_h:
                 torch.mm(dl, weight, out=grad_h[c0:c1])
             if need_w:
@@ -115,7 +153,7 @@ class _FusedLinearLogProbs(torch.autograd.Function):
             dist.all_reduce(grad_h, op=dist.ReduceOp.SUM, group=group)
         if need_w and grad_w.dtype != weight.dtype:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None, None, None, None
+        return grad_h, grad_w
 
 
 def fused_linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -125,10 +163,12 @@ def fused_linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targ
     """hidden [T, H], weight [V, H] ([V/tp, H] with `tp_group`), targets [T] global ids ->
     logp [T] float32, differentiable w.r.t. hidden and weight (grads in their dtypes).
 
-    chunk_size: rows of T per chunk (None: about 4 Mi logits per chunk on CPU, 64 Mi on CUDA).
+    chunk_size: rows of T per chunk (None: about 32 Mi logits per chunk on CPU, 64 Mi on CUDA;
+    any value >= T is one chunk).
     return_entropy: also return the per-token entropy [T] (metric, not differentiable).
     validate: one host sync; ValueError naming the first bad row (target outside [0, V),
-    non-finite log-prob).
+    non-finite log-prob), and with `tp_group` for weight shards of unequal V (one extra
+    all-reduce of 2 numbers).
     vocab_size: the real vocabulary when weight is padded (global ids >= vocab_size are padding
     rows: logit -inf, zero gradient); None: every row is real.
     """
@@ -137,6 +177,8 @@ def fused_linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targ
                          f"{tuple(weight.shape)}")
     if hidden.dtype != weight.dtype:
         raise ValueError(f"hidden dtype {hidden.dtype} != weight dtype {weight.dtype}")
+    if hidden.device != weight.device:
+        raise ValueError(f"hidden on {hidden.device}, weight on {weight.device}")
     if hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be float32/bfloat16/float16, got {hidden.dtype}")
     check_targets(targets, hidden.shape[0], hidden.device)
@@ -157,10 +199,13 @@ def fused_linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targ
                          f"(vocab_size {vocab_size})")
     if chunk_size is None:
         chunk_size = default_chunk_size(T, weight.shape[0], hidden.device)
-    if int(chunk_size) < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or \
+            chunk_size < 1:
+        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+    shard_st = shard_status(weight.shape[0], tp_group, hidden.device) if validate else None
     logp, ent = _FusedLinearLogProbs.apply(hidden, weight, targets, inv_temp, int(chunk_size), be,
                                            tp_group, return_entropy, n_valid)
     if validate:
-        raise_if_invalid(token_status(targets, logp.detach(), int(vocab_size)), T)
+        raise_if_invalid(token_status(targets, logp.detach(), int(vocab_size)), T,
+                         shard_st=shard_st)
     return (logp, ent) if return_entropy else logp

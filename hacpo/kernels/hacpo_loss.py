@@ -13,8 +13,8 @@ import torch
 
 from hacpo.kernels.fused_linear import fused_linear_token_logprobs
 from hacpo.kernels.logprobs import segment_mean, sequence_mean_logprobs
-from hacpo.kernels._common import (cu_seqlens_status, raise_if_invalid, token_status,
-                                   vocab_layout)
+from hacpo.kernels._common import (cu_seqlens_status, raise_if_invalid, shard_status,
+                                   token_status, vocab_layout)
 
 
 def _policy_loss(new_lp, old_lp, advantages, is_self, omega, minibatch_index, divisor,
@@ -49,18 +49,22 @@ def hacpo_loss_from_hidden(hidden: torch.Tensor, weight: torch.Tensor, targets: 
                            advantages: torch.Tensor, is_self: torch.Tensor, omega: torch.Tensor, *,
                            minibatch_index: int, divisor=None, temperature: float = 1.0,
                            chunk_size: int | None = None, backend: str = "auto", tp_group=None,
-                           with_entropy: bool = False, validate: bool = True, **loss_kwargs):
+                           with_entropy: bool = False, validate: bool = True,
+                           vocab_size: int | None = None, **loss_kwargs):
     """Same as `hacpo_loss_from_logits` with logits = hidden [T, H] @ weight[V, H].T formed chunk
-    by chunk (never a full [T, V])."""
-    cu_st = cu_seqlens_status(cu_seqlens, hidden.shape[0]) if validate else None
+    by chunk (never a full [T, V]). vocab_size: the real vocabulary of a padded weight (a
+    Megatron one: rows past it get probability 0), as in `fused_linear_token_logprobs`."""
+    cu_st = cu_seqlens_status(cu_seqlens, hidden.shape[0])    # shape checks are eager
+    shard_st = shard_status(weight.shape[0], tp_group, hidden.device) if validate else None
     out = fused_linear_token_logprobs(hidden, weight, targets, temperature=temperature,
                                       chunk_size=chunk_size, backend=backend, tp_group=tp_group,
-                                      return_entropy=with_entropy, validate=False)
+                                      return_entropy=with_entropy, validate=False,
+                                      vocab_size=vocab_size)
     tok, ent = out if with_entropy else (out, None)
     if validate:   # one combined host sync for targets, non-finite rows and cu_seqlens
         _, v_global = vocab_layout(weight.shape[0], tp_group)
-        raise_if_invalid(token_status(targets, tok.detach(), v_global), hidden.shape[0], cu_st,
-                         cu_seqlens)
+        raise_if_invalid(token_status(targets, tok.detach(), vocab_size or v_global),
+                         hidden.shape[0], cu_st, cu_seqlens, shard_st=shard_st)
     new_lp = segment_mean(tok, cu_seqlens)
     return _policy_loss(new_lp, old_lp, advantages, is_self, omega, minibatch_index, divisor,
                         loss_kwargs, ent)

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from hacpo.kernels._common import (check_logits_targets, check_temperature, cu_seqlens_status,
-                                   raise_if_invalid, resolve_backend, token_status, vocab_layout)
+                                   not_differentiable, raise_if_invalid, resolve_backend,
+                                   shard_status, token_status, vocab_layout)
 
 # Float32 elements per row-chunk of the torch path (16 MiB): big enough to amortise per-op
 # overhead (measured: 4 MiB chunks were several times slower on 2 cores), small enough to keep
@@ -199,7 +200,8 @@ def finish(m, ls, tgt, ez):
 class _TokenLogProbs(torch.autograd.Function):
     """logits [T, V_local] -> (logp [T] f32, entropy [T] f32 or empty).
 
-    Only logp is differentiable; entropy is a metric (no gradient)."""
+    Only logp is differentiable; entropy is a metric (no gradient). Differentiable once: the
+    backward is not itself differentiable (double backward raises instead of dropping terms)."""
 
     @staticmethod
     def forward(ctx, logits, targets, inv_temp, backend, group, need_entropy):
@@ -219,7 +221,10 @@ class _TokenLogProbs(torch.autograd.Function):
         logits, tlocal, m, ls = ctx.saved_tensors
         if g is None or not ctx.needs_input_grad[0]:
             return (None,) * 6
-        dlogits = local_grad(ctx.backend, logits, tlocal, m, ls, g.contiguous(), ctx.inv_temp)
+        with torch.no_grad():        # create_graph=True: still no graph through the kernels
+            dlogits = local_grad(ctx.backend, logits, tlocal, m, ls, g.contiguous(),
+                                 ctx.inv_temp)
+        dlogits, = not_differentiable((dlogits,), (logits, g))
         return dlogits, None, None, None, None, None
 
 
@@ -239,14 +244,17 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: 
 
     return_entropy: also return the per-token entropy [T] float32 (a metric, not differentiable).
     validate: one host sync that raises ValueError for a target outside [0, V) or a non-finite
-    log-prob (NaN/+inf logits, -inf target logit), naming the first bad row. Pass False in a
-    hot loop to skip the sync.
+    log-prob (NaN/+inf logits, -inf target logit), naming the first bad row, and with
+    `tp_group` for V-shards of unequal width (one extra all-reduce of 2 numbers). Pass False in
+    a hot loop to skip the sync.
     """
     logits, inv_temp, be = _prepare(logits, targets, temperature, backend)
+    shard_st = shard_status(logits.shape[1], tp_group, logits.device) if validate else None
     logp, ent = _TokenLogProbs.apply(logits, targets, inv_temp, be, tp_group, return_entropy)
     if validate:
         _, v_global = vocab_layout(logits.shape[1], tp_group)
-        raise_if_invalid(token_status(targets, logp.detach(), v_global), logits.shape[0])
+        raise_if_invalid(token_status(targets, logp.detach(), v_global), logits.shape[0],
+                         shard_st=shard_st)
     return (logp, ent) if return_entropy else logp
 
 
@@ -267,15 +275,16 @@ def sequence_mean_logprobs(logits: torch.Tensor, targets: torch.Tensor, cu_seqle
     cu_seqlens[s]:cu_seqlens[s+1]) -> mean token log-prob per sequence [S] float32.
 
     return_entropy: also return the per-token entropy [T] (metric, not differentiable).
-    validate: one combined host sync for targets, non-finite rows and cu_seqlens (0 start,
-    ends at T, no zero-length sequence).
+    validate: one combined host sync for targets, non-finite rows, cu_seqlens (0 start,
+    ends at T, no zero-length sequence) and, with `tp_group`, equal V-shards.
     """
     logits, inv_temp, be = _prepare(logits, targets, temperature, backend)
     cu_st = cu_seqlens_status(cu_seqlens, logits.shape[0])    # shape checks are eager
+    shard_st = shard_status(logits.shape[1], tp_group, logits.device) if validate else None
     logp, ent = _TokenLogProbs.apply(logits, targets, inv_temp, be, tp_group, return_entropy)
     if validate:
         _, v_global = vocab_layout(logits.shape[1], tp_group)
         raise_if_invalid(token_status(targets, logp.detach(), v_global), logits.shape[0],
-                         cu_st, cu_seqlens)
+                         cu_st, cu_seqlens, shard_st=shard_st)
     out = segment_mean(logp, cu_seqlens)
     return (out, ent) if return_entropy else out

@@ -307,3 +307,46 @@ def tp_worker(rank: int, world: int, port: int, backend: str, dtype_name: str):
             (2.0 ** -7 if lowp else 1e-5) * float(pgw.float().abs().max()), "padded grad_weight"
     finally:
         dist.destroy_process_group()
+
+
+def tp_unequal_shards_worker(rank: int, world: int, port: int):
+    """V = 7 split 4 / 3: the kernels assume equal contiguous shards (rank r holds ids
+    [r * V/tp, (r + 1) * V/tp)); with validate=True every entry point must raise the same
+    ValueError on every rank (no rank continuing with silently wrong log-probs)."""
+    import os
+    import torch.distributed as dist
+    from hacpo.kernels import hacpo_loss_from_hidden, hacpo_loss_from_logits
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        grp = dist.new_group(list(range(world)))
+        T, V, H = 5, 7, 4
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(T, V, generator=gen)
+        h, w = torch.randn(T, H, generator=gen), torch.randn(V, H, generator=gen)
+        t = torch.tensor([0, 3, 4, 6, 2])
+        cu = torch.tensor([0, 2, T])
+        sl = slice(0, 4) if rank == 0 else slice(4, V)
+        S1 = torch.zeros(2)
+        loss_args = (S1, S1, torch.tensor([True, False]), torch.ones(2))
+        calls = {
+            "token_logprobs": lambda: token_logprobs(x[:, sl], t, tp_group=grp),
+            "sequence_mean_logprobs": lambda: sequence_mean_logprobs(x[:, sl], t, cu,
+                                                                     tp_group=grp),
+            "fused_linear": lambda: fused_linear_token_logprobs(h, w[sl], t, tp_group=grp),
+            "loss_from_logits": lambda: hacpo_loss_from_logits(
+                x[:, sl], t, cu, *loss_args, minibatch_index=0, tp_group=grp),
+            "loss_from_hidden": lambda: hacpo_loss_from_hidden(
+                h, w[sl], t, cu, *loss_args, minibatch_index=0, tp_group=grp),
+        }
+        for name, call in calls.items():
+            try:
+                call()
+            except ValueError as e:
+                assert "vocab shards are 3 to 4 columns wide" in str(e), (name, rank, str(e))
+            else:
+                raise AssertionError(f"{name} on rank {rank}: unequal shards not detected")
+    finally:
+        dist.destroy_process_group()

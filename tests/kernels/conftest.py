@@ -19,7 +19,8 @@ def triton_device():
         pytest.skip("triton is not installed")
     if torch.cuda.is_available():
         return "cuda"
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    from hacpo.kernels._common import interpreter_enabled    # imports torch only
+    if not interpreter_enabled():
         pytest.skip("no CUDA and TRITON_INTERPRET is not 1: Triton kernels cannot run here")
     from hacpo.kernels import _logprobs_triton
     if not _logprobs_triton.interpreter_active():

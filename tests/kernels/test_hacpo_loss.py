@@ -87,6 +87,34 @@ def test_loss_from_hidden_matches_engine():
     assert "entropy_mean" in metrics and metrics["entropy_mean"] > 0
 
 
+def test_loss_from_hidden_with_padded_weight():
+    """A weight padded past the real vocabulary (Megatron's TP padding) with ``vocab_size``:
+    the loss and gradients of the unpadded weight; the padding rows get zero gradient. Without
+    vocab_size the padding rows would enter the softmax (checked: another loss)."""
+    b = _batch()
+    V = b["weight"].shape[0]
+    padded = torch.cat([b["weight"], torch.randn(11, b["weight"].shape[1])]).requires_grad_()
+    w = b["weight"].clone().requires_grad_()
+    args = (b["targets"], b["cu"], b["old_lp"], b["adv"], b["is_self"], b["omega"])
+    h1, h2 = b["hidden"].clone().requires_grad_(), b["hidden"].clone().requires_grad_()
+    loss, _ = hacpo_loss_from_hidden(h1, padded, *args, minibatch_index=1, divisor=8,
+                                     chunk_size=7, vocab_size=V)
+    ref, _ = hacpo_loss_from_hidden(h2, w, *args, minibatch_index=1, divisor=8, chunk_size=7)
+    (loss + ref).backward()
+    assert torch.allclose(loss, ref, rtol=1e-6, atol=1e-7)
+    assert torch.allclose(h1.grad, h2.grad, rtol=1e-5, atol=1e-7)
+    assert torch.allclose(padded.grad[:V], w.grad, rtol=1e-5, atol=1e-7)
+    assert torch.count_nonzero(padded.grad[V:]) == 0
+    unpadded, _ = hacpo_loss_from_hidden(b["hidden"], padded.detach(), *args, minibatch_index=1,
+                                         divisor=8)
+    assert not torch.allclose(unpadded, ref, rtol=1e-3)
+    bad = b["targets"].clone()
+    bad[4] = V                                            # a padding id is no token
+    with pytest.raises(ValueError, match="target"):
+        hacpo_loss_from_hidden(b["hidden"], padded.detach(), bad, *args[1:], minibatch_index=1,
+                               vocab_size=V)
+
+
 def test_loss_rejects_empty_sequence():
     b = _batch()
     logits = b["hidden"] @ b["weight"].t()
@@ -98,3 +126,18 @@ def test_loss_rejects_empty_sequence():
     with pytest.raises(ValueError, match="sequence 1 has length 0"):
         hacpo_loss_from_hidden(b["hidden"], b["weight"], b["targets"], cu, b["old_lp"], b["adv"],
                                b["is_self"], b["omega"], minibatch_index=0)
+
+
+@pytest.mark.parametrize("cu, match", [([0.0, 10.0, 37.0], "integer"), ([37], r"\[S\+1\]")])
+def test_cu_seqlens_shape_and_dtype_checked_even_without_validate(cu, match):
+    """validate=False skips the host sync only: like sequence_mean_logprobs (and so
+    hacpo_loss_from_logits), hacpo_loss_from_hidden checks cu_seqlens' shape and dtype eagerly
+    (a float cu_seqlens was silently truncated, a [1] one failed deep in an index_add)."""
+    b = _batch()
+    args = (b["old_lp"][:2], b["adv"][:2], b["is_self"][:2], b["omega"][:2])
+    with pytest.raises(ValueError, match=match):
+        hacpo_loss_from_hidden(b["hidden"], b["weight"], b["targets"], torch.tensor(cu), *args,
+                               minibatch_index=0, validate=False)
+    with pytest.raises(ValueError, match=match):
+        hacpo_loss_from_logits(b["hidden"] @ b["weight"].t(), b["targets"], torch.tensor(cu),
+                               *args, minibatch_index=0, validate=False)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from hacpo.kernels import logprobs as LP
-from hacpo.kernels import (sequence_mean_logprobs, token_logprobs, token_logprobs_reference)
+from hacpo.kernels import (fused_linear_token_logprobs, sequence_mean_logprobs, token_logprobs,
+                           token_logprobs_reference)
 from hacpo.kernels._common import resolve_backend
 from tests.kernels import _checks as C
 
@@ -84,7 +85,9 @@ def _x(T=6, V=10):
     ("logits_1d", r"logits must be \[T, V\]"),
     ("float_targets", "integer"),
     ("int_logits", "dtype"),
+    ("zero_vocab", r"V >= 1"),
     ("temperature_zero", "temperature"),
+    ("temperature_string", r"temperature must be a finite number > 0, got '0.7'"),  # was taken
     ("bad_backend", "backend must be one of"),
 ])
 def test_invalid_token_inputs(case, match):
@@ -108,8 +111,12 @@ def test_invalid_token_inputs(case, match):
         t = t.float()
     elif case == "int_logits":
         x = x.long()
+    elif case == "zero_vocab":
+        x = x[:, :0]
     elif case == "temperature_zero":
         kw["temperature"] = 0.0
+    elif case == "temperature_string":
+        kw["temperature"] = "0.7"
     elif case == "bad_backend":
         kw["backend"] = "cuda"
     with pytest.raises(ValueError, match=match):
@@ -167,3 +174,37 @@ def test_three_way_check_catches_a_broken_kernel(monkeypatch, bug):
     with pytest.raises(AssertionError):
         C.check_token_logprobs(backend="torch", device="cpu", dtype=torch.bfloat16, T=64, V=781,
                                temperature=0.7)
+
+
+def _double_backward_cases():
+    x, t = _x()
+    h, w = torch.randn(6, 4), torch.randn(10, 4)
+    return {
+        "token_fp32": (lambda a: token_logprobs(a[0], t), [x]),
+        "token_bf16_temp": (lambda a: token_logprobs(a[0], t, temperature=0.7),
+                            [x.bfloat16()]),
+        "fused": (lambda a: fused_linear_token_logprobs(a[0], a[1], t, chunk_size=4), [h, w]),
+    }
+
+
+@pytest.mark.parametrize("case", ["token_fp32", "token_bf16_temp", "fused"])
+@pytest.mark.parametrize("upstream", ["sum", "square"])
+def test_double_backward_is_a_clear_error(case, upstream):
+    """The backward is not differentiable. create_graph=True must still give the first-order
+    grads; differentiating them again must raise, also when the upstream grad is a constant
+    (`logp.sum()`), where an error node on the upstream grads alone sees nothing requiring grad
+    and the second-order terms would silently be missing."""
+    fn, inputs = _double_backward_cases()[case]
+    ins = [a.detach().clone().requires_grad_() for a in inputs]
+    out = fn(ins)
+    grads = torch.autograd.grad(out.sum() if upstream == "sum" else out.pow(2).sum(), ins,
+                                create_graph=True)
+    ref_ins = [a.detach().clone().requires_grad_() for a in inputs]
+    ref = fn(ref_ins)
+    ref_grads = torch.autograd.grad(ref.sum() if upstream == "sum" else ref.pow(2).sum(),
+                                    ref_ins)
+    for a, b in zip(grads, ref_grads):
+        assert torch.equal(a.detach(), b)
+    second = sum(gr.float().pow(2).sum() for gr in grads) + sum(a.float().sum() for a in ins)
+    with pytest.raises(RuntimeError, match="differentiable once"):
+        second.backward()

@@ -3,7 +3,10 @@ interpreter is ~100x slower than torch)."""
 import pytest
 import torch
 
+from hacpo.kernels import token_logprobs
+from hacpo.kernels._common import resolve_backend
 from tests.kernels import _checks as C
+from tests.kernels.test_fused_linear import check_fused_linear_under_autocast
 
 pytestmark = pytest.mark.triton_interpret
 
@@ -39,6 +42,33 @@ def test_triton_sequence_mean(triton_device):
 def test_triton_fused_linear(triton_device, pad):
     C.check_fused_linear(backend="triton", device=triton_device, dtype=torch.float32, T=30, H=32,
                          V=1500, chunk_size=7, pad=pad)
+
+
+def test_triton_fused_linear_under_autocast(triton_device):
+    if triton_device != "cpu":
+        pytest.skip("checks CPU autocast (bf16)")
+    check_fused_linear_under_autocast("triton", T=12, H=16, V=200)
+
+
+def test_triton_double_backward_is_a_clear_error(triton_device):
+    """The kernel's gradient has no graph: with create_graph=True and a constant upstream grad
+    (logp.sum()), a second differentiation must raise, not silently drop the second-order
+    terms (the triton backward builds no autograd graph at all)."""
+    x = torch.randn(4, 9, device=triton_device, requires_grad=True)
+    t = torch.randint(0, 9, (4,), device=triton_device)
+    g, = torch.autograd.grad(token_logprobs(x, t, backend="triton").sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiable once"):
+        (g.pow(2).sum() + x.sum()).backward()
+
+
+@pytest.mark.parametrize("value", ["true", "ON", "yes"])
+def test_triton_interpret_read_as_triton_reads_it(triton_device, monkeypatch, value):
+    """TRITON_INTERPRET=true/on/yes switch triton's interpreter on as 1 does: backend='triton'
+    must then run on CPU, not raise that the interpreter is off."""
+    if triton_device != "cpu":
+        pytest.skip("the interpreter is a CPU matter")
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert resolve_backend("triton", torch.device("cpu")) == "triton"
 
 
 @pytest.mark.gpu

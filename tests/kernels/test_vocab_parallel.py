@@ -48,3 +48,10 @@ def test_vocab_parallel_two_gloo_ranks_triton(triton_device):
         pytest.skip("gloo all-reduce of CUDA tensors is not what this test checks; CPU only")
     # the spawned workers inherit TRITON_INTERPRET=1 from this process (set in conftest)
     mp.spawn(C.tp_worker, args=(2, _free_port(), "triton", "bfloat16"), nprocs=2, join=True)
+
+
+@pytest.mark.multiprocess
+def test_unequal_vocab_shards_are_an_error_on_every_rank():
+    # shards of 4 and 3 columns: rank 1's ids would be read as 3.. instead of 4.., giving wrong
+    # log-probs on rank 0 and a misleading "target out of range" on rank 1 (see the worker)
+    mp.spawn(C.tp_unequal_shards_worker, args=(2, _free_port()), nprocs=2, join=True)
