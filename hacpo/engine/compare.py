@@ -104,14 +104,15 @@ def with_algorithm(cfg: TrainConfig, algo: str, keep: dict | None = None) -> Tra
     out = preset(algo, {"num_minibatches": cfg.algorithm.num_minibatches, **keep})
     own = preset(algo)
     for key in preset_settings(algo):
-        if key in keep and _dotted(out, key) != _dotted(own, key):
-            raise ValueError(f"algorithm.{key}={_dotted(out, key)!r} contradicts the algorithm "
-                             f"preset {algo!r}, which sets {key}={_dotted(own, key)!r}: drop "
+        if key in keep and dotted(out, key) != dotted(own, key):
+            raise ValueError(f"algorithm.{key}={dotted(out, key)!r} contradicts the algorithm "
+                             f"preset {algo!r}, which sets {key}={dotted(own, key)!r}: drop "
                              f"the setting or compare another preset")
     return dataclasses.replace(cfg, algorithm=out)
 
 
-def _dotted(obj, key: str):
+def dotted(obj, key: str):
+    """``obj``'s attribute at the dotted path ``key`` (e.g. "loss.alpha")."""
     for part in key.split("."):
         obj = getattr(obj, part)
     return obj

@@ -22,6 +22,12 @@ def _check_count(key: str, v, low: int, note: str = "") -> None:
         raise ValueError(f"{key} must be an integer >= {low}{note}, got {v!r}")
 
 
+def _check_choice(key: str, v, choices) -> None:
+    """``v`` is one of ``choices``."""
+    if v not in choices:
+        raise ValueError(f"{key} must be one of {', '.join(choices)}, got {v!r}")
+
+
 def _check_range(key: str, v, ok: bool, allowed: str) -> None:
     """``ok``: ``v`` in range, computed by comparisons that are False for NaN (and raise a
     TypeError for a value that is no number, which configtools.from_dict turns into an error
@@ -137,15 +143,10 @@ class ParallelConfig:
         except ValueError as e:
             raise ValueError(f"parallel.{e}") from None
         _check_bucket_mb("parallel.weight_bucket_mb", self.weight_bucket_mb)
-        if self.transformer_impl not in ("local", "transformer_engine"):
-            raise ValueError(f"parallel.transformer_impl must be 'local' or "
-                             f"'transformer_engine', got {self.transformer_impl!r}")
-        if self.lm_head not in LM_HEADS:
-            raise ValueError(f"parallel.lm_head must be 'fused' or 'logits', got "
-                             f"{self.lm_head!r}")
-        if self.device not in PARALLEL_DEVICES:
-            raise ValueError(f"parallel.device must be one of {', '.join(PARALLEL_DEVICES)}, "
-                             f"got {self.device!r}")
+        _check_choice("parallel.transformer_impl", self.transformer_impl,
+                      ("local", "transformer_engine"))
+        _check_choice("parallel.lm_head", self.lm_head, LM_HEADS)
+        _check_choice("parallel.device", self.device, PARALLEL_DEVICES)
 
     @property
     def world(self) -> int:
@@ -224,14 +225,9 @@ HF_ONLY_POLICY_FIELDS = ("arch", "hf_config", "path")
 def _check_policy(p: PolicyConfig) -> None:
     """What build_policy would reject, or silently ignore, checked when the config loads."""
     where = f"agent {p.name!r}"
-    if p.kind not in ("decoder", "hf"):
-        raise ValueError(f"{where}: policy.kind must be 'decoder' or 'hf', got {p.kind!r}")
-    if p.lm_head not in LM_HEADS:
-        raise ValueError(f"{where}: policy.lm_head must be one of {', '.join(LM_HEADS)}, got "
-                         f"{p.lm_head!r}")
-    if p.dtype not in DTYPES:
-        raise ValueError(f"{where}: policy.dtype must be one of {', '.join(DTYPES)}, got "
-                         f"{p.dtype!r}")
+    _check_choice(f"{where}: policy.kind", p.kind, ("decoder", "hf"))
+    _check_choice(f"{where}: policy.lm_head", p.lm_head, LM_HEADS)
+    _check_choice(f"{where}: policy.dtype", p.dtype, DTYPES)
     if p.kind == "hf":
         if p.path is not None and p.hf_config:
             raise ValueError(f"{where}: policy.hf_config={p.hf_config!r} only applies to a "
@@ -378,8 +374,7 @@ class DataConfig:
     seed: int = 0                  # task/data seed: fixed across RL seeds so runs compare
 
     def __post_init__(self):
-        if self.task not in ("arithmetic", "files"):
-            raise ValueError(f"data.task must be 'arithmetic' or 'files', got {self.task!r}")
+        _check_choice("data.task", self.task, ("arithmetic", "files"))
         if self.task == "files" and not (self.train_path and (self.eval_path
                                                               or self.eval_size == 0)):
             raise ValueError("data.task='files' needs data.train_path and data.eval_path "
@@ -503,6 +498,36 @@ def gpu_needs(cfg: TrainConfig) -> tuple[int, int]:
     engines = len(cfg.agents) * r.engines_per_agent * r.engine_tp if (
         r.engine == "vllm" and r.device == "cuda" and not r.colocate) else 0
     return ranks, engines
+
+
+def rollout_cpus(cfg: TrainConfig) -> int:
+    """Ray CPUs the configured remote rollout pool reserves besides the trainers' (0:
+    in-process; colocated vLLM engines: theirs are in the trainer ranks' bundles,
+    :func:`colocated_engines`): ``rollout.engine=ray``: ``threads`` (>= 1) per actor,
+    ``engines_per_agent`` actors per agent; ``vllm``: ``engine_tp`` per engine."""
+    r, n = cfg.rollout, len(cfg.agents)
+    if r.engine == "ray":
+        return n * r.engines_per_agent * (cfg.threads if cfg.threads > 0 else 1)
+    if r.engine == "vllm" and not r.colocate:
+        return n * r.engines_per_agent * r.engine_tp
+    return 0
+
+
+def colocated_engines(cfg: TrainConfig) -> int:
+    """vLLM engines placed in the megatron trainer ranks' bundles (``rollout.colocate``; one
+    CPU each, in the bundle of the rank whose GPU the engine shares)."""
+    r = cfg.rollout
+    return len(cfg.agents) * r.engines_per_agent if r.engine == "vllm" and r.colocate else 0
+
+
+def trainer_cpus(cfg: TrainConfig) -> int:
+    """Ray CPUs the trainer actors reserve (``trainer_backend=ray``; 0 for "local", which
+    trains in the driver): ``threads`` (>= 1) per rank, one rank per plain agent and
+    ``tp * pp * dp`` per megatron agent, plus one per colocated vLLM engine."""
+    if cfg.trainer_backend != "ray":
+        return 0
+    ranks = sum(a.parallel.world if a.trainer == "megatron" else 1 for a in cfg.agents)
+    return ranks * (cfg.threads if cfg.threads > 0 else 1) + colocated_engines(cfg)
 
 
 # Keys that may change between a run and its resumption (they do not change the math).

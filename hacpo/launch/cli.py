@@ -23,7 +23,7 @@ def _train_config(args):
     ``--algorithm`` puts the run under that preset keeping the run preset's minibatch count
     and those settings (compare.with_algorithm), as compare and profile do for each of
     theirs."""
-    from hacpo.engine.compare import _dotted, with_algorithm
+    from hacpo.engine.compare import dotted, with_algorithm
     from hacpo.engine.configtools import parse_overrides
     from hacpo.engine.run_config import load_config
     from hacpo.engine.errors import user_errors
@@ -40,8 +40,8 @@ def _train_config(args):
                  for k in {**_yaml_overrides(args.config), **overrides}
                  if k.startswith("algorithm.")]
         base = load_config(args.preset).algorithm
-        keep = {k: _dotted(cfg.algorithm, k) for k in given
-                if k != "name" and _dotted(cfg.algorithm, k) != _dotted(base, k)}
+        keep = {k: dotted(cfg.algorithm, k) for k in given
+                if k != "name" and dotted(cfg.algorithm, k) != dotted(base, k)}
         if args.algorithm:
             if "name" in given and cfg.algorithm.name != base.name:
                 raise ValueError(f"algorithm.name={cfg.algorithm.name!r} and --algorithm "

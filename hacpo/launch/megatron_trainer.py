@@ -131,13 +131,14 @@ from hacpo.engine.losses import low_var_kl
 from hacpo.engine.pool import LearnerView, StepPool, scored_lengths
 from hacpo.engine.rollout import agents_at_once
 from hacpo.engine.timing import device_sync
+from hacpo.engine.run_config import colocated_engines, rollout_cpus, trainer_cpus
 from hacpo.engine.update import NonFiniteUpdateError, _minibatch_metrics, _pad
 from hacpo.models.buckets import (bucket_bytes_of, check_bucket_shapes, copy_buckets,
                                   plan_buckets)
 from hacpo.models.policy import Policy
 
-from .ray_trainer import (TrainerActor, actor_update, colocated_engines, draw_minibatches,
-                          drawn_update_result, rollout_cpus)
+from .ray_trainer import (TrainerActor, actor_update, draw_minibatches,
+                          drawn_update_result)
 
 log = logging.getLogger("hacpo")
 
@@ -749,7 +750,7 @@ class MegatronAgents:
         self._published: list[list | None] = [None] * len(policies)
         self.cluster: RayCluster | None = None
         worlds = [a.parallel.world if a.trainer == "megatron" else 1 for a in cfg.agents]
-        need = sum(worlds) * self.threads + colocated_engines(cfg)     # their CPU in a bundle
+        need = trainer_cpus(cfg)          # the ranks' threads + colocated engines' CPU
         self.cluster = connect(cfg.rollout.ray_address, timeout_s=timeout_s,
                                num_cpus=max(need + rollout_cpus(cfg), os.cpu_count() or 1),
                                weights=weight_bytes(policies))

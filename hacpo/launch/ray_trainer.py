@@ -52,6 +52,7 @@ from hacpo.engine.evaluate import evaluate_policy
 from hacpo.engine.pool import LearnerView, StepPool, score_responses
 from hacpo.engine.rewards import RewardComputer
 from hacpo.engine.rollout import agents_at_once
+from hacpo.engine.run_config import rollout_cpus, trainer_cpus
 from hacpo.engine.timing import Stopwatch, device_sync
 from hacpo.engine.update import NonFiniteUpdateError, replay_nonfinite, update_learner
 from hacpo.models.policy import Policy
@@ -212,25 +213,6 @@ class TrainerActor:
         return os.getpid()
 
 
-def rollout_cpus(cfg) -> int:
-    """CPUs the configured remote rollout pool reserves on the same cluster besides the
-    trainers' (0: in-process; colocated vLLM engines: theirs are in the trainer ranks'
-    bundles, :func:`colocated_engines`)."""
-    r, n = cfg.rollout, len(cfg.agents)
-    if r.engine == "ray":
-        return n * r.engines_per_agent * (cfg.threads if cfg.threads > 0 else 1)
-    if r.engine == "vllm" and not r.colocate:
-        return n * r.engines_per_agent * r.engine_tp
-    return 0
-
-
-def colocated_engines(cfg) -> int:
-    """vLLM engines placed in the megatron trainer ranks' bundles (``rollout.colocate``; one
-    CPU each, in the bundle of the rank whose GPU the engine shares)."""
-    r = cfg.rollout
-    return len(cfg.agents) * r.engines_per_agent if r.engine == "vllm" and r.colocate else 0
-
-
 class RayAgents:
     """The agent group over :class:`TrainerActor` s (see the module docstring); the same
     methods as :class:`hacpo.engine.agents.LocalAgents`.
@@ -256,7 +238,7 @@ class RayAgents:
         self._actors: list[Any] = []
         self._pgs: list[Any] = []
         self._closed = False
-        need = len(policies) * self.threads
+        need = trainer_cpus(cfg)       # threads per agent's actor
         # A private cluster holds the trainer groups and the remote rollout pool that joins it.
         self.cluster: RayCluster | None = None
         self.cluster = connect(cfg.rollout.ray_address, timeout_s=timeout_s,

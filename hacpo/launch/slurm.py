@@ -98,23 +98,39 @@ def _check_run_dir(cfg, resume: bool) -> None:
 
 
 def cluster_needs(cfg) -> dict[str, float]:
-    """Ray resources the run needs that can be known from the config alone.
+    """Ray resources the run needs that can be known from the config alone: CPUs for the
+    trainer actors (``trainer_backend=ray``) and the remote rollout pool
+    (:func:`hacpo.engine.run_config.trainer_cpus`, :func:`~hacpo.engine.run_config.rollout_cpus`),
+    GPUs (:func:`hacpo.engine.run_config.gpu_needs`)."""
+    from hacpo.engine.run_config import gpu_needs, rollout_cpus, trainer_cpus
 
-    ``rollout.engine=ray`` places one actor bundle of ``threads`` (>= 1) CPUs per agent per
-    ``rollout.engines_per_agent`` (:class:`hacpo.launch.ray_rollout.RayRolloutEngine`);
-    ``vllm`` one ``rollout.engine_tp``-CPU engine actor per agent per engine
-    (``hacpo.launch.vllm_rollout``). GPUs: :func:`hacpo.engine.run_config.gpu_needs`."""
-    from hacpo.engine.run_config import gpu_needs
-
-    r = cfg.rollout
     need = {}
-    if r.engine == "ray":
-        need["CPU"] = len(cfg.agents) * r.engines_per_agent * max(cfg.threads, 1)
-    if r.engine == "vllm":
-        need["CPU"] = len(cfg.agents) * r.engines_per_agent * r.engine_tp
+    if trainer_cpus(cfg) + rollout_cpus(cfg):
+        need["CPU"] = trainer_cpus(cfg) + rollout_cpus(cfg)
     if sum(gpu_needs(cfg)):
         need["GPU"] = sum(gpu_needs(cfg))
     return need
+
+
+def _cpu_parts(cfg) -> str:
+    """What the run's Ray CPUs are for, e.g. "3 for trainer actors (trainer_backend=ray, 3 ranks
+    x threads=1) + 3 for its rollout.engine=ray actors (3 agents x engines_per_agent=1 x 1)"."""
+    from hacpo.engine.run_config import colocated_engines, rollout_cpus, trainer_cpus
+    r, n = cfg.rollout, len(cfg.agents)
+    threads = cfg.threads if cfg.threads > 0 else 1
+    parts = []
+    if trainer_cpus(cfg):
+        ranks = (trainer_cpus(cfg) - colocated_engines(cfg)) // threads
+        parts.append(f"{trainer_cpus(cfg)} for trainer actors (trainer_backend=ray, {ranks} "
+                     f"ranks x threads={threads}"
+                     + (f" + {colocated_engines(cfg)} colocated vLLM engines"
+                        if colocated_engines(cfg) else "") + ")")
+    if rollout_cpus(cfg):
+        per = threads if r.engine == "ray" else r.engine_tp
+        parts.append(f"{rollout_cpus(cfg)} for its rollout.engine={r.engine} actors ({n} "
+                     f"agents x rollout.engines_per_agent={r.engines_per_agent} x {per} CPU"
+                     + (" (threads)" if r.engine == "ray" else " (rollout.engine_tp)") + ")")
+    return " + ".join(parts)
 
 
 def check_resources(cfg, nodes: int, cpus_per_node: int | None, gpus_per_node: int) -> None:
@@ -127,11 +143,9 @@ def check_resources(cfg, nodes: int, cpus_per_node: int | None, gpus_per_node: i
     need = cluster_needs(cfg)
     if cpus_per_node is not None and need.get("CPU", 0) > nodes * cpus_per_node:
         raise LaunchError(
-            f"the run needs {need['CPU']:g} Ray CPUs for its rollout.engine="
-            f"{cfg.rollout.engine} actors ({len(cfg.agents)} agents x "
-            f"rollout.engines_per_agent={cfg.rollout.engines_per_agent}) but {nodes} node(s) "
+            f"the run needs {need['CPU']:g} Ray CPUs ({_cpu_parts(cfg)}) but {nodes} node(s) "
             f"x --cpus-per-node {cpus_per_node} give {nodes * cpus_per_node}; add nodes or "
-            f"CPUs, or lower rollout.engines_per_agent")
+            f"CPUs, or lower threads or rollout.engines_per_agent")
     if need.get("GPU", 0) > nodes * gpus_per_node:
         from hacpo.engine.run_config import gpu_needs
 

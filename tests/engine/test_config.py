@@ -150,7 +150,7 @@ def test_weight_bucket_sizes_are_resumable_and_validated():
     with pytest.raises(ValueError, match=r"policy.lm_head must be one of logits, fused, got "
                                          r"'full'"):
         cfg.override({"agents.1.policy.lm_head": "full"})
-    with pytest.raises(ValueError, match=r"parallel.lm_head must be 'fused' or 'logits', got "
+    with pytest.raises(ValueError, match=r"parallel.lm_head must be one of logits, fused, got "
                                          r"'full'"):
         cfg.override({"agents.0.parallel.lm_head": "full"})
     # the layout's tp / pp / dp and optimizer kind may change (the trainer moves the

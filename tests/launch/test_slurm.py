@@ -3,6 +3,7 @@ a real two-node Slurm on localhost (tools/local-slurm/: slurmctld + two slurmd, 
 127.0.0.2/127.0.0.3), started and stopped by this module."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -192,6 +193,12 @@ _HF_AGENTS = ("--set", *(f"agents.{k}.policy.{f}" for k in range(3)
     (["--set", "rollout.engine=local"], "rollout.engine=... is set by the launcher"),
     (["--set", "rollout.group_size=0"], "group_size"),
     (["--cpus-per-node", "1"], "needs 3 Ray CPUs"),      # tiny3: 3 agents x 1 actor x 1 CPU
+    # the trainer actors count too (before: only the rollout pool; the job then waited 60 s
+    # for a placement group)
+    (["--cpus-per-node", "5", "--set", "trainer_backend=ray"],
+     "the run needs 6 Ray CPUs (3 for trainer actors (trainer_backend=ray, 3 ranks x "
+     "threads=1) + 3 for its rollout.engine=ray actors (3 agents x "
+     "rollout.engines_per_agent=1 x 1 CPU (threads))) but 1 node(s) x --cpus-per-node 5 give 5"),
     # 3 agents x 1 vLLM engine on cuda + 2 megatron ranks on cuda
     (["--rollout-engine", "vllm", "--gpus-per-node", "4", "--set", "rollout.device=cuda",
       "trainer_backend=ray", *_HF_AGENTS[1:],
@@ -339,6 +346,84 @@ def test_two_node_slurm_job_trains(local_slurm, tmp_path):
     assert not Path(f"/tmp/hacpo-slurm-ray-{_job_id(r.stdout)}").exists()
 
 
+def _scontrol(env: dict, *args: str) -> str:
+    r = subprocess.run(["scontrol", *args], env={**os.environ, **env}, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, f"scontrol {' '.join(args)}: {r.stdout}{r.stderr}"
+    return r.stdout
+
+
+def _wait_for(what: str, ok, timeout_s: float, poll_s: float = 0.5) -> None:
+    deadline = time.time() + timeout_s
+    while not ok():
+        assert time.time() < deadline, f"{what}: not within {timeout_s:g}s"
+        time.sleep(poll_s)
+
+
+@pytest.mark.slurm
+def test_requeued_slurm_job_resumes_the_run(local_slurm, tmp_path):
+    """A job Slurm requeues mid-run (what a preemption or a node failure does; here `scontrol
+    requeue`) starts over from its script: a new Ray cluster (new token), and the driver
+    resumes from the last checkpoint instead of refusing the run dir that holds it; the
+    steps continue where the checkpoint left them."""
+    out = tmp_path / "run"
+    args = tiny_run_args(out, tmp_path)
+    args[args.index("steps=2")] = "steps=1000"
+    args.append("checkpoint_every=1")                       # still under --set
+    r = hacpo(["launch", "slurm", "--nodes", "2", "--cpus-per-node", "2",
+               "--object-store-mb", "200", "--ray-port", str(free_port("127.0.0.2")),
+               "--ray-timeout", "240", *args], env={**local_slurm, **INHERITED_RAY_ENV},
+              timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    job = _job_id(r.stdout)
+    job_out = out / "slurm" / f"slurm-{job}.out"
+    metrics = out / "metrics.jsonl"
+
+    def steps() -> list[int]:
+        text = metrics.read_text() if metrics.exists() else ""
+        return [json.loads(ln)["step"] for ln in text.splitlines() if ln.endswith("}")]
+    try:
+        t0 = time.time()
+        _wait_for("two steps and a checkpoint",
+                  lambda: len(steps()) >= 2 and (out / "checkpoint.pt").exists(), 300)
+        print(f"requeue test: 2 steps after {time.time() - t0:.0f}s")
+        _scontrol(local_slurm, "requeue", job)
+        # Slurm holds a requeued job back for a while (BeginTime): let it start at once
+        _wait_for("the job back in the queue", lambda: _state(local_slurm, job) == "PENDING",
+                  120)
+        show = _scontrol(local_slurm, "show", "job", job)
+        fields = re.findall(r"(?:JobState|Reason|StartTime|Restarts)=\S+", show)
+        print(f"requeue test: requeued after {time.time() - t0:.0f}s: {fields}")
+        _scontrol(local_slurm, "update", f"JobId={job}", "StartTime=now")
+        _wait_for("the resumed driver", lambda: job_out.exists() and "[resume]" in
+                  job_out.read_text(), 300)
+        log = job_out.read_text()
+        print(f"requeue test: resumed after {time.time() - t0:.0f}s")
+        assert "restart 1 of this job: the driver resumes the run" in log, log
+        m = re.search(r"\[resume\] \S+checkpoint.pt at step (\d+)", log)
+        assert m, log
+        resumed_at = int(m.group(1))
+        assert resumed_at >= 1
+        _wait_for("a step after the resume", lambda: len(steps()) > resumed_at + 1, 300)
+        got = steps()
+        print(f"requeue test: step {resumed_at + 1} after {time.time() - t0:.0f}s")
+        # the metrics of the steps past the checkpoint were redone, not duplicated
+        assert got == list(range(len(got))), got
+    finally:
+        subprocess.run(["scancel", "--full", "--signal=TERM", job],
+                       env={**os.environ, **local_slurm}, timeout=60)
+        _wait_for("the job to end", lambda: (_state(local_slurm, job) or "X") not in
+                  ("RUNNING", "PENDING", "COMPLETING", "REQUEUED"), 150, 1)
+    assert not processes_mentioning(f"hacpo-slurm-ray-{job}")
+
+
+def _state(env: dict, job: str) -> str | None:
+    r = subprocess.run(["scontrol", "show", "job", "-o", job], env={**os.environ, **env},
+                       capture_output=True, text=True, timeout=60)
+    m = re.search(r"JobState=(\S+)", r.stdout)
+    return m.group(1) if m else None
+
+
 @pytest.mark.slurm
 def test_slurm_job_whose_ray_does_not_start_in_time_fails(local_slurm, tmp_path):
     """A 1 s Ray deadline: the job prints which node timed out and ends FAILED (exit 1);
@@ -444,7 +529,12 @@ def test_gpu_needs_count_ranks_and_engines_of_their_own():
     cuda = cfg.override({"rollout.device": "cuda", "rollout.engines_per_agent": 2})
     assert gpu_needs(cuda) == (4, 6) and cluster_needs(cuda)["GPU"] == 10
     tp = cuda.override({"rollout.engine_tp": 2})      # vLLM TP: GPUs and CPUs per engine
-    assert gpu_needs(tp) == (4, 12) and cluster_needs(tp)["CPU"] == 12
+    # CPUs: 4 megatron ranks x threads=1, + 3 agents x 2 engines x engine_tp 2
+    assert gpu_needs(tp) == (4, 12) and cluster_needs(tp)["CPU"] == 4 + 12
+    # colocated engines: one CPU each in their rank's bundle, no pool of their own
+    co = cuda.override({"rollout.colocate": True, "rollout.engines_per_agent": 1})
+    assert cluster_needs(co)["CPU"] == 4 + 3
+    assert cluster_needs(cuda.override({"threads": 2}))["CPU"] == 4 * 2 + 6
     assert gpu_needs(cuda.override({"rollout.colocate": True,
                                     "rollout.engines_per_agent": 1})) == (4, 0)
     assert "GPU" not in cluster_needs(load_config("tiny3"))
@@ -455,7 +545,7 @@ def test_colocated_engine_cpus_are_counted_once_in_their_ranks_bundles():
     (only the first engines_per_agent bundles), and are not counted again as a rollout pool."""
     from hacpo.engine.run_config import load_config
     from hacpo.launch.megatron_trainer import rank_bundles
-    from hacpo.launch.ray_trainer import colocated_engines, rollout_cpus
+    from hacpo.engine.run_config import colocated_engines, rollout_cpus
 
     mega = {f"agents.{k}.{key}": v for k in range(2) for key, v in (
         ("policy.kind", "hf"), ("policy.arch", "llama"), ("trainer", "megatron"),
