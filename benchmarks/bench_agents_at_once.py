@@ -10,8 +10,8 @@ tiny3's ``max_len`` (128) bounds a prompt plus ``--max-new-tokens``. Each run is
 cache); ``--runs`` pairs, the order alternating. Every metric but wall times must be
 identical between the modes (the samples and updates do not depend on the mode: checked,
 exit 1 otherwise). Per mode, over every step but each run's first: p20 / p50 / p80 seconds
-of the phases ``time/generate``, ``time/update``, ``time/sync`` and of ``time/step``, and the
-ratio of medians; with RESULTS_DIR writes ``agents_at_once.json`` there.
+of the phases ``time/generate``, ``time/old_logprobs``, ``time/update``, ``time/sync`` and of
+``time/step``, and the ratio of medians; with RESULTS_DIR writes ``agents_at_once.json`` there.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ if ROOT not in sys.path:
 
 from benchmarks._timing import QUANTILES, pct, percentiles  # noqa: E402
 
-PHASES = ("time/generate", "time/update", "time/sync", "time/step")
+PHASES = ("time/generate", "time/old_logprobs", "time/update", "time/sync", "time/step")
 MODES = {"at once": True, "one after another": False}
 
 

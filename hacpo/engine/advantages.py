@@ -34,15 +34,23 @@ def _groups(prompt: torch.Tensor) -> tuple[torch.Tensor, int]:
 def _group_stats(r: torch.Tensor, g: torch.Tensor, num_groups: int, eps: float):
     """Per-group count [P], mean [P], sigma [P] (unbiased std + eps; 0 + eps for size-1 groups),
     and whether the group's rewards are all equal [P] bool."""
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0 (a uniform or one-sample group's sigma is eps), got "
+                         f"{eps}")
     cnt = torch.bincount(g, minlength=num_groups).to(r.dtype)
     mean = torch.zeros(num_groups, dtype=r.dtype, device=r.device).index_add_(0, g, r) / cnt
+    hi = torch.full_like(mean, -torch.inf).scatter_reduce_(0, g, r, "amax")
+    lo = torch.full_like(mean, torch.inf).scatter_reduce_(0, g, r, "amin")
+    uniform = hi == lo
+    # a uniform group's mean is its value exactly: sum / count rounds (e.g. 8 x 0.1 in float32
+    # gives 0.1 + 7e-9, i.e. |A| ~ 7e-3 after dividing by sigma = eps), and SPEC requires
+    # uniform-reward groups to give zero advantages
+    mean = torch.where(uniform, hi, mean)
     dev2 = (r - mean[g]).square()
     ss = torch.zeros_like(mean).index_add_(0, g, dev2)
     var = torch.where(cnt > 1, ss / (cnt - 1).clamp_min(1), torch.zeros_like(ss))
     sigma = var.sqrt() + eps
-    hi = torch.full_like(mean, -torch.inf).scatter_reduce_(0, g, r, "amax")
-    lo = torch.full_like(mean, torch.inf).scatter_reduce_(0, g, r, "amin")
-    return cnt, mean, sigma, hi == lo
+    return cnt, mean, sigma, uniform
 
 
 def group_advantages(rewards: torch.Tensor, prompt: torch.Tensor, *, eps: float = D.ADV_EPS,

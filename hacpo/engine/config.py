@@ -51,7 +51,8 @@ class AdvantageConfig:
     capability_baseline: bool = True  # off: every w_i = 1 (plain mean baseline over the pool)
 
     def __post_init__(self):
-        _require(self.eps >= 0, f"advantage.eps must be >= 0, got {self.eps}")
+        _require(self.eps > 0, f"advantage.eps must be > 0 (a uniform or one-sample group's "
+                                f"sigma is eps), got {self.eps}")
         _require(self.cross_baseline in D.CROSS_BASELINES,
                  f"advantage.cross_baseline {self.cross_baseline!r} unknown; choose one of "
                  f"{D.CROSS_BASELINES}")

@@ -167,6 +167,17 @@ def grpo_policy_loss(token_logp: torch.Tensor, old_token_logp: torch.Tensor, mas
     return loss, metrics
 
 
+def kl_numerator(kl: torch.Tensor, mask: torch.Tensor, token_level: bool) -> torch.Tensor:
+    """The KL penalty of a batch of self rows before the minibatch's divisor, aggregated as the
+    policy loss is: ``kl`` [B] per-sequence means (:func:`low_var_kl`), ``mask`` [B, T]. A
+    token-level loss (grpo: token-mean, divisor = the minibatch's tokens) sums the estimator
+    over tokens; a sequence-level one (gspo, hacpo: divisor = its sequences) sums the
+    per-sequence means. -> scalar."""
+    if token_level:
+        return (kl * mask.to(kl.dtype).sum(-1)).sum()
+    return kl.sum()
+
+
 def low_var_kl(token_logp: torch.Tensor, ref_token_logp: torch.Tensor,
                mask: torch.Tensor) -> torch.Tensor:
     """Per-sequence mean of the low-variance KL estimator k3 = exp(ref-lp) - (ref-lp) - 1,

@@ -205,7 +205,8 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
                 pool.rewards, rstats = score_batch(rc, pool, [e.answer for e in batch], names)
             tracker.update(pool.rewards, pool.agent)
             ratios = tracker.ratios()
-            agents.old_logprobs(pool, prompt_ids, cfg.micro_batch, score_temperature(cfg), sw)
+            with sw("time/old_logprobs"):
+                agents.old_logprobs(pool, prompt_ids, cfg.micro_batch, score_temperature(cfg), sw)
             metrics: dict[str, float] = {}
             retok = RetokStats()
             views = []

@@ -13,7 +13,7 @@ import torch
 
 from .algorithm import learner_loss, split_minibatches
 from .config import AlgorithmConfig
-from .losses import low_var_kl
+from .losses import kl_numerator, low_var_kl
 from .pool import LearnerView
 from .timing import null_timer
 
@@ -136,7 +136,7 @@ def update_learner(algo: AlgorithmConfig, policy, optimizer, view: LearnerView, 
                         ref_tl, _ = ref_policy.response_logprobs(prompts, resps,
                                                                  temperature=temperature)
                     kl = low_var_kl(tl, ref_tl, mask)
-                    loss = loss + kl_coef * kl.sum() / divisor
+                    loss = loss + kl_coef * kl_numerator(kl, mask, algo.token_level) / divisor
                     kl_sum = kl_sum + kl.detach().sum()
             with timer(f"backward_{part}"):
                 if loss.requires_grad:

@@ -57,7 +57,8 @@ with ``eval_engine = "rollout"`` on the rollout engines (e.g. vLLM; hacpo/engine
 The KL term (``loss.kl_coef > 0``, self samples only, as in-process): every rank also holds a
 frozen shard of the initial (warm-started) weights, the reference policy; its token log-probs of
 the agent's own samples are computed with the old log-probs (``time/ref_logprobs/<agent>``),
-once per step, and the ranks add ``kl_coef * low_var_kl / divisor`` to the self rows' loss.
+once per step, and the ranks add ``kl_coef * kl_numerator(low_var_kl) / divisor`` to the self rows'
+loss (as update_learner does).
 The reference never changes, so at the run's first save every rank writes its shard of it once
 (``<out_dir>/checkpoint-megatron/<agent>/reference-<id>/rank-<i>.pt``, atomic) and every
 checkpoint names those files with their sizes; a resumed run's ranks read their own shard (a
@@ -127,7 +128,7 @@ from hacpo.engine.algorithm import learner_loss, split_minibatches
 from hacpo.engine.batching import balanced_shares, pack_micro_batches
 from hacpo.engine.agents import score_temperature
 from hacpo.engine.evaluate import evaluate_policy
-from hacpo.engine.losses import low_var_kl
+from hacpo.engine.losses import kl_numerator, low_var_kl
 from hacpo.engine.pool import LearnerView, StepPool, scored_lengths
 from hacpo.engine.rollout import agents_at_once
 from hacpo.engine.timing import device_sync
@@ -588,7 +589,7 @@ class MegatronRank:
             ref = _pad([req["ref_token_logp"][i] for i in pool_idx.tolist()],
                        tl.shape[1]).to(dev)
             kl = low_var_kl(tl, ref, msk)
-            loss = loss + req["kl_coef"] * kl.sum() / divisor
+            loss = loss + req["kl_coef"] * kl_numerator(kl, msk, algo.token_level) / divisor
             kl_cpu = kl.detach().cpu()                   # one device-to-host copy each
             for i, j in enumerate(js):
                 ctx["kl"][j] = kl_cpu[i]

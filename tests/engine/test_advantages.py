@@ -121,6 +121,30 @@ def test_uniform_groups_give_zero_advantages():
         assert torch.equal(group_advantages(r, p), torch.zeros(8, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("val", [0.1, 0.3, 0.7, 0.9])
+@pytest.mark.parametrize("size", [8, 12, 16])
+def test_uniform_float32_groups_give_exactly_zero(val, size):
+    """Fractional uniform rewards in float32 (the trainer's dtype): sum / count rounds away from
+    the value (8 x 0.1 -> 0.1 + 7e-9), which sigma = eps blew up to |A| ~ 1e-2..1e-1."""
+    r = torch.full((size,), val, dtype=torch.float32)
+    p = torch.zeros(size, dtype=torch.long)
+    a = torch.arange(size) % 2
+    assert torch.equal(group_advantages(r, p), torch.zeros(size))
+    for learner in (0, 1):
+        assert torch.equal(hacpo_advantages(r, p, a, learner=learner, ratios=OMEGA2),
+                           torch.zeros(size))
+
+
+@pytest.mark.parametrize("eps", [0.0, -1e-6, float("nan")])
+def test_eps_must_be_positive(eps):
+    """eps = 0 made uniform and one-sample groups 0 / 0 = NaN advantages."""
+    r, p = torch.tensor([1.0, 1.0, 0.5]), torch.tensor([0, 0, 1])
+    with pytest.raises(ValueError, match="eps must be > 0"):
+        group_advantages(r, p, eps=eps)
+    with pytest.raises(ValueError, match="eps must be > 0"):
+        hacpo_advantages(r, p, torch.tensor([0, 1, 0]), learner=0, ratios=OMEGA2, eps=eps)
+
+
 def test_single_sample_groups_are_finite_zero():
     r = torch.tensor([1.0, 0.0, 1.0])
     p = torch.tensor([0, 1, 2])

@@ -49,6 +49,8 @@ def _yaml(tmp_path, text: str) -> str:
     ("agents.0.optim.beta2", "-0.5", r"optim.beta2 must be in \[0, 1\), got -0.5"),
     ("agents.0.optim.grad_clip", "nan", r"optim.grad_clip must be >= 0 \(0: no clipping\), "
                                         r"got nan"),
+    ("algorithm.advantage.eps", "0", r"advantage.eps must be > 0 \(a uniform or one-sample "
+                                     r"group's sigma is eps\), got 0"),
     ("agents.0.policy.n_layers", "0", r"policy.n_layers must be an integer >= 1, got 0"),
     ("agents.0.policy.max_len", "0", r"policy.max_len must be an integer >= 1, got 0"),
     ("agents.0.policy.dtype", "fp8", r"policy.dtype must be one of float32, bfloat16, "

@@ -46,6 +46,9 @@ def test_two_step_run_three_tokenizers(tmp_path):
                                                     "backward_self", "backward_cross",
                                                     "optimizer"))
         assert parts <= r[f"time/update/{name}"] <= r["time/step"]
+        # the phases: all agents' wall time (one after another here: at least each agent's)
+        for phase in ("generate", "old_logprobs", "update", "sync"):
+            assert r[f"time/{phase}/{name}"] <= r[f"time/{phase}"] <= r["time/step"], phase
         assert r[f"tokens/generated/{name}"] > 0
         assert r[f"tokens/scored_self/{name}"] > 0
         for row in rows:   # cross samples can all be dropped (unencodable) for a learner

@@ -102,3 +102,45 @@ def test_stages_are_timed(setup):
     _run(pol, view_self, lp_old, p_of, micro_batch=4, timer=sw.scoped("time/", "/p"),
          algo="gspo")
     assert "time/score_cross/p" not in sw and sw["time/score_self/p"] > 0
+
+
+@pytest.mark.parametrize("algo", ["grpo", "gspo"])
+def test_kl_term_is_aggregated_like_the_policy_loss(setup, algo):
+    """The KL penalty is averaged as the loss is: over tokens for grpo's token-mean loss (before:
+    per-sequence means divided by the token count, ~the mean response length too small), over
+    sequences for gspo's sequence-mean loss. The update's loss (before its step) is the policy
+    loss plus kl_coef times that mean."""
+    from hacpo.engine import grpo_policy_loss, gspo_policy_loss, low_var_kl
+    from hacpo.engine.pool import score_responses
+
+    pol, view, lp_old, p_of = setup
+    ref = build_policy(PolicyConfig(name="ref", kind="decoder", tokenizer="char", d_model=32,
+                                    n_layers=1, n_heads=2, max_len=64, seed=4))
+    n = view.idx.numel()
+    view = LearnerView(view.idx, view.advantages, view.omega, torch.ones(n, dtype=torch.bool),
+                       view.prompt_ids, view.response_ids, {})      # self samples only
+    _, old_tl = score_responses(pol, view.prompt_ids, view.response_ids, micro_batch=64)
+    m = update_learner(preset(algo, {"num_minibatches": 1}), pol,
+                       torch.optim.SGD(pol.parameters(), lr=0.0), view, lp_old=lp_old,
+                       old_token_logp=old_tl, prompt_of_sample=p_of,
+                       generator=torch.Generator().manual_seed(0), micro_batch=4,
+                       grad_clip=0.0, nonfinite={"streak": 0, "total": 0}, max_nonfinite=3,
+                       ref_policy=ref, kl_coef=0.5)
+    with torch.no_grad():
+        tl, mask = pol.response_logprobs(view.prompt_ids, view.response_ids)
+        rtl, _ = ref.response_logprobs(view.prompt_ids, view.response_ids)
+        d = (rtl - tl).clamp(-20, 20)
+        k3 = (torch.exp(d) - d - 1).clamp(-10, 10) * mask
+        if algo == "grpo":
+            otl = torch.zeros_like(tl)
+            for i, t in enumerate(old_tl):
+                otl[i, :t.numel()] = t
+            pg, _ = grpo_policy_loss(tl, otl, mask, view.advantages)
+            kl = k3.sum() / mask.sum()                      # token mean
+        else:
+            pg, _ = gspo_policy_loss((tl * mask).sum(-1) / mask.sum(-1), lp_old,
+                                     view.advantages)
+            kl = low_var_kl(tl, rtl, mask).mean()           # sequence mean
+        assert mask.sum(-1).float().std() > 0               # lengths differ: the two means do
+    assert kl > 0.01
+    assert m["loss"] == pytest.approx((pg + 0.5 * kl).item(), rel=1e-5, abs=1e-7)

@@ -15,7 +15,8 @@ def test_bench_agents_at_once_tiny(tmp_path):
     assert res["identical_metrics"] is True and res["agents"] == 2 and res["steps"] == 2
     for mode in ("at once", "one after another"):
         got = res["seconds"][mode]
-        assert set(got) == {"time/generate", "time/update", "time/sync", "time/step"}
+        assert set(got) == {"time/generate", "time/old_logprobs", "time/update", "time/sync",
+                            "time/step"}
         assert all(len(ts) == 1 and ts[0] > 0 for ts in got.values()), got   # step 1 only
     assert all(r > 0 for r in res["ratio_p50"].values())
     assert "metrics identical in both modes" in proc.stdout
