@@ -39,12 +39,12 @@ def test_algorithm_flag_keeps_the_run_budget_and_set_overrides(tmp_path):
     preset's minibatch count stays, and the user's algorithm overrides (YAML, --set) win."""
     import argparse
 
-    from hacpo.launch.cli import _train_config
+    from hacpo.launch.cli import train_config
 
     def cfg(*extra, config=None, algorithm=None):
         args = argparse.Namespace(preset="default", config=config, algorithm=algorithm,
                                   steps=None, out_dir=None, set=list(extra))
-        return _train_config(args)
+        return train_config(args)
 
     plain, keep = cfg()
     assert (plain.algorithm.name, plain.algorithm.num_minibatches, keep) == ("hacpo", 2, {})
@@ -67,14 +67,14 @@ def test_algorithm_settings_kept_are_the_users_changes(tmp_path):
 
     from hacpo.engine.compare import with_algorithm
     from hacpo.engine.run_config import load_config
-    from hacpo.launch.cli import _train_config
+    from hacpo.launch.cli import train_config
 
     saved = load_config("default", overrides={"algorithm.loss.alpha": 0.5}).to_dict()
     path = tmp_path / "config.json"
     path.write_text(json.dumps(saved))
     args = argparse.Namespace(preset="default", config=str(path), algorithm="gspo", steps=None,
                               out_dir=None, set=[])
-    cfg, keep = _train_config(args)
+    cfg, keep = train_config(args)
     assert keep == {"loss.alpha": 0.5} and cfg.algorithm.name == "gspo"
     with pytest.raises(ValueError, match=r"algorithm.loss.alpha=0.5 contradicts the algorithm "
                                          r"preset 'hacpo-alpha0', which sets loss.alpha=0.0"):
@@ -82,7 +82,7 @@ def test_algorithm_settings_kept_are_the_users_changes(tmp_path):
     assert with_algorithm(cfg, "hacpo-alpha0", {"loss.alpha": 0}).algorithm.loss.alpha == 0.0
     args.set = ["algorithm.name=grpo"]
     with pytest.raises(ValueError, match="both choose the algorithm"):
-        _train_config(args)
+        train_config(args)
 
 
 def test_yaml_and_set_are_checked_together(tmp_path):

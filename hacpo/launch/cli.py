@@ -16,7 +16,7 @@ def _demo(args) -> int:
     return 0
 
 
-def _train_config(args):
+def train_config(args):
     """The run's TrainConfig and the user's own algorithm settings: the dotted
     ``algorithm.*`` keys the YAML or ``--set`` give a value other than the run preset's
     (a saved config.json as ``--config`` keeps only what its run changed), without the name.
@@ -72,7 +72,7 @@ def _flat(d, prefix=""):
 
 def _train(args) -> int:
     from hacpo.engine.trainer import train
-    cfg, _ = _train_config(args)
+    cfg, _ = train_config(args)
     print(f"[hacpo] run dir {cfg.out_dir}; algorithm {cfg.algorithm.name}; agents "
           + ", ".join(f"{a.policy.name} ({a.policy.tokenizer})" for a in cfg.agents))
     train(cfg, resume=args.resume)
@@ -81,7 +81,7 @@ def _train(args) -> int:
 
 def _compare(args) -> int:
     from hacpo.engine.compare import run_compare
-    cfg, keep = _train_config(args)
+    cfg, keep = train_config(args)
     run_compare(cfg, args.algorithms, args.seeds, args.out_dir or "runs/compare",
                 pass_k=args.pass_k, keep=keep)
     return 0
@@ -89,7 +89,7 @@ def _compare(args) -> int:
 
 def _profile(args) -> int:
     from hacpo.engine.profile import run_profile
-    cfg, keep = _train_config(args)
+    cfg, keep = train_config(args)
     run_profile(cfg, args.out_dir or "runs/profile", algorithms=args.algorithms,
                 rounds=args.rounds, steps_per_round=args.steps_per_round,
                 skip_steps=args.skip_steps, keep=keep)

@@ -58,10 +58,13 @@ def check_wait_timeout(value: float | None) -> None:
 # run config: loaded and checked before anything starts
 # --------------------------------------------------------------------------------------------
 def load_run(args):
-    """The resolved TrainConfig of the run (``--preset/--config/--set/--out-dir``), or the
-    config loader's error as a :class:`LaunchError`."""
+    """The resolved TrainConfig of the run (``--preset/--config/--algorithm/--steps/--set/
+    --out-dir``, resolved as ``hacpo train`` resolves them), or the config loader's error as a
+    :class:`LaunchError`."""
+    import argparse
+
     from hacpo.engine.configtools import parse_overrides
-    from hacpo.engine.run_config import load_config
+    from .cli import train_config
     if args.config and not Path(args.config).is_file():
         raise LaunchError(f"--config {args.config}: no such file")
     try:
@@ -72,11 +75,11 @@ def load_run(args):
         if k in overrides:
             raise LaunchError(f"--set {k}=... is set by the launcher; use --rollout-engine "
                               f"(the Ray address is the job's head node)")
-    if args.out_dir:
-        overrides["out_dir"] = args.out_dir
-    overrides["rollout.engine"] = args.rollout_engine
+    run_args = argparse.Namespace(
+        preset=args.preset, config=args.config, algorithm=args.algorithm, steps=args.steps,
+        out_dir=args.out_dir, set=[*(args.set or []), f"rollout.engine={args.rollout_engine}"])
     try:
-        cfg = load_config(args.preset, args.config, overrides)
+        cfg, _ = train_config(run_args)
         cfg.check_runnable()            # e.g. vLLM engines for plain-torch decoder agents
     except Exception as e:  # the config loader's own error (yaml, unknown key, bad value)
         raise LaunchError(f"config {args.config or '(preset ' + args.preset + ')'} does not "
@@ -166,6 +169,10 @@ def driver_argv(args, cfg, python: str) -> list[str]:
             "--out-dir", str(Path(cfg.out_dir).resolve())]
     if args.resume:
         argv.append("--resume")
+    if args.algorithm:
+        argv += ["--algorithm", args.algorithm]
+    if args.steps is not None:
+        argv += ["--steps", str(args.steps)]
     if args.config:
         argv += ["--config", str(Path(args.config).resolve())]
     argv += ["--set", *(args.set or []), f"rollout.engine={args.rollout_engine}"]
@@ -482,6 +489,10 @@ def _add_run_args(p) -> None:
     p.add_argument("--config", default=None, help="YAML file of overrides")
     p.add_argument("--set", nargs="*", action="extend", metavar="KEY=VALUE",
                    help="dotted overrides for the run (repeatable)")
+    p.add_argument("--algorithm", default=None,
+                   help="algorithm preset, as for `hacpo train` (hacpo, grpo, gspo, gspo2x, "
+                        "naive, an ablation)")
+    p.add_argument("--steps", type=int, default=None, help="RL steps (as `--set steps=N`)")
     p.add_argument("--out-dir", default=None, help="run dir (default: the config's out_dir)")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in the run dir (the driver runs `hacpo train "

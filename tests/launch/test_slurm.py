@@ -159,6 +159,35 @@ def test_dry_run_resume_and_requeue(tmp_path, capsys):
     assert _driver_after_requeue(script, 3) == given      # not twice
 
 
+def test_algorithm_and_steps_reach_the_driver(tmp_path, capsys):
+    """``--algorithm`` / ``--steps`` resolve as ``hacpo train``'s do (the preset under the
+    algorithm preset, the run preset's minibatch count) and reach the driver's command line;
+    an unknown algorithm is an error before anything is submitted."""
+    from hacpo.engine.run_config import load_config
+    from hacpo.launch.slurm import load_run
+
+    script, _ = _dry_run(tmp_path, capsys, "--algorithm", "gspo", "--steps", "5")
+    driver = _driver_after_requeue(script, None)
+    assert driver[driver.index("--algorithm") + 1] == "gspo"
+    assert driver[driver.index("--steps") + 1] == "5"
+    rc, out, err = launch(["launch", "slurm", "--nodes", "1", "--preset", "tiny3", "--dry-run",
+                           "--algorithm", "gspo", "--steps", "5", "--out-dir",
+                           str(tmp_path / "r2")], capsys)
+    assert rc == 0, err
+    import argparse
+    from hacpo.launch.cli import train_config
+    args = argparse.Namespace(preset="tiny3", config=None, algorithm="gspo", steps=5,
+                              out_dir=str(tmp_path / "r2"), set=[], rollout_engine="ray",
+                              resume=False)
+    cfg = load_run(args)
+    want, _ = train_config(argparse.Namespace(**{**vars(args), "set": ["rollout.engine=ray"]}))
+    assert cfg.algorithm == want.algorithm and cfg.algorithm.name == "gspo" and cfg.steps == 5
+    assert cfg.algorithm != load_config("tiny3").algorithm
+    rc, out, err = launch(["launch", "slurm", "--nodes", "1", "--preset", "tiny3", "--dry-run",
+                           "--algorithm", "nope", "--out-dir", str(tmp_path / "r3")], capsys)
+    assert rc == 2 and "hacpo launch: error:" in err and "nope" in err, err
+
+
 @pytest.mark.parametrize("launcher", ["slurm", "local"])
 def test_run_dir_holding_a_run_needs_resume(tmp_path, capsys, launcher):
     """Refused before anything is submitted or started (the driver would refuse it after the
