@@ -67,6 +67,8 @@ CHECKS = [
         chunk_size=300)),
     ("fused linear bf16", lambda: C.check_fused_linear(
         backend="triton", device="cuda", dtype=torch.bfloat16, T=1001, H=256, V=32007)),
+    ("fused linear fp32 under bf16 autocast", lambda: C.check_fused_linear_under_autocast(
+        "triton", device="cuda", T=1001, H=256, V=32007)),
     ("torch backend on cuda bf16", lambda: C.check_token_logprobs(
         backend="torch", device="cuda", dtype=torch.bfloat16, T=1823, V=781)),
     ("int64 row offsets T*V > 2^31", large_row_offsets),

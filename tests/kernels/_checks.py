@@ -350,3 +350,31 @@ def tp_unequal_shards_worker(rank: int, world: int, port: int):
                 raise AssertionError(f"{name} on rank {rank}: unequal shards not detected")
     finally:
         dist.destroy_process_group()
+
+
+def check_fused_linear_under_autocast(backend, T=48, H=32, V=300, scale=4.0, seed=0,
+                                      device="cpu"):
+    """fp32 hidden/weight under autocast to bf16 (on ``device``): the forward's chunk logits are
+    the bf16 GEMM L = bf16(h) @ bf16(w).T (what the model's lm_head would give), and the grads must be the
+    exact gradients of that forward: dL = g * (onehot - softmax(L)), grad_h = dL @ w,
+    grad_w = dL.T @ h. A backward that recomputes L in fp32 against the forward's bf16 lse gets
+    a softmax that does not sum to 1 (relative error ~ |L| * 2^-9, here ~1e-2)."""
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(T, H, generator=gen).to(device)
+    w = (torch.randn(V, H, generator=gen) * scale / H ** 0.5).to(device)   # |L| up to ~20
+    t = torch.randint(0, V, (T,), generator=gen).to(device)
+    g = torch.randn(T, generator=gen).to(device)
+    hk, wk = h.clone().requires_grad_(), w.clone().requires_grad_()
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+        lp = fused_linear_token_logprobs(hk, wk, t, chunk_size=16, backend=backend)
+    lp.backward(g)
+    assert hk.grad.dtype == torch.float32 and wk.grad.dtype == torch.float32
+    L = (h.bfloat16() @ w.bfloat16().t()).double()
+    dL = g.double()[:, None] * (torch.nn.functional.one_hot(t, V).double() - torch.softmax(L, -1))
+    truth = (torch.log_softmax(L, -1).gather(1, t[:, None]).squeeze(1), dL @ w.double(),
+             dL.t() @ h.double())
+    for name, k, tr in zip(("fwd", "grad_hidden", "grad_weight"), (lp, hk.grad, wk.grad), truth):
+        # fp32 math on the same bf16 logits: a few fp32 ulps (64) of the magnitude
+        assert _max_err(k, tr) <= fp32_atol(float(tr.abs().max()), ulps=64), \
+            (name, _max_err(k, tr), float(tr.abs().max()))
+    return {"fwd_err": _max_err(lp, truth[0]), "grad_hidden_err": _max_err(hk.grad, truth[1])}

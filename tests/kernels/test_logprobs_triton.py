@@ -6,7 +6,6 @@ import torch
 from hacpo.kernels import token_logprobs
 from hacpo.kernels._common import resolve_backend
 from tests.kernels import _checks as C
-from tests.kernels.test_fused_linear import check_fused_linear_under_autocast
 
 pytestmark = pytest.mark.triton_interpret
 
@@ -47,7 +46,7 @@ def test_triton_fused_linear(triton_device, pad):
 def test_triton_fused_linear_under_autocast(triton_device):
     if triton_device != "cpu":
         pytest.skip("checks CPU autocast (bf16)")
-    check_fused_linear_under_autocast("triton", T=12, H=16, V=200)
+    C.check_fused_linear_under_autocast("triton", T=12, H=16, V=200)
 
 
 def test_triton_double_backward_is_a_clear_error(triton_device):
