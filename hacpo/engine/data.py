@@ -5,15 +5,19 @@ Files in GSM8K style (``question``, ``answer`` ending in ``#### 42``) and MATH s
 (``problem``, ``solution`` with ``\\boxed{...}``, or a plain ``answer`` field) load with
 :func:`load_examples`; other layouts with a :class:`FieldMap`. Nothing is downloaded.
 
-Every bad row (malformed JSON, not an object, missing field, no extractable answer) is an
-error naming the file and the 1-based line (JSONL) or 0-based row (parquet), unless
-``skip_bad_rows=True``: then it is skipped and counted in :class:`LoadStats`.
+Every bad row (not UTF-8, malformed JSON, not an object, missing field, no extractable or a
+non-finite answer) is an error naming the file and the 1-based line (JSONL) or 0-based row
+(parquet), unless ``skip_bad_rows=True``: then it is skipped and counted in :class:`LoadStats`.
+A file that is not parquet at all is an error naming it.
 """
 from __future__ import annotations
 
+import codecs
 import dataclasses
+import decimal
 import hashlib
 import json
+import math
 import os
 import random
 import re
@@ -102,7 +106,14 @@ def parse_gold(value, answer_format: str) -> str:
         raise ValueError("answer is null")
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise ValueError(f"answer has type {type(value).__name__}, expected a string or number")
-    text = str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"answer is {value!r}, not a finite number")
+        # A float column (e.g. parquet float64): 18.0 -> "18", 1e-05 -> "0.00001", never an
+        # exponent, which the verifier would read as Euler's e.
+        text = str(int(value)) if value.is_integer() else format(decimal.Decimal(repr(value)), "f")
+    else:
+        text = str(value)
     if answer_format == "gsm8k":
         found = _GSM8K_RE.findall(text)
         if not found:
@@ -123,12 +134,24 @@ def parse_gold(value, answer_format: str) -> str:
 
 
 def _iter_jsonl(path: str) -> Iterator[tuple[str, object]]:
-    """Yields (location, parsed row or the exception) for non-blank lines."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    """Yields (location, parsed row or the exception) for non-blank lines.
+
+    Lines end at ``\\n`` (JSON Lines; a ``\\r`` before it is JSON whitespace); the file is UTF-8,
+    with or without a byte-order mark. A line that is not UTF-8 is a bad row, like bad JSON.
+    """
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if lineno == 1 and raw.startswith(codecs.BOM_UTF8):
+                raw = raw[len(codecs.BOM_UTF8):]
+            loc = f"{path}:line {lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield loc, DataError(f"{loc}: not valid UTF-8 ({e.reason} at byte {e.start + 1} "
+                                     "of the line)")
+                continue
             if not line.strip():
                 continue
-            loc = f"{path}:line {lineno}"
             try:
                 yield loc, json.loads(line)
             except json.JSONDecodeError as e:
@@ -140,7 +163,12 @@ def _iter_parquet(path: str) -> Iterator[tuple[str, object]]:
         import pyarrow.parquet as pq
     except ImportError as e:
         raise ImportError("reading parquet needs pyarrow (pip install pyarrow)") from e
-    table = pq.read_table(path)
+    try:
+        table = pq.read_table(path)
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # not a parquet file, truncated, ...: a bad file, named
+        raise DataError(f"{path}: cannot read as parquet ({type(e).__name__}: {e})") from e
     for i, row in enumerate(table.to_pylist()):
         yield f"{path}:row {i}", row
 

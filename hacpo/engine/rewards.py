@@ -4,10 +4,10 @@ A reward function maps ``(response: str, gold: str) -> float`` in ``[0, 1]``. Bu
 
 - ``math``: extract the final answer (last ``\\boxed{...}``, else GSM8K ``#### x``, else
   "the answer is x", else the last number) and compare it with the gold answer. When both sides
-  are plain numbers (integers with or without thousands commas, decimals, ``a/b``,
-  ``\\frac{a}{b}``) they are compared *exactly* as rationals, in the calling process, without
-  math-verify (the fast path). Everything else goes to ``math_verify.verify(parse(gold),
-  parse(pred))`` (the slow path).
+  are plain numbers (integers with or without thousands commas, decimals, ``a/b``, mixed
+  numbers ``2 3/4``, ``\\frac{a}{b}``) they are compared *exactly* as rationals, in the calling
+  process, without math-verify (the fast path). Everything else goes to
+  ``math_verify.verify(parse(gold), parse(pred))`` (the slow path).
 - ``exact``: string equality of the normalized final answer and the normalized gold.
 - ``numeric_closeness``: ``exp(-|pred - gold| / max(|gold|, 1))``, a continuous reward.
 
@@ -67,26 +67,43 @@ _NUMBER_RE = re.compile(
 )
 
 
+_BRACE_RE = re.compile(r"[{}]")
+_BOXED_TOKEN_RE = re.compile(r"[^\s$]+")
+
+
+def _closing_braces(text: str) -> dict[int, int]:
+    """Index of each balanced ``{`` -> index of its ``}``, in one pass (linear time: a
+    response of thousands of unbalanced ``\\boxed{`` must not cost quadratic time in the
+    caller's process, where the fast path runs without a timeout)."""
+    stack: list[int] = []
+    match: dict[int, int] = {}
+    for m in _BRACE_RE.finditer(text):
+        if m.group(0) == "{":
+            stack.append(m.start())
+        elif stack:
+            match[stack.pop()] = m.start()
+    return match
+
+
 def extract_boxed(text: str) -> Optional[str]:
     """Content of the last ``\\boxed{...}`` / ``\\fbox{...}`` (nested braces), or None."""
     matches = list(_BOXED_RE.finditer(text))
+    closing: Optional[dict[int, int]] = None
     for m in reversed(matches):
         i = m.end()
         if i < len(text) and text[i] == "{":
-            depth, j = 0, i
-            while j < len(text):
-                if text[j] == "{":
-                    depth += 1
-                elif text[j] == "}":
-                    depth -= 1
-                    if depth == 0:
-                        return text[i + 1:j].strip()
-                j += 1
+            if closing is None:
+                closing = _closing_braces(text)
+            j = closing.get(i)
+            if j is not None:
+                return text[i + 1:j].strip()
             continue  # unbalanced: try an earlier one
-        # "\boxed 5": the next token up to whitespace or "$".
-        tok = re.match(r"[^\s$]+", text[i:])
-        if tok and m.group(0).endswith(tuple(" \t")):
-            return tok.group(0).rstrip(".")
+        # "\boxed 5": the next token up to whitespace or "$" (only looked for after a space:
+        # "\boxed\frac..." without one must not scan the rest of the text each time).
+        if m.group(0).endswith(tuple(" \t")):
+            tok = _BOXED_TOKEN_RE.match(text, i)
+            if tok:
+                return tok.group(0).rstrip(".")
     return None
 
 
@@ -103,35 +120,63 @@ def _last_number(text: str) -> Optional[str]:
 
 
 def _clean(ans: str) -> str:
-    """Strip whitespace, surrounding ``$`` and trailing periods (repeatedly)."""
+    """Strip whitespace, surrounding ``$``, markdown emphasis (``**42**``) and trailing periods
+    (repeatedly); a ``$`` after a leading minus goes too (``-$5`` -> ``-5``)."""
     prev = None
     while ans != prev:
         prev = ans
-        ans = ans.strip().strip("$").rstrip(".")
+        ans = ans.strip().strip("$*").rstrip(".")
+        if ans.startswith("-$"):
+            ans = "-" + ans[2:]
     return ans
+
+
+# A number at the start of an answer fragment ("18 dollars a day for 7 days" -> 18, "2 3/4
+# cups" -> 2 3/4), unless an operator follows it ("10 - 2, which is 8": the last number then).
+_LEADING_NUMBER_RE = re.compile(r"(-?\d+ +\d+/\d+|" + _NUMBER_RE.pattern + r")(?!\d|[.,/]\d)"
+                                r"(?!\s*[-\u2212x\u00d7\u00f7\u00b7]\s*[\d(])")
+_MATH_CHARS = "\\^_=+*/()[]{}"
+# What may follow "####" as an answer: a number, sign, LaTeX, a bracket, "x = ...". Anything
+# else ("#### Step 2: Double it", "#### Final Answer") is a markdown heading, not an answer.
+_VALUE_START_RE = re.compile(r"[-\u2212+]?\s*(?:\d|\.\d|\\)|[(\[{]|[A-Za-z]\s*=")
+
+
+def _fragment_answer(frag: str) -> Optional[str]:
+    """The answer in a one-line fragment after ``####`` or "the answer is": the fragment itself
+    when it is a number or one token; its leading number when words follow it (lm-eval's and
+    OpenAI's GSM8K graders read the number right after the marker); the fragment when it looks
+    like math; else its last number."""
+    if parse_number(frag) is not None or " " not in frag:
+        return frag
+    lead = _LEADING_NUMBER_RE.match(frag)
+    if lead is not None and not any(c in frag[lead.end():] for c in _MATH_CHARS if c not in "()"):
+        return lead.group(1)
+    if any(c in frag for c in _MATH_CHARS):
+        return frag
+    return _last_number(frag)
 
 
 def extract_answer(response: str) -> Optional[str]:
     """Final answer text of a response, or None when there is none.
 
-    Order: last ``\\boxed{}``; text after the last ``####``; text after the last "answer is";
-    the last number in the response. A trailing period and surrounding ``$`` are stripped.
+    Order: last ``\\boxed{}``; text after the last ``####`` that starts like a value (a
+    number, sign, LaTeX, bracket, ``x =``, or a token of up to 3 characters: ``#### Step 2:
+    ...`` is a markdown heading); text after the last "answer is"; the last number in the
+    response. A trailing period, surrounding ``$`` and markdown ``**`` are stripped. After
+    ``####`` or "answer is", text with words ("5 dollars", "120 minutes, or 2 hours") gives its
+    leading number, or its last one when it does not start with one.
     """
     boxed = extract_boxed(response)
     if boxed is not None:
         return _clean(boxed) or None
-    gsm = _GSM8K_RE.findall(response)
-    if gsm:
-        ans = _clean(gsm[-1])
-        if ans:
-            return ans
+    for frag in reversed(_GSM8K_RE.findall(response)):
+        ans = _clean(frag)
+        if ans and (_VALUE_START_RE.match(ans) or (len(ans) <= 3 and " " not in ans)):
+            return _fragment_answer(ans) or ans
     said = _ANSWER_IS_RE.findall(response)
     if said:
         frag = _clean(said[-1].rsplit("=", 1)[-1])
-        if frag and (parse_number(frag) is not None or " " not in frag
-                     or any(c in frag for c in "\\^_=+*/()[]{}")):
-            return frag
-        num = _last_number(frag)
+        num = _fragment_answer(frag) if frag else None
         if num is not None:
             return num
     num = _last_number(response)
@@ -150,34 +195,53 @@ def gold_answer(gold: str) -> str:
 
 
 _INT_COMMAS_RE = re.compile(r"^-?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
+_INT_SPACES_RE = re.compile(r"^-?\d{1,3}(?: \d{3})+(?:\.\d+)?$")
+_DIGIT_SPACE_DIGIT_RE = re.compile(r"\d +\d")
+_MIXED_RE = re.compile(r"^(-?)(\d+) +(\d+)/(\d+)$")
 _PLAIN_RE = re.compile(r"^-?(?:\d+(?:\.\d*)?|\.\d+)$")
 _RATIO_RE = re.compile(r"^(-?\d+)\s*/\s*(\d+)$")
 _FRAC_RE = re.compile(r"^(-?)\\[dt]?frac\{\s*(-?\d+)\s*\}\{\s*(\d+)\s*\}$")
 
 
 def parse_number(text: str) -> Optional[Fraction]:
-    """Exact rational value of a plain number (``1,000``, ``-2.5``, ``3/4``, ``\\frac{1}{2}``).
+    """Exact rational value of a plain number (``1,000``, ``1 000``, ``-2.5``, ``3/4``,
+    ``2 3/4`` (a mixed number), ``\\frac{1}{2}``).
 
-    Returns None for anything else (units, expressions, percent, intervals, ...).
+    Returns None for anything else (units, expressions, percent, intervals, digits apart that
+    are not thousands groups such as ``3 4``, numbers too long for ``int``, ...).
     """
-    s = _clean(text).replace("\\!", "").replace("\\,", "").replace(" ", "")
+    s = _clean(text).replace("\\!", "").replace("\\,", "")
     if not s:
         return None
-    if _INT_COMMAS_RE.match(s):
-        s = s.replace(",", "")
-    if _PLAIN_RE.match(s):
-        return Fraction(s)
-    m = _RATIO_RE.match(s)
-    if m:
-        num, den = int(m.group(1)), int(m.group(2))
-        return Fraction(num, den) if den else None
-    m = _FRAC_RE.match(s)
-    if m:
-        num, den = int(m.group(2)), int(m.group(3))
-        if not den:
-            return None
-        value = Fraction(num, den)
-        return -value if m.group(1) else value
+    try:
+        if _DIGIT_SPACE_DIGIT_RE.search(s):
+            m = _MIXED_RE.match(s)
+            if m:
+                whole, num, den = int(m.group(2)), int(m.group(3)), int(m.group(4))
+                if not 0 <= num < den:
+                    return None
+                value = whole + Fraction(num, den)
+                return -value if m.group(1) else value
+            if not _INT_SPACES_RE.match(s):
+                return None
+        s = s.replace(" ", "")
+        if _INT_COMMAS_RE.match(s):
+            s = s.replace(",", "")
+        if _PLAIN_RE.match(s):
+            return Fraction(s)
+        m = _RATIO_RE.match(s)
+        if m:
+            num, den = int(m.group(1)), int(m.group(2))
+            return Fraction(num, den) if den else None
+        m = _FRAC_RE.match(s)
+        if m:
+            num, den = int(m.group(2)), int(m.group(3))
+            if not den:
+                return None
+            value = Fraction(num, den)
+            return -value if m.group(1) else value
+    except ValueError:  # more digits than int() converts (sys.get_int_max_str_digits)
+        return None
     return None
 
 
@@ -264,8 +328,14 @@ def numeric_closeness_reward(response: str, gold: str, *, scale: Optional[float]
     p = parse_number(pred) if pred is not None else None
     if g is None or p is None:
         return 0.0
-    scale = float(max(abs(g), 1)) if scale is None else float(scale)
-    return math.exp(-float(abs(p - g)) / scale)
+    try:
+        if scale is None:
+            x = float(abs(p - g) / max(abs(g), 1))  # exact: huge numbers do not overflow first
+        else:
+            x = float(abs(p - g)) / float(scale)
+    except OverflowError:  # a distance beyond float range: exp(-x) is 0
+        return 0.0
+    return math.exp(-x)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
 """Data loaders (JSONL/parquet files written here), prompt templates, PromptSampler resume."""
+import codecs
 import json
 
 import pytest
@@ -88,6 +89,53 @@ def test_parquet(tmp_path):
     assert [e.answer for e in examples] == [r"\frac{1}{2}", "2"]
     assert [e.id for e in examples] == ["math:0", "math:2"]
     assert stats.skipped == 1
+
+
+def test_corrupt_parquet_is_a_data_error(tmp_path):
+    pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "broken.parquet"
+    path.write_bytes(b"not a parquet file")
+    with pytest.raises(DataError, match=r"broken.parquet: cannot read as parquet"):
+        load_examples(path)
+    with pytest.raises(FileNotFoundError):
+        load_examples(tmp_path / "missing.parquet")
+
+
+def test_bom_crlf_and_invalid_utf8(tmp_path):
+    rows = (b'{"question": "Q1", "answer": "#### 5"}\r\n'
+            b'{"question": "Q2", "answer": "#### 6"}\r\n')
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(codecs.BOM_UTF8 + rows)
+    examples, stats = load_examples(bom)   # a byte-order mark is UTF-8, not a bad first row
+    assert [e.answer for e in examples] == ["5", "6"] and stats.skipped == 0
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes(rows + b'{"question": "caf\xe9?", "answer": "#### 7"}\n'
+                    + b'{"question": "Q4", "answer": "#### 8"}\n')
+    with pytest.raises(DataError, match=r"latin1.jsonl:line 3: not valid UTF-8"):
+        load_examples(bad)
+    examples, stats = load_examples(bad, skip_bad_rows=True)
+    assert [e.answer for e in examples] == ["5", "6", "8"]
+    assert stats.bad_rows == ["line 3"] and stats.skipped == 1
+    # "\r" is JSON whitespace: it does not end a JSON Lines record.
+    cr = tmp_path / "cr.jsonl"
+    cr.write_bytes(b'{"question": "Q",\r "answer": "#### 9"}\n')
+    assert [e.answer for e in load_examples(cr)[0]] == ["9"]
+
+
+def test_float_answers(tmp_path):
+    fm = FieldMap("q", "target", "raw")
+    path = _write_jsonl(tmp_path / "floats.jsonl", [
+        {"q": "a", "target": 18.0}, {"q": "b", "target": 1e-05}, {"q": "c", "target": 2.5},
+        {"q": "d", "target": 1e16}])
+    examples, _ = load_examples(path, fm)
+    # No exponent (math-verify reads "1e-05" as e - 5), integral floats as integers.
+    assert [e.answer for e in examples] == ["18", "0.00001", "2.5", "10000000000000000"]
+    for name, row in (("nan", '{"q": "a", "target": NaN}'),
+                      ("inf", '{"q": "a", "target": Infinity}')):
+        bad = _write_jsonl(tmp_path / f"{name}.jsonl", [row])
+        with pytest.raises(DataError, match=rf"{name}.jsonl:line 1: field 'target': .*not a "
+                                            "finite number"):
+            load_examples(bad, fm)
 
 
 def test_unsupported_extension(tmp_path):

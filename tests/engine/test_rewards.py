@@ -6,6 +6,7 @@ import math
 import multiprocessing
 import signal
 import time
+from fractions import Fraction
 
 import pytest
 
@@ -70,6 +71,28 @@ def test_builtins_registered():
     ("The answer is $\\frac{3}{4}$.", "0.75", 1.0),
     ("It is 2.50 dollars", "2.5", 1.0),
     ("so 3/4 of them", r"\frac{3}{4}", 1.0),
+    # Markdown emphasis around the answer.
+    ("The final answer is **42**.", "42", 1.0),
+    ("#### **42**", "42", 1.0),
+    # Units after "####" (OpenAI's and lm-eval's GSM8K graders read the number after it).
+    ("#### 5 dollars", "5", 1.0),
+    ("#### $18.00 per day", "18", 1.0),
+    # After "answer is", the number right after it, unless an operator follows it.
+    ("The answer is 120 minutes, or 2 hours.", "120", 1.0),
+    ("The answer is 18 dollars per day for 7 days.", "18", 1.0),
+    ("The answer is 10 - 2, which is 8.", "8", 1.0),
+    ("So the answer is that she has 3 times as many, so 15.", "15", 1.0),
+    ("The answer is 1/2 cup.", "0.5", 1.0),
+    ("The answer is 42 (the number of apples).", "42", 1.0),
+    ("The answer is 5 + 3", "8", 1.0),                      # math: left to math-verify
+    # A minus before the dollar sign.
+    ("The answer is -$5.", "-5", 1.0),
+    ("#### -$5", "-5", 1.0),
+    # Mixed numbers; digits apart are not one number.
+    ("#### 2 3/4", "2.75", 1.0),
+    ("#### 2 3/4", "5.75", 0.0),
+    ("#### 2 3/4 cups", "2.75", 1.0),
+    ("The answer is 3 4", "34", 0.0),
 ])
 def test_math_reward(response, gold, expected):
     assert math_reward(response, gold) == expected
@@ -91,6 +114,55 @@ def test_extraction_and_number_parsing():
     assert parse_number("1,234.5") == parse_number("2469/2")
     assert parse_number(r"-\frac{1}{2}") == parse_number("-0.5")
     assert parse_number("12 apples") is None
+
+
+def test_markdown_headings_are_not_gsm8k_answers():
+    steps = ("#### Step 1: Add the costs\n5 + 3 = 8\n#### Step 2: Double it\n8 * 2 = 16\n"
+             "The answer is 16.")
+    assert extract_answer(steps) == "16" and math_reward(steps, "16") == 1.0
+    final = "#### Solution\nShe buys 3 packs of 4, so 12 eggs.\n#### Final Answer\n12"
+    assert math_reward(final, "12") == 1.0
+    assert extract_answer("#### 42\n#### Explanation\nI added 40 and 2.") == "42"
+    # Values after "####" still count.
+    assert extract_answer(r"#### \frac{1}{2}") == r"\frac{1}{2}"
+    assert extract_answer("#### x = 3") == "x = 3"
+    assert extract_answer("#### (B)") == "(B)"
+    assert extract_answer("#### -7") == "-7"
+
+
+def test_number_parsing_spaces_and_mixed_numbers():
+    assert parse_number("2 3/4") == Fraction(11, 4)
+    assert parse_number("-2 1/2") == Fraction(-5, 2)
+    assert parse_number("1 000 000") == 1000000
+    assert parse_number(r"10,\!000") == 10000
+    assert parse_number("- 5") == -5
+    assert parse_number("3 4") is None        # was 34
+    assert parse_number("2 5/4") is None      # not a mixed number: left to math-verify
+
+
+def test_long_degenerate_outputs_are_fast():
+    # The fast path runs in the caller's process without a timeout. Thousands of unbalanced
+    # "\boxed{" (a degenerate generation) cost quadratic time: ~4 s at 4,000, ~70 s at 16,000.
+    text = r"\boxed{3} " + r"\boxed{" * 6000
+    t0 = time.perf_counter()
+    assert extract_answer(text) == "3"
+    assert math_fast_path(text, "3") == 1.0
+    assert math_fast_path(r"\boxed{" * 6000, "1") == 0.0
+    assert math_fast_path(r"\boxed\frac{1}{" * 10000, "2") == 0.0    # "\boxed" without a brace
+    assert time.perf_counter() - t0 < 1.0
+
+
+def test_huge_numbers_score_zero_without_error():
+    digits = "1" * 5000                       # over Python's int-from-str limit (4300 digits)
+    assert parse_number(digits) is None
+    assert math_fast_path(digits, "1") is None  # left to math-verify, under the timeout
+    assert math_reward("#### " + digits, "1") == 0.0
+    close = get_reward_fn("numeric_closeness")
+    assert close("#### 1" + "0" * 400, "10") == 0.0   # a distance beyond float range
+    assert close("#### 1" + "0" * 400, "1" + "0" * 400) == 1.0
+    with RewardComputer("math", num_workers=0, timeout_s=5) as rc:
+        rewards, stats = rc.score([digits, "#### " + digits], ["1", "1"])
+    assert rewards == [0.0, 0.0] and stats.errors == stats.timeouts == 0
 
 
 def test_exact_and_numeric_closeness():
