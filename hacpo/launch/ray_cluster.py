@@ -1,8 +1,10 @@
 """Ray bring-up for the rollout pool: a private local cluster, or a connection to a running one.
 
-``connect("")`` starts a private single-node cluster for this process: bound to loopback, its
-own temp dir, no dashboard, no usage stats, ``num_cpus`` logical CPUs, an object store sized
-for the agents' weights (``weights``). ``connect("host:port")``
+``connect("")`` starts a private single-node cluster for this process: registered on loopback
+(Ray's servers still listen on every interface; Ray's default token authentication guards
+them unless RAY_AUTH_MODE=disabled is set), its own temp dir, no dashboard, no usage stats,
+``num_cpus`` logical CPUs, an object store sized for the agents' weights (``weights``).
+``connect("host:port")``
 joins a cluster someone else started (e.g. the Slurm batch job's ``ray start --head``); the
 driver then owns nothing and :meth:`RayCluster.shutdown` only disconnects. If this process is
 already connected (a test fixture, an outer driver), that connection is reused and left alone.
@@ -36,9 +38,8 @@ _OBJECT_STORE_COPIES = 4               # copies of the weights it should hold (s
 
 # Ray's GCS and raylets listen on every interface, whatever --node-ip-address says: a cluster
 # a launcher starts requires a token (Ray's token authentication), fresh per launch, that only
-# the launch's own processes get through their environment.
-AUTH_ENV_KEYS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
-
+# the launch's own processes get through their environment. (A private cluster gets Ray's own
+# default, token authentication with ~/.ray/auth_token, unless RAY_AUTH_MODE says otherwise.)
 
 def new_auth_env() -> dict[str, str]:
     """The environment that makes Ray processes require (``ray start``) and present (drivers,
