@@ -112,8 +112,15 @@ class LearnerView:
 def learner_view(pool: StepPool, learner: int, idx: torch.Tensor, adv: torch.Tensor,
                  omega: torch.Tensor, policies: list[Policy], prompt_ids, max_new_tokens: int,
                  retok_stats: RetokStats, drop_unencodable: bool) -> LearnerView:
-    """Re-tokenize cross samples for the learner, drop samples with nothing to score."""
+    """Re-tokenize cross samples for the learner, drop samples with nothing to score.
+
+    A cross sample is cut (``RetokStatus.TRUNCATED``) to what fits the learner's positions
+    after its own prompt, and to ``max(4 * max_new_tokens, 16)`` tokens. With
+    ``drop_unencodable``, samples flagged UNENCODABLE or INVALID_UTF8 are dropped (counted as
+    ``unencodable``)."""
     tok = policies[learner].tokenizer
+    room_of = policies[learner].max_len
+    unencodable = RetokStatus.UNENCODABLE | RetokStatus.INVALID_UTF8
     keep, p_ids, r_ids = [], [], []
     dropped = {"empty": 0, "unencodable": 0, "no_old_logprob": 0}
     for j, i in enumerate(idx.tolist()):
@@ -121,10 +128,11 @@ def learner_view(pool: StepPool, learner: int, idx: torch.Tensor, adv: torch.Ten
         if src == learner:
             ids = pool.response_ids[i]
         else:
+            room = room_of - len(prompt_ids[learner][int(pool.prompt[i])])
             ids, status = retokenize(pool.response_ids[i], policies[src].tokenizer, tok,
-                                     max_len=max(max_new_tokens * 4, 16))
+                                     max_len=max(min(max(max_new_tokens * 4, 16), room), 0))
             retok_stats.update(status, len(pool.response_ids[i]), len(ids))
-            if status & RetokStatus.UNENCODABLE and drop_unencodable:
+            if status & unencodable and drop_unencodable:
                 dropped["unencodable"] += 1
                 continue
         n = scored_lengths([ids], tok.eos_id)[0]

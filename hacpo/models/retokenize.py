@@ -14,6 +14,15 @@ Status flags (:class:`RetokStatus`, combinable):
 - ``UNENCODABLE``: the text has pieces outside the learner's vocabulary; ``ids`` come from
   the tokenizer's deterministic fallback (byte tokens or ``<unk>``), or are ``[]`` where there
   is none. The trainer decides whether to keep or drop such samples.
+- ``INVALID_UTF8``: the source ids are not valid text (byte pieces that do not form whole
+  characters, e.g. a multi-byte character cut at ``max_new_tokens``), so the decoded text has
+  U+FFFD where the source had those bytes; ``ids`` encode that text. No tokenization of the
+  learner's spells the generator's response: the trainer treats these samples as
+  ``UNENCODABLE`` ones (``drop_unencodable``), whatever the learner's vocabulary.
+
+Special-token strings in the decoded text (e.g. a Llama response that writes out
+``"<|im_end|>"``) are encoded as text by the learner (:meth:`Tokenizer.encode`), never as the
+learner's special tokens.
 
 The prompt is not re-tokenized here: the learner builds its own with
 ``learner_tok.prompt_ids(question)`` (its own chat template).
@@ -34,6 +43,7 @@ class RetokStatus(enum.Flag):
     EOS_ONLY = enum.auto()
     TRUNCATED = enum.auto()
     UNENCODABLE = enum.auto()
+    INVALID_UTF8 = enum.auto()
 
 
 def retokenize(response_ids: Sequence[int], source_tok: Tokenizer, learner_tok: Tokenizer,
@@ -54,9 +64,12 @@ def retokenize(response_ids: Sequence[int], source_tok: Tokenizer, learner_tok: 
     ended_eos = bool(ids) and ids[-1] == source_tok.eos_id
     if ids == [source_tok.eos_id]:
         status |= RetokStatus.EOS_ONLY
-    text = source_tok.decode(ids[:-1] if ended_eos else ids, skip_special=True)
+    body = ids[:-1] if ended_eos else ids
+    text = source_tok.decode(body, skip_special=True)
     if not text:
         status |= RetokStatus.EMPTY
+    if "\ufffd" in text and not source_tok.valid_text(body):
+        status |= RetokStatus.INVALID_UTF8
     try:
         out = learner_tok.response_ids(text, add_eos=ended_eos)
     except UnencodableTextError:

@@ -5,7 +5,10 @@ Every tokenizer answers the same small interface (:class:`Tokenizer`):
 - ``prompt_ids(question)`` -> ids of the templated prompt; the response follows directly.
 - ``response_ids(text, add_eos=False)`` -> ids of a response, encoded on its own (the prompt
   and the response are tokenized separately, so both sides of the boundary are stable).
-- ``encode(text, errors=...)`` / ``decode(ids)``.
+- ``encode(text, errors=...)`` / ``decode(ids)``: ``encode`` reads text as text (a special
+  token's string, e.g. ``"<|im_end|>"`` written out in a response, is spelled with ordinary
+  tokens, never turned into the special token); ``decode`` drops special tokens.
+- ``valid_text(ids)``: whether the ids spell valid UTF-8, i.e. ``decode`` is exact.
 
 Two implementations:
 
@@ -61,12 +64,21 @@ class Tokenizer:
     bos_id: int | None
 
     def encode(self, text: str, *, errors: Errors = "strict") -> list[int]:
-        """Plain text -> ids (no special tokens added)."""
+        """Plain text -> ids (no special tokens added, none parsed: a special token's string in
+        ``text`` is spelled with ordinary tokens)."""
         raise NotImplementedError
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
         """Ids -> text; special tokens (EOS, pad, template markers) dropped by default."""
         raise NotImplementedError
+
+    def valid_text(self, ids: Sequence[int]) -> bool:
+        """Whether the content ids (special tokens are skipped) spell valid UTF-8, so that
+        ``decode(ids)`` is exactly their text. False where byte pieces do not form whole
+        characters (e.g. a multi-byte character cut at ``max_new_tokens``): ``decode`` puts
+        U+FFFD in their place. This default cannot tell a U+FFFD the ids spell from one
+        ``decode`` put there, and answers False for both."""
+        return "\ufffd" not in self.decode(ids)
 
     def prompt_text(self, question: str) -> str:
         """The question rendered with this tokenizer's prompt/chat template."""
@@ -175,6 +187,21 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
+@functools.lru_cache(maxsize=8)
+def _text_backend(hf):
+    """A copy of ``hf``'s backend tokenizer that reads special tokens' strings as text
+    (``encode_special_tokens``): what :meth:`HFTokenizer.encode` uses, so a response that
+    writes out ``"<|im_end|>"`` is not encoded as the EOS (the shared backend keeps parsing
+    them, as the chat template's prompts need)."""
+    from tokenizers import Tokenizer as Backend
+
+    backend = Backend.from_str(hf.backend_tokenizer.to_str())
+    backend.encode_special_tokens = True
+    backend.no_truncation()         # whatever a call of ``hf`` left set on its backend
+    backend.no_padding()
+    return backend
+
+
 class HFTokenizer(Tokenizer):
     """A ``transformers`` fast tokenizer loaded from local files, optionally vocabulary-reduced.
 
@@ -229,7 +256,10 @@ class HFTokenizer(Tokenizer):
             if self._byte_ids is not None:
                 keep.update(self._byte_ids)
             for text in corpus:
-                keep.update(self._backend.encode(text, add_special_tokens=False).ids)
+                ids = self._backend.encode(text, add_special_tokens=False).ids
+                keep.update(ids)
+                if not self._orig_specials.isdisjoint(ids):  # as encode() spells them
+                    keep.update(_text_backend(hf).encode(text, add_special_tokens=False).ids)
             # The template's own tokens (rendered with an empty question) must be in the vocab.
             keep.update(self._backend.encode(self.prompt_text(""), add_special_tokens=False).ids)
             self._to_orig = sorted(keep)
@@ -269,7 +299,7 @@ class HFTokenizer(Tokenizer):
 
     # -- interface ------------------------------------------------------------------------------
     def encode(self, text: str, *, errors: Errors = "strict") -> list[int]:
-        return self._map_in(self._backend.encode(text, add_special_tokens=False).ids,
+        return self._map_in(_text_backend(self.hf).encode(text, add_special_tokens=False).ids,
                             errors, text)
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
@@ -279,6 +309,32 @@ class HFTokenizer(Tokenizer):
         if self._to_orig is not None:
             ids = [self._to_orig[i] for i in ids]
         return self._backend.decode(ids, skip_special_tokens=False)
+
+    def valid_text(self, ids: Sequence[int]) -> bool:
+        """Exact for byte-level vocabularies (the bytes the ids spell are decoded strictly);
+        else the default (no U+FFFD in ``decode(ids)``)."""
+        ids = [int(i) for i in ids if int(i) not in self._special]
+        if self._to_orig is not None:
+            ids = [self._to_orig[i] for i in ids]
+        if "\ufffd" not in self._backend.decode(ids, skip_special_tokens=False):
+            return True
+        if self._byte_ids is None:
+            return False
+        to_byte = {ch: b for b, ch in _bytes_to_unicode().items()}
+        added = {int(i): t.content for i, t in self.hf.added_tokens_decoder.items()}
+        raw = bytearray()
+        for i, piece in zip(ids, self.hf.convert_ids_to_tokens(ids)):
+            if i in added:                      # added tokens decode to their content
+                raw += added[i].encode("utf-8")
+            elif all(ch in to_byte for ch in piece):
+                raw += bytes(to_byte[ch] for ch in piece)
+            else:                               # not a byte-level piece: cannot tell
+                return False
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return False
+        return True
 
     def prompt_text(self, question: str) -> str:
         if self._use_chat:

@@ -1,3 +1,9 @@
+from types import SimpleNamespace
+
+import torch
+
+from hacpo.engine.pool import StepPool, learner_view
+from hacpo.models.policy import PolicyConfig, build_policy
 from hacpo.models.retokenize import RetokStats, RetokStatus, retokenize
 from hacpo.models.tokenizer import load_tokenizer
 from tests.models.conftest import MATH_TEXTS
@@ -68,3 +74,83 @@ def test_retok_stats_counts(qwen3, llama32):
     assert d["retok/unencodable"] == 0
     n_src = 1 + len(qwen3.response_ids(MATH_TEXTS[0], add_eos=True))
     assert d["retok/token_ratio"] == (0 + 1 + 5) / n_src
+
+
+def test_special_token_strings_in_a_response_stay_text(qwen3, llama32):
+    """Llama text that writes out Qwen's "<|im_end|>" (and the reverse) must not become the
+    learner's EOS / special tokens: the learner would score an end of turn in the middle of
+    the response, or take a truncated response for a finished one."""
+    text = "The answer <|im_end|> is 5 <|eot_id|>"
+    for src, dst in ((llama32, qwen3), (qwen3, llama32)):
+        src_ids = src.encode(text)
+        ids, status = retokenize(src_ids + [src.eos_id], src, dst, 512)
+        assert status == RetokStatus.OK
+        assert ids[-1] == dst.eos_id and not set(ids[:-1]) & dst.special_ids()
+        assert dst.decode(ids) == text
+        ids, status = retokenize(src_ids, src, dst, 512)        # truncated: no EOS
+        assert status == RetokStatus.OK and not set(ids) & dst.special_ids()
+
+
+def test_multibyte_character_cut_is_flagged_for_every_learner(qwen3, llama32, qwen3_reduced):
+    """A response cut inside a multi-byte character decodes to U+FFFD: no learner's
+    tokenization spells what the generator produced. Reduced and character learners flagged it
+    (U+FFFD is outside their vocabularies); full vocabularies encoded U+FFFD silently."""
+    char = load_tokenizer("char")
+    src = qwen3.encode("I like 🍎")[:-1]                   # max_new_tokens inside the apple
+    assert "\ufffd" in qwen3.decode(src)
+    for dst in (llama32, qwen3_reduced, char):
+        _, status = retokenize(src, qwen3, dst, 512)
+        assert RetokStatus.INVALID_UTF8 in status, dst.name
+    for ids in (qwen3.encode("I like 🍎"), qwen3.encode("a \ufffd b")):   # valid text
+        _, status = retokenize(ids, qwen3, llama32, 512)
+        assert RetokStatus.INVALID_UTF8 not in status
+    stats = RetokStats()
+    stats.update(RetokStatus.INVALID_UTF8, 2, 2)
+    assert stats.as_dict()["retok/invalid_utf8"] == 1
+
+
+def _pool(responses, agents, lp_old):
+    return StepPool(torch.tensor(agents), torch.zeros(len(agents), dtype=torch.long),
+                    responses, ["" for _ in responses], [False] * len(agents),
+                    [True] * len(agents), lp_old=torch.tensor(lp_old))
+
+
+def test_learner_view_drops_invalid_utf8_like_unencodable(qwen3, llama32):
+    src = SimpleNamespace(tokenizer=qwen3, max_len=512)
+    learner = SimpleNamespace(tokenizer=llama32, max_len=512)
+    prompts = [[llama32.prompt_ids("2+3?")], [qwen3.prompt_ids("2+3?")]]
+    cut = qwen3.encode("I like 🍎")[:-1]
+    pool = _pool([llama32.encode("5"), cut, qwen3.encode("I like 5")], [0, 1, 1],
+                 [-1.0, -2.0, -2.0])
+    ones = torch.ones(3)
+    for drop in (True, False):
+        stats = RetokStats()
+        view = learner_view(pool, 0, torch.arange(3), ones, ones, [learner, src], prompts, 8,
+                            stats, drop)
+        assert stats.as_dict()["retok/invalid_utf8"] == 1
+        assert view.dropped["unencodable"] == (1 if drop else 0)
+        assert view.idx.tolist() == ([0, 2] if drop else [0, 1, 2])
+
+
+def test_learner_view_fits_cross_samples_in_the_learners_positions(qwen3_reduced):
+    """A cross sample longer in the learner's tokens than its positions leave after its own
+    prompt is cut (and counted as truncated), instead of crashing the update with
+    'prompt+response ... exceeds max_len'."""
+    char = build_policy(PolicyConfig(name="c", kind="decoder", tokenizer="char", d_model=16,
+                                     n_layers=1, n_heads=2, max_len=40))
+    src = SimpleNamespace(tokenizer=qwen3_reduced, max_len=64)
+    prompts = [[char.tokenizer.prompt_ids("2+3?")], [qwen3_reduced.prompt_ids("2+3?")]]
+    max_new = 12
+    resp = qwen3_reduced.encode(MATH_TEXTS[0])[:max_new]     # 33 characters
+    assert len(prompts[1][0]) + max_new <= src.max_len       # the generator could sample it
+    assert len(prompts[0][0]) + max_new <= char.max_len      # and the learner its own
+    pool = _pool([char.tokenizer.encode("5"), resp], [0, 1], [-1.0, -2.0])
+    stats, ones = RetokStats(), torch.ones(2)
+    view = learner_view(pool, 0, torch.arange(2), ones, ones, [char, src], prompts, max_new,
+                        stats, True)
+    assert view.idx.tolist() == [0, 1] and stats.as_dict()["retok/truncated"] == 1
+    assert all(len(p) + len(r) <= char.max_len
+               for p, r in zip(view.prompt_ids, view.response_ids))
+    assert len(prompts[0][0]) + len(view.response_ids[1]) == char.max_len
+    tl, mask = char.response_logprobs(view.prompt_ids, view.response_ids)
+    assert torch.isfinite(tl).all() and mask.sum() == 1 + char.max_len - len(prompts[0][0])

