@@ -120,14 +120,16 @@ def dotted(obj, key: str):
 
 def render_table(results: dict, pass_k: int) -> str:
     agents = sorted({a for per in results.values() for a in per})
-    lines = ["| algorithm | " + " | ".join(f"{a} avg@1 | {a} pass@{pass_k}" for a in agents)
-             + " | seeds |",
-             "| --- |" + " --- | --- |" * len(agents) + " --- |"]
+    keys = ("accuracy", f"pass@{pass_k}") if pass_k > 1 else ("accuracy",)  # 0/1: no pass@k
+    lines = ["| algorithm | " + " | ".join(f"{a} avg@1" + (f" | {a} pass@{pass_k}"
+                                                           if pass_k > 1 else "")
+                                         for a in agents) + " | seeds |",
+             "| --- |" + " --- |" * (len(keys) * len(agents)) + " --- |"]
     for algo, per in results.items():
         cells = []
         for a in agents:
             rows = per.get(a, [])
-            for key in ("accuracy", f"pass@{pass_k}"):
+            for key in keys:
                 xs = [100 * r[key] for r in rows if key in r]
                 if xs:
                     m, ci = mean_ci(xs)
@@ -139,9 +141,11 @@ def render_table(results: dict, pass_k: int) -> str:
     before = {a: statistics.fmean(r["before"] for per in results.values() for r in per.get(a, []))
               for a in agents}
     lines.append("")
-    lines.append("Accuracy in % on the held-out set (greedy avg@1; pass@k from k samples at the "
-                 "rollout temperature, unbiased estimator); mean ± 95% CI (Student t) over "
-                 "seeds. Before RL (after the shared warm-up): "
+    lines.append("Accuracy in % on the held-out set (greedy avg@1"
+                 + ("; pass@k from k samples at the rollout temperature, unbiased estimator"
+                    if pass_k > 1 else "")
+                 + "); mean ± 95% CI (Student t) over seeds. Before RL (after the shared "
+                 "warm-up): "
                  + ", ".join(f"{a} {100 * v:.1f}" for a, v in before.items()) + ".")
     return "\n".join(lines) + "\n"
 

@@ -22,7 +22,11 @@ def score_named(rc, texts: list[str], golds: list[str], where):
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples with c correct (Chen et al. 2021)."""
+    """Unbiased pass@k from n samples with c correct (Chen et al. 2021):
+    1 - C(n-c, k) / C(n, k). Needs 1 <= k <= n and 0 <= c <= n (ValueError otherwise: with
+    fewer samples than k there is no unbiased estimate)."""
+    if not (1 <= k <= n and 0 <= c <= n):
+        raise ValueError(f"pass@k needs 1 <= k <= n and 0 <= c <= n, got n={n}, c={c}, k={k}")
     if n - c < k:
         return 1.0
     return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))

@@ -24,6 +24,18 @@ def test_render_table_numbers():
     assert "a 40.0" in t
 
 
+def test_render_table_without_pass_k():
+    """pass_k 0 or 1 (no sampled evaluation): no pass@k column of dashes, no pass@k note."""
+    res = {"gspo": {"a": [{"seed": 0, "accuracy": 0.5, "before": 0.4},
+                          {"seed": 1, "accuracy": 0.7, "before": 0.4}]}}
+    for k in (0, 1):
+        t = render_table(res, k)
+        assert t.splitlines()[:2] == ["| algorithm | a avg@1 | seeds |", "| --- | --- | --- |"]
+        ci = 12.706 * math.sqrt(0.02) / math.sqrt(2) * 100
+        assert f"| gspo | 60.0 ± {ci:.1f} | 2 |" in t
+        assert "pass@" not in t and "–" not in t
+
+
 def test_compare_runs_and_writes_table(tmp_path):
     base = load_config("tiny3", overrides={"steps": 1, "cache_dir": str(tmp_path / "cache"),
                                            "threads": 1, "plots": False, "tensorboard": False})

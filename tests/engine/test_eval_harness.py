@@ -156,6 +156,22 @@ def test_run_reward_is_used_and_numbers_consistent(run):
             sum(row["benchmarks"][b]["pass@4"] for b in ("gsm", "math")) / 2)
 
 
+def test_pass_at_k_is_the_unbiased_estimator_and_needs_k_samples():
+    """pass@k = 1 - C(n-c, k) / C(n, k) for 1 <= k <= n; fewer samples than k (or c outside
+    [0, n]) is an error, not pass@k = 1 (before: pass_at_k(2, 0, 3) was 1.0 with no sample
+    correct)."""
+    from math import comb
+    from hacpo.engine.evaluate import pass_at_k
+    for n in range(1, 9):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                assert pass_at_k(n, c, k) == pytest.approx(1 - comb(n - c, k) / comb(n, k))
+    assert pass_at_k(5, 2, 2) == pytest.approx(0.7)     # 1 - C(3,2)/C(5,2) = 1 - 3/10
+    for n, c, k in ((2, 0, 3), (0, 0, 1), (3, 1, 0), (3, 4, 2), (3, -1, 2)):
+        with pytest.raises(ValueError, match="pass@k needs 1 <= k <= n"):
+            pass_at_k(n, c, k)
+
+
 def test_lenient_prompt_ids():
     class NoFallback:
         def prompt_ids(self, q, errors="strict"):
