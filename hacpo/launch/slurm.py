@@ -117,7 +117,8 @@ def cluster_needs(cfg) -> dict[str, float]:
 
 def _cpu_parts(cfg) -> str:
     """What the run's Ray CPUs are for, e.g. "3 for trainer actors (trainer_backend=ray, 3 ranks
-    x threads=1) + 3 for its rollout.engine=ray actors (3 agents x engines_per_agent=1 x 1)"."""
+    x threads=1) + 3 for its rollout.engine=ray actors (3 agents x rollout.engines_per_agent=1
+    x 1 CPU (threads))"."""
     from hacpo.engine.run_config import colocated_engines, rollout_cpus, trainer_cpus
     r, n = cfg.rollout, len(cfg.agents)
     threads = cfg.threads if cfg.threads > 0 else 1
