@@ -132,7 +132,7 @@ def warm_start(cfg: TrainConfig, data: Data, policies: list[Policy], echo=print)
         tok = pol.tokenizer
         seed = a.policy.seed + 101 * k
         key = config_hash({"policy": asdict(a.policy), "warmup": asdict(a.warmup), "seed": seed,
-                           "init": _state_digest(pol), "tokenizer": _tokenizer_digest(tok),
+                           "init": _state_digest(pol), "tokenizer": tokenizer_digest(tok),
                            "examples": examples_digest, "v": 3})
         path = os.path.join(cfg.cache_dir, f"warmup-{a.policy.name}-{key}.pt")
         state = _cached_warm_start(path, pol)
@@ -172,7 +172,30 @@ def _texts_digest(pairs) -> str:
     return h.hexdigest()
 
 
-def _tokenizer_digest(tok) -> str:
+def vocab_source(cfg: TrainConfig) -> str:
+    """Where a run's reduced vocabularies come from (``corpus``), for error messages."""
+    d = cfg.data
+    if d.task != "files":
+        return f"data.task {d.task}"
+    return f"data.train_path {d.train_path}" + (f", data.eval_path {d.eval_path}"
+                                                 if d.eval_size else "")
+
+
+def tokenizer_mismatch(state: dict, policies: list[Policy], cfg: TrainConfig) -> str | None:
+    """None if every policy's tokenizer is the one ``state`` (a training checkpoint of ``cfg``)
+    records for its agent (by name; a checkpoint without the record: not checked), else which
+    agent's is not and a likely cause: its weights would be read with other tokens."""
+    want = dict(zip([a.get("name") for a in state.get("agents", [])],
+                    state.get("tokenizers") or []))
+    for pol in policies:
+        if pol.name in want and want[pol.name] != tokenizer_digest(pol.tokenizer):
+            return (f"agent {pol.name}'s tokenizer ({pol.tokenizer.vocab_size} tokens) is not "
+                    f"the one its weights were trained with (a vocabulary reduced to data "
+                    f"that changed since? {vocab_source(cfg)})")
+    return None
+
+
+def tokenizer_digest(tok) -> str:
     """Hash of what a tokenizer's ids mean: its class, name, special ids and every id's token
     (a reduced vocabulary: the kept tokens, in id order)."""
     if hasattr(tok, "token_strings"):

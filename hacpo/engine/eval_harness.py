@@ -242,11 +242,18 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
         policies = {p.name: p for p in build.build_policies(cfg, data)}
         saved = {a["name"]: a for a in state["agents"]}
         chosen = list(dict.fromkeys(agents)) if agents else [a["name"] for a in state["agents"]]
+        if bad := build.tokenizer_mismatch(state, [policies[name] for name in chosen], cfg):
+            raise ValueError(f"cannot evaluate {ck_path}: {bad}")
         with RewardComputer(cfg.reward.name, num_workers=cfg.reward.num_workers,
                             timeout_s=cfg.reward.timeout_s) as rc:
             for name in chosen:
                 pol = policies[name]
-                pol.load_state_dict(saved[name]["model"])
+                try:
+                    pol.load_state_dict(saved[name]["model"])
+                except RuntimeError as e:    # other shapes: e.g. a checkpoint without tokenizers
+                    raise ValueError(f"cannot evaluate {ck_path}: agent {name}'s weights do not "
+                                     f"fit its policy rebuilt from the run's config "
+                                     f"({build.vocab_source(cfg)}): {e}") from None
                 for bi, b in enumerate(benches):
                     exs = loaded[b.name]
                     qs = [apply_prompt_template(tmpl, e.prompt) for e in exs]

@@ -14,10 +14,20 @@ class MetricsLogger:
     def __init__(self, out_dir: str, *, start_step: int = 0, tensorboard: bool = True):
         self.path = os.path.join(out_dir, "metrics.jsonl")
         if start_step > 0 and os.path.exists(self.path):
-            with open(self.path) as f:
-                keep = [ln for ln in f if ln.strip() and json.loads(ln)["step"] < start_step]
-            with open(self.path, "w") as f:
-                f.writelines(keep)
+            keep = _rows_before(self.path, start_step)
+            # a new file renamed over the old one: a crash (or a full disk) while it is written
+            # leaves the old file, never a truncated one (the steps before start_step are gone)
+            tmp = f"{self.path}.tmp-{os.getpid()}"
+            try:
+                with open(tmp, "w") as f:
+                    f.writelines(keep)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self.path)
+            except BaseException:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+                raise
         else:              # a new run (or nothing logged before): an empty file, also for 0 steps
             open(self.path, "w").close()
         self.tb = None
@@ -42,6 +52,29 @@ class MetricsLogger:
         if self.tb is not None:
             self.tb.flush()
             self.tb.close()
+
+
+def _rows_before(path: str, start_step: int) -> list[str]:
+    """The lines of ``path`` of steps < ``start_step``. A last line cut short (no newline: the
+    interrupted run's last write, e.g. on a full disk; it logged a step >= start_step, as every
+    step is logged before its checkpoint) is dropped; any other unreadable line is a
+    ValueError naming the file and line."""
+    with open(path) as f:
+        lines = f.readlines()
+    keep = []
+    for i, ln in enumerate(lines):
+        if not ln.strip():
+            continue
+        try:
+            step = json.loads(ln)["step"]
+        except (ValueError, KeyError, TypeError) as e:
+            if i == len(lines) - 1 and not ln.endswith("\n"):
+                break
+            raise ValueError(f"{path}:line {i + 1} is not a metrics row ({type(e).__name__}: "
+                             f"{e}); fix or remove that line to resume") from None
+        if step < start_step:
+            keep.append(ln if ln.endswith("\n") else ln + "\n")   # the next row on its own line
+    return keep
 
 
 def read_metrics(path: str) -> list[dict]:

@@ -121,6 +121,11 @@ def _prepare(cfg: TrainConfig, resume: bool, echo):
     state = None
     if resume and os.path.exists(ck_path):
         state = ckpt.load(ck_path)
+        if not isinstance(state, dict) or not {"step", "fingerprint", "agents",
+                                                "sampler"} <= set(state):
+            raise ValueError(f"{ck_path} is not a hacpo training checkpoint (no 'step', "
+                             f"'fingerprint', 'agents' and 'sampler'); move it away to start "
+                             f"a new run there")
         diff = config_diff(state["fingerprint"], fingerprint_dict(cfg),
                            defaults=default_fingerprint(cfg))
         if diff:
@@ -139,7 +144,17 @@ def _prepare(cfg: TrainConfig, resume: bool, echo):
         json.dump(cfg.to_dict(), f, indent=2)
 
     data = build.load_data(cfg)
+    if state is not None:       # the data cursor fits the examples (before any policy is built)
+        try:
+            PromptSampler(data.train, seed=cfg.seed).load_state_dict(state["sampler"])
+        except ValueError as e:
+            d = cfg.data
+            src = f"data.train_path {d.train_path}" if d.task == "files" else f"data.task {d.task}"
+            raise ValueError(f"cannot resume {ck_path}: the training data changed since it was "
+                             f"written ({src}): {e}") from None
     policies = build.build_policies(cfg, data)
+    if state is not None and (bad := build.tokenizer_mismatch(state, policies, cfg)):
+        raise ValueError(f"cannot resume {ck_path}: {bad}")
     warm = build.warm_start(cfg, data, policies, echo) if state is None else state["warmup"]
     return data, policies, state, warm, ck_path
 
@@ -152,12 +167,19 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
     shuffle_gen = torch.Generator().manual_seed(cfg.seed + 7)
     nonfinite = {"streak": 0, "total": 0}
     ratio_log: dict[str, list[np.ndarray]] = defaultdict(list)   # plots: per agent and part
+    tokenizers = [build.tokenizer_digest(p.tokenizer) for p in policies]   # for checkpoints
     if state is None:
         before, start = None, 0
     else:
         with user_errors(ValueError, KeyError):    # e.g. a checkpoint of another layout
             for k, s in enumerate(state["agents"]):
-                agents.load_state_dict(k, s)
+                try:
+                    agents.load_state_dict(k, s)
+                except RuntimeError as e:   # torch's load_state_dict: other shapes or entries
+                    raise ValueError(f"cannot resume {ck_path}: agent {names[k]}'s weights "
+                                     f"do not fit its policy (a vocabulary reduced to data "
+                                     f"that changed since? {build.vocab_source(cfg)}): "
+                                     f"{e}") from None
         tracker.load_state_dict(state["tracker"])
         sampler.load_state_dict(state["sampler"])
         engine.load_state_dict(state["engine"])
@@ -180,7 +202,8 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
             echo(f"[eval] {name}: before RL {before[name]['accuracy']:.3f} "
                  f"± {before[name]['stderr']:.3f}")
 
-    logger = MetricsLogger(cfg.out_dir, start_step=start, tensorboard=cfg.tensorboard)
+    with user_errors(ValueError):          # a metrics.jsonl line that cannot be read
+        logger = MetricsLogger(cfg.out_dir, start_step=start, tensorboard=cfg.tensorboard)
     algo = cfg.algorithm
     G = cfg.rollout.group_size * algo.samples_per_prompt_factor
     bar = _progress(cfg, start)
@@ -257,7 +280,7 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
                 bar.update(1)
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
                 _save(ck_path, cfg, step + 1, agents, tracker, sampler, engine, shuffle_gen,
-                      nonfinite, warm, before, ratio_log)
+                      nonfinite, warm, before, ratio_log, tokenizers)
                 agents.checkpoint_saved()      # e.g. drop optimizer shards no checkpoint names
     finally:
         if bar is not None:
@@ -353,7 +376,7 @@ def _view_tokens(view, name: str) -> dict[str, float]:
 
 
 def _save(path, cfg, next_step, agents, tracker, sampler, engine, shuffle_gen, nonfinite, warm,
-          before, ratio_log):
+          before, ratio_log, tokenizers):
     for key, parts in ratio_log.items():           # one array per key: the checkpoint's copy
         if len(parts) > 1:
             parts[:] = [np.concatenate(parts)]
@@ -363,7 +386,8 @@ def _save(path, cfg, next_step, agents, tracker, sampler, engine, shuffle_gen, n
         "tracker": tracker.state_dict(), "sampler": sampler.state_dict(),
         "engine": engine.state_dict(), "shuffle_gen": shuffle_gen.get_state(),
         "nonfinite": dict(nonfinite), "warmup": warm, "eval_before": before,
-        "ratio_log": {key: parts[0] for key, parts in ratio_log.items() if parts}}, path)
+        "ratio_log": {key: parts[0] for key, parts in ratio_log.items() if parts},
+        "tokenizers": tokenizers}, path)
 
 
 def _progress(cfg, start):

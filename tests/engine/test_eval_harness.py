@@ -185,6 +185,30 @@ def test_lenient_prompt_ids():
     assert prompt_ids_lenient(tok, "What is 2+2?") == (tok.prompt_ids("What is 2+2?"), "ok")
 
 
+def test_checkpoint_of_another_vocabulary_is_clear_error(run, tmp_path):
+    """The policies `hacpo eval` rebuilds from the run's config must have the tokenizers the
+    checkpoint's weights were trained with (a vocabulary reduced to data that changed since
+    maps ids to other tokens): an error naming the checkpoint and agent, also for a checkpoint
+    that records no tokenizers but whose weights do not fit."""
+    from hacpo.engine import checkpoint as ckpt
+    state = ckpt.load(str(run["dir"] / "checkpoint.pt"))
+    k = AGENTS.index("qwen3")
+    assert len(state["tokenizers"]) == len(AGENTS)
+    state["tokenizers"][k] = "0" * 64
+    ckpt.save_atomic(state, str(tmp_path / "other" / "checkpoint.pt"))
+    with pytest.raises(ValueError, match=r"cannot evaluate .*other/checkpoint\.pt: agent "
+                                         r"qwen3's tokenizer \(\d+ tokens\) is not the one"):
+        evaluate_checkpoints([str(tmp_path / "other")], run["benches"], agents=["qwen3"])
+    del state["tokenizers"]
+    emb = "model.embed.weight"
+    w = state["agents"][k]["model"][emb]
+    state["agents"][k]["model"][emb] = torch.zeros(w.shape[0] + 3, w.shape[1], dtype=w.dtype)
+    ckpt.save_atomic(state, str(tmp_path / "other" / "checkpoint.pt"))
+    with pytest.raises(ValueError, match=r"(?s)cannot evaluate .*other/checkpoint\.pt: agent "
+                                         r"qwen3's weights do not fit .*size mismatch"):
+        evaluate_checkpoints([str(tmp_path / "other")], run["benches"], agents=["qwen3"])
+
+
 def test_bad_inputs(run, tmp_path, capsys):
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         evaluate_checkpoints([str(tmp_path / "nope")], run["benches"])

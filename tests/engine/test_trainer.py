@@ -123,6 +123,107 @@ def test_resume_with_other_config_is_clear_error(tmp_path):
     assert f"[resume] no checkpoint.pt in {tmp_path / 'new'}: starting a new run there" in said
 
 
+def test_resume_of_a_foreign_checkpoint_or_changed_data_is_clear_error(tmp_path):
+    """A checkpoint.pt that torch reads but that is no training checkpoint (e.g. a warm-start
+    cache file copied there), and a resume over training data that changed since the
+    checkpoint (another row count: the data cursor; the same rows with other words: reduced
+    vocabularies of the same size that map ids to other tokens, which resumed silently), are
+    one-line errors naming the checkpoint, before any step; checkpoint and metrics are kept."""
+    from hacpo.engine import checkpoint as ckpt
+    from hacpo.engine.errors import is_user_error
+    run = tmp_path / "run"
+    run.mkdir()
+    for foreign in (torch.zeros(3), {"model": {}, "losses": [1.0]}):
+        torch.save(foreign, run / "checkpoint.pt")
+        with pytest.raises(ValueError, match=r"run/checkpoint\.pt is not a hacpo training "
+                                             r"checkpoint") as e:
+            train(_cfg(tmp_path, steps="1"), resume=True, echo=lambda *_: None)
+        assert is_user_error(e.value)
+    rows = [{"question": f"Tom has {a} apples and gets {b} more. How many apples?",
+             "answer": f"#### {a + b}"} for a, b in ((1, 2), (3, 4), (2, 5), (4, 4))]
+    train_f, eval_f = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    train_f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    eval_f.write_text(json.dumps({"question": "Ann has 2 cats and gets 3 more. How many cats?",
+                                  "answer": "#### 5"}) + "\n")
+    over = {"data.task": "files", "data.train_path": str(train_f),
+            "data.eval_path": str(eval_f), "plots": "false", "tensorboard": "false"}
+    train(_cfg(tmp_path, "files", steps="1", **over), echo=lambda *_: None)
+    ck_path = tmp_path / "files" / "checkpoint.pt"
+
+    def resume_fails(changed, msg):
+        train_f.write_text("".join(json.dumps(r) + "\n" for r in changed))
+        kept = {f: (tmp_path / "files" / f).read_bytes() for f in ("checkpoint.pt",
+                                                                   "metrics.jsonl")}
+        with pytest.raises(ValueError, match=r"(?s)cannot resume .*files/checkpoint\.pt: "
+                                             + msg) as e:
+            train(_cfg(tmp_path, "files", steps="2", **over), resume=True, echo=lambda *_: None)
+        assert is_user_error(e.value)
+        assert {f: (tmp_path / "files" / f).read_bytes() for f in kept} == kept
+
+    other = {"question": "Zed has 9 pens and loses 1. How many pens?", "answer": "#### 8"}
+    resume_fails(rows + [other], r"the training data changed since it was written \(data\."
+                                 r"train_path .*train\.jsonl\): .*4 examples.*now 5")
+    renamed = [{**r, "question": r["question"].replace("Tom", "Tim")} for r in rows]
+    resume_fails(renamed, r"agent qwen3's tokenizer \(\d+ tokens\) is not the one its weights "
+                          r"were trained with .*train\.jsonl")
+    state = ckpt.load(ck_path)       # a checkpoint that records no tokenizers (older ones)
+    del state["tokenizers"]
+    ckpt.save_atomic(state, ck_path)
+    resume_fails(rows[:3] + [other], r"agent qwen3's weights do not fit its policy .*"
+                                     r"size mismatch")
+
+
+def test_resume_rewrites_metrics_atomically_and_drops_a_cut_last_row(tmp_path, monkeypatch):
+    """On resume at step s, metrics.jsonl loses its rows of steps >= s through a new file
+    renamed over the old one: a full disk while it is written leaves the old file whole (the
+    rows before s are never lost). A last row cut short (the interrupted run's last write) is
+    dropped; another unreadable row is an error naming the file and line, the file kept."""
+    import re
+
+    from hacpo.engine import metrics
+
+    path = tmp_path / "metrics.jsonl"
+    rows = "".join(json.dumps({"step": s, "reward/a": 0.5}) + "\n" for s in range(3))
+    path.write_text(rows)
+    real_open = open
+
+    class DiskFull:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def writelines(self, lines):
+            raise OSError(28, "No space left on device")
+
+    def full_open(file, mode="r", *args, **kw):
+        f = real_open(file, mode, *args, **kw)
+        return DiskFull(f) if "w" in mode else f
+
+    monkeypatch.setattr(metrics, "open", full_open, raising=False)
+    with pytest.raises(OSError, match="No space left on device"):
+        metrics.MetricsLogger(str(tmp_path), start_step=2, tensorboard=False)
+    monkeypatch.undo()
+    assert path.read_text() == rows and os.listdir(tmp_path) == ["metrics.jsonl"]
+
+    path.write_text(rows + '{"step": 3, "reward/a')          # cut short by a full disk
+    metrics.MetricsLogger(str(tmp_path), start_step=3, tensorboard=False).log(3, {"reward/a": 1})
+    assert [r["step"] for r in metrics.read_metrics(str(path))] == [0, 1, 2, 3]
+
+    bad = rows.replace('"step": 1,', '"step": 1')
+    path.write_text(bad)
+    with pytest.raises(ValueError, match=re.escape(f"{path}:line 2 is not a metrics row")):
+        metrics.MetricsLogger(str(tmp_path), start_step=2, tensorboard=False)
+    assert path.read_text() == bad
+
+
 def test_vllm_engines_for_decoder_agents_fail_before_any_work(tmp_path):
     cfg = _cfg(tmp_path, "v", **{"rollout.engine": "vllm"})
     with pytest.raises(ValueError, match=r"agent 0 \('char'\) is kind 'decoder'"):
