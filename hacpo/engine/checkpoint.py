@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import pickle
+import re
 import tempfile
 
 import torch
@@ -29,10 +31,31 @@ def save_atomic(obj, path: str) -> None:
         raise
 
 
+# A checkpoint is a pickle: loading one with arbitrary Python objects can run arbitrary code.
+# hacpo's own checkpoints hold tensors, numbers, strings, lists and dicts only, so they load with
+# torch.load(weights_only=True), which refuses anything else; this variable (=1) allows a full
+# unpickle for a file one trusts (e.g. a checkpoint written before that rule).
+TRUST_ENV = "HACPO_TRUSTED_CHECKPOINTS"
+
+
 def load(path: str):
+    """The object saved at ``path``, unpickled with ``weights_only=True`` (tensors and plain
+    containers only; see :data:`TRUST_ENV`). A file that cannot be read, or holds other
+    objects, is a RuntimeError naming it."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"no checkpoint at {path}")
+    trusted = os.environ.get(TRUST_ENV) == "1"
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=not trusted)
+    except pickle.UnpicklingError as e:
+        unsafe = re.search(r"(GLOBAL [\w.]+)", str(e))   # what torch's unpickler refused
+        if trusted or unsafe is None:        # not a pickle at all, truncated, ...
+            raise RuntimeError(f"checkpoint {path} cannot be read (UnpicklingError: "
+                               f"{str(e).splitlines()[0]})") from e
+        raise RuntimeError(
+            f"checkpoint {path} holds Python objects other than tensors and plain containers "
+            f"({unsafe.group(1)}: a foreign file, or one written by an older hacpo), which "
+            f"could run code when loaded; not loaded. If you trust it, set "
+            f"{TRUST_ENV}=1") from None
     except Exception as e:  # truncated or foreign file
         raise RuntimeError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e})") from e

@@ -187,7 +187,7 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
         nonfinite = state["nonfinite"]
         before, start = state["eval_before"], state["step"]
         # the ratios logged up to the checkpoint (older checkpoints: none kept)
-        ratio_log.update({key: [v] for key, v in state.get("ratio_log", {}).items()})
+        ratio_log.update({key: [np.asarray(v)] for key, v in state.get("ratio_log", {}).items()})
         echo(f"[resume] {ck_path} at step {start}")
     # engines holding weight copies start from these weights (the pools: all agents at once)
     sync_agents(agents, engine, n, timer=null_timer, pull=False, at_once=cfg.agents_at_once)
@@ -386,7 +386,9 @@ def _save(path, cfg, next_step, agents, tracker, sampler, engine, shuffle_gen, n
         "tracker": tracker.state_dict(), "sampler": sampler.state_dict(),
         "engine": engine.state_dict(), "shuffle_gen": shuffle_gen.get_state(),
         "nonfinite": dict(nonfinite), "warmup": warm, "eval_before": before,
-        "ratio_log": {key: parts[0] for key, parts in ratio_log.items() if parts},
+        # tensors, not numpy arrays: the checkpoint loads with torch.load(weights_only=True)
+        "ratio_log": {key: torch.from_numpy(parts[0]) for key, parts in ratio_log.items()
+                      if parts},
         "tokenizers": tokenizers}, path)
 
 
