@@ -6,6 +6,7 @@ import os
 import pickle
 import re
 import tempfile
+import zipfile
 
 import torch
 
@@ -48,14 +49,17 @@ def load(path: str):
     try:
         return torch.load(path, map_location="cpu", weights_only=not trusted)
     except pickle.UnpicklingError as e:
-        unsafe = re.search(r"(GLOBAL [\w.]+)", str(e))   # what torch's unpickler refused
-        if trusted or unsafe is None:        # not a pickle at all, truncated, ...
+        # torch.save writes a zip archive: one whose pickle the weights-only unpickler refused
+        # holds other objects; anything else is not a (whole) checkpoint
+        if trusted or not zipfile.is_zipfile(path):
             raise RuntimeError(f"checkpoint {path} cannot be read (UnpicklingError: "
                                f"{str(e).splitlines()[0]})") from e
+        detail = next((ln.strip() for ln in str(e).splitlines()
+                       if re.search(r"GLOBAL|Unsupported|Can only build|got <", ln)), "")
         raise RuntimeError(
             f"checkpoint {path} holds Python objects other than tensors and plain containers "
-            f"({unsafe.group(1)}: a foreign file, or one written by an older hacpo), which "
-            f"could run code when loaded; not loaded. If you trust it, set "
-            f"{TRUST_ENV}=1") from None
+            f"(a foreign file, or one written by an older hacpo), which could run code when "
+            f"loaded; not loaded. If you trust it, set {TRUST_ENV}=1"
+            + (f" (torch: {detail[:300]})" if detail else "")) from None
     except Exception as e:  # truncated or foreign file
         raise RuntimeError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e})") from e
