@@ -2,22 +2,60 @@
 (even kill -9) leaves either the previous checkpoint or the new one, never half of one."""
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import re
+import socket
 import tempfile
 import zipfile
 
 import torch
 
+log = logging.getLogger(__name__)
 
-def save_atomic(obj, path: str) -> None:
+
+def _temp_prefix(base: str) -> str:
+    # the writer's host and pid in the name let a later save tell a dead writer's leftover
+    # (kill -9 mid-save: possibly gigabytes) from a file a live process is still writing
+    return f".tmp-{base}.{socket.gethostname()}.{os.getpid()}."
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:          # another user's live process
+        return True
+    return True
+
+
+def remove_stale_temps(path: str) -> list[str]:
+    """Delete the temporary files that writers of ``path`` on this host left when they died
+    mid-save (their pid no longer runs); a live writer's file, or one from another host (a
+    shared filesystem), is kept. Returns the paths removed."""
+    d, base = os.path.split(os.path.abspath(path))
+    pat = re.compile(re.escape(f".tmp-{base}.{socket.gethostname()}.") + r"(\d+)\.")
+    removed = []
+    for name in os.listdir(d):
+        m = pat.match(name)
+        if m and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))):
+            try:
+                os.unlink(os.path.join(d, name))
+                removed.append(os.path.join(d, name))
+            except FileNotFoundError:   # another process cleaned it first
+                pass
+    return removed
+
+
+def _write_atomic(path: str, write) -> None:
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-" + os.path.basename(path) + ".", dir=d)
+    fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(os.path.basename(path)), dir=d)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -30,6 +68,23 @@ def save_atomic(obj, path: str) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    removed = remove_stale_temps(path)
+    if removed:
+        log.warning("removed %d temporary file(s) left by a writer of %s that died mid-save: "
+                    "%s", len(removed), path, ", ".join(removed))
+
+
+def save_atomic(obj, path: str) -> None:
+    """torch.save ``obj`` to ``path`` atomically (temp file in the same directory, fsync,
+    rename); afterwards, temp files of ``path`` left by dead writers are removed."""
+    _write_atomic(path, lambda f: torch.save(obj, f))
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically: a reader, or a crash, sees the old file
+    or the new one, never part of one; concurrent writers leave one whole file."""
+    data = text.encode()
+    _write_atomic(path, lambda f: f.write(data))
 
 
 # A checkpoint is a pickle: loading one with arbitrary Python objects can run arbitrary code.

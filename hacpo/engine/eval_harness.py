@@ -272,8 +272,8 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
                            "seed": seed + 1000 * bi, **_summary(per, samples), **counts,
                            "problems": [{k: p[k] for k in ("id", "gold", "status", "rewards",
                                                           "responses")} for p in per]}
-                    with open(os.path.join(rdir, f"{name}__{b.name}.json"), "w") as f:
-                        json.dump(rec, f, indent=1)
+                    ckpt.write_text_atomic(os.path.join(rdir, f"{name}__{b.name}.json"),
+                                           json.dumps(rec, indent=1))
                     echo(f"[eval] {label}/{name} {b.name}: avg@{samples} "
                          f"{rec[f'avg@{samples}']:.3f} ± {rec['ci95']:.3f} (n={rec['n']})")
                     results.append(rec)
@@ -282,10 +282,8 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
     targets = [out_dir] if out_dir is not None else out_dirs
     for d in dict.fromkeys(targets):
         os.makedirs(d, exist_ok=True)
-        with open(os.path.join(d, "eval.md"), "w") as f:
-            f.write(table)
-        with open(os.path.join(d, "eval.json"), "w") as f:
-            json.dump(report, f, indent=1)
+        ckpt.write_text_atomic(os.path.join(d, "eval.md"), table)
+        ckpt.write_text_atomic(os.path.join(d, "eval.json"), json.dumps(report, indent=1))
     return {**report, "table": table, "out_dirs": list(dict.fromkeys(targets))}
 
 

@@ -140,8 +140,8 @@ def _prepare(cfg: TrainConfig, resume: bool, echo):
                               f"to continue it or choose another out_dir")
     elif resume:
         echo(f"[resume] no {CHECKPOINT} in {cfg.out_dir}: starting a new run there")
-    with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
-        json.dump(cfg.to_dict(), f, indent=2)
+    ckpt.write_text_atomic(os.path.join(cfg.out_dir, "config.json"),
+                           json.dumps(cfg.to_dict(), indent=2))
 
     data = build.load_data(cfg)
     if state is not None:       # the data cursor fits the examples (before any policy is built)
@@ -294,8 +294,8 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
     summary = {"before": before, "after": after, "warmup": warm, "steps": cfg.steps,
                "algorithm": algo.name, "agents": names, "data": data.load_stats,
                "config_hash": config_hash(cfg.to_dict())}     # the config that finished
-    with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+    ckpt.write_text_atomic(os.path.join(cfg.out_dir, "summary.json"),
+                           json.dumps(summary, indent=2))
     if cfg.plots:
         if ratio_log:
             np.savez_compressed(os.path.join(cfg.out_dir, "log_ratios.npz"),

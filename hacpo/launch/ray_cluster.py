@@ -16,6 +16,7 @@ import os
 import secrets
 import shutil
 import socket
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -51,7 +52,6 @@ def new_auth_env() -> dict[str, str]:
 def use_auth_env(auth: dict[str, str]) -> None:
     """Make this process present ``auth``'s token to the clusters it queries or joins (sets
     ``os.environ``; if Ray is already loaded, refreshes its cached auth mode and token)."""
-    import sys
     os.environ.update(auth)      # RAY_AUTH_TOKEN outranks RAY_AUTH_TOKEN_PATH and ~/.ray's
     if "ray._raylet" in sys.modules:
         from ray._raylet import AuthenticationTokenLoader, Config

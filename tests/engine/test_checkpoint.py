@@ -66,3 +66,58 @@ def test_plain_state_round_trips(tmp_path, monkeypatch):
     assert got["fingerprint"] == state["fingerprint"] and got["step"] == 3
     assert torch.equal(got["shuffle_gen"], state["shuffle_gen"])
     assert torch.equal(got["ratio_log"]["a/self"], state["ratio_log"]["a/self"])
+
+
+_SLOW_SAVER = r"""
+import sys, time
+from hacpo.engine import checkpoint as ckpt
+
+class Slow:                      # pickling it stalls the save after the temp file exists
+    def __reduce__(self):
+        time.sleep(120)
+        return (int, (0,))
+
+ckpt.save_atomic({"big": bytes(1 << 20), "slow": Slow()}, sys.argv[1])
+"""
+
+
+def test_a_writer_killed_mid_save_leaves_a_temp_file_the_next_save_removes(tmp_path, caplog):
+    """kill -9 during a save leaves the old checkpoint and a temp file; the next save of that
+    path removes the dead writer's temp file and keeps a live writer's and another host's."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    path = str(tmp_path / "checkpoint.pt")
+    ckpt.save_atomic({"step": 1}, path)
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_SAVER, path])
+    deadline = time.monotonic() + 60
+    while not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-checkpoint.pt.")]:
+        assert proc.poll() is None and time.monotonic() < deadline, "the saver never started"
+        time.sleep(0.1)
+    time.sleep(0.5)
+    live_other = tmp_path / f".tmp-checkpoint.pt.{os.uname().nodename}.{os.getppid()}.abc"
+    other_host = tmp_path / ".tmp-checkpoint.pt.some-other-host.1234567.abc"
+    other_file = tmp_path / f".tmp-other.pt.{os.uname().nodename}.{proc.pid}.abc"
+    for p in (live_other, other_host, other_file):
+        p.write_bytes(b"x")
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    dead = [n for n in os.listdir(tmp_path) if n.startswith(f".tmp-checkpoint.pt.") and
+            f".{proc.pid}." in n]
+    assert len(dead) == 1, os.listdir(tmp_path)
+    assert ckpt.load(path)["step"] == 1          # the killed save changed nothing
+    with caplog.at_level("WARNING", logger="hacpo.engine.checkpoint"):
+        ckpt.save_atomic({"step": 2}, path)
+    assert ckpt.load(path)["step"] == 2
+    left = sorted(os.listdir(tmp_path))
+    assert dead[0] not in left
+    assert sorted([live_other.name, other_host.name, other_file.name, "checkpoint.pt"]) == left
+    assert "died mid-save" in caplog.text and dead[0] in caplog.text
+
+
+def test_write_text_atomic(tmp_path):
+    path = tmp_path / "sub" / "eval.json"
+    ckpt.write_text_atomic(str(path), '{"a": "é"}')
+    ckpt.write_text_atomic(str(path), '{"a": 2}')
+    assert path.read_text() == '{"a": 2}' and os.listdir(path.parent) == ["eval.json"]
