@@ -121,7 +121,11 @@ class GeneratorState:
         return {"generators": [g.get_state() for g in self.generators]}
 
     def load_state_dict(self, sd: dict) -> None:
-        for g, s in zip(self.generators, sd["generators"]):
+        states = sd["generators"]
+        if len(states) != len(self.generators):   # zip would leave agents' RNGs unrestored
+            raise ValueError(f"rollout engine state holds {len(states)} agents' generator "
+                             f"states, this engine has {len(self.generators)} agents")
+        for g, s in zip(self.generators, states):
             g.set_state(s)
 
     def seed_agent(self, agent: int, seed: int) -> None:

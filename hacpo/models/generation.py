@@ -10,6 +10,8 @@ Sample order is prompt-major: sample ``i`` answers prompt ``i // G``.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -70,13 +72,22 @@ def sample_next(logits: torch.Tensor, *, temperature: float, top_p: float,
     """logits [N, V] -> (tokens [N] long, log-probs [N] float32 under the sampled distribution).
 
     ``temperature == 0`` is greedy. ``top_p < 1`` keeps the smallest set of most likely tokens
-    whose mass reaches ``top_p`` (the most likely token is always kept).
+    whose mass reaches ``top_p`` (the most likely token is always kept). A row with a NaN or
+    +inf logit, or with every logit -inf, has no distribution to sample: a ValueError naming
+    the rows (never a silent token, nor torch's multinomial error).
     """
     logits = logits.float()
+    top = logits.amax(-1, keepdim=True)      # [N, 1]: NaN if any logit is (one reduction)
+    bad = ~torch.isfinite(top.squeeze(-1))
+    if bool(bad.any()):
+        rows = bad.nonzero().flatten().tolist()
+        raise ValueError(f"logits of {len(rows)} row(s) (first: {rows[:8]}) are NaN, +inf or all "
+                         f"-inf: no distribution to sample from (non-finite model outputs)")
     if temperature == 0:
         tokens = logits.argmax(-1)
         return tokens, torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
-    probs = torch.softmax(logits / temperature, -1)
+    # shifted first, so that a tiny temperature cannot overflow the largest logit to inf
+    probs = torch.softmax((logits - top) / temperature, -1)
     if top_p < 1.0:
         sorted_p, order = probs.sort(-1, descending=True)
         keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < top_p
@@ -146,11 +157,16 @@ def check_generate_args(policy: Policy, prompt_ids: Sequence[Sequence[int]], *,
                         top_p: float) -> list[list[int]]:
     """Validate a sampling request (every rollout engine's): returns the prompts as int lists.
     A bad request is a ValueError naming what is wrong."""
-    if num_samples < 1 or max_new_tokens < 0:
-        raise ValueError(f"num_samples={num_samples}, max_new_tokens={max_new_tokens}")
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"temperature={temperature} must be >= 0, top_p={top_p} in (0, 1]")
-    prompts = [[int(t) for t in p] for p in prompt_ids]
+    for name, v, low in (("num_samples", num_samples, 1), ("max_new_tokens", max_new_tokens, 0)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
+    for name, v in (("temperature", temperature), ("top_p", top_p)):
+        if isinstance(v, (bool, str, bytes)) or not _is_real(v):
+            raise ValueError(f"{name} must be a real number, got {v!r}")
+    if not (0 <= temperature < math.inf and 0 < top_p <= 1):   # NaN fails both
+        raise ValueError(f"temperature={temperature} must be finite and >= 0, top_p={top_p} "
+                         f"in (0, 1]")
+    prompts = [[_token_id(t) for t in p] for p in prompt_ids]
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, and no empty prompt")
     P = max(len(p) for p in prompts)
@@ -163,6 +179,23 @@ def check_generate_args(policy: Policy, prompt_ids: Sequence[Sequence[int]], *,
         raise ValueError(f"policy {policy.name!r}: prompt id {bad[0]} is outside the "
                          f"vocabulary of {V}")
     return prompts
+
+
+def _is_real(v) -> bool:
+    try:
+        float(v)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _token_id(t) -> int:
+    """A prompt token id as an int; a non-integral value (1.5, "a", True) is a ValueError."""
+    if isinstance(t, torch.Tensor) and t.numel() == 1:
+        t = t.item()
+    if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+        raise ValueError(f"prompt ids must be integers, got {t!r}")
+    return int(t)
 
 
 def empty_rollout(policy_name: str, prompts: list[list[int]], num_samples: int) -> Rollout:
@@ -226,8 +259,11 @@ def generate(policy: Policy, prompt_ids: Sequence[Sequence[int]], *, num_samples
     finished = torch.zeros(N, dtype=torch.bool, device=dev)
     steps = 0
     for t in range(max_new_tokens):
-        tokens, lp = sample_next(logits, temperature=temperature, top_p=top_p,
-                                 generator=generator)
+        try:
+            tokens, lp = sample_next(logits, temperature=temperature, top_p=top_p,
+                                     generator=generator)
+        except ValueError as e:
+            raise ValueError(f"policy {policy.name!r}, new token {t}: {e}") from None
         tokens = tokens.masked_fill(finished, tok.pad_id)
         out[:, t], out_lp[:, t] = tokens, lp
         steps = t + 1

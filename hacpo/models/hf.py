@@ -9,6 +9,7 @@ Nothing here touches the network.
 
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
@@ -35,12 +36,26 @@ def _config_class(arch: str):
     return classes[arch]
 
 
+def check_hf_config(arch: str, overrides: dict) -> None:
+    """A ValueError if ``overrides`` (config keys, without ``arch``) holds a key that is no field
+    of ``arch``'s transformers config: transformers keeps such a key as an extra attribute and
+    builds the default model, so a misspelt override ("hiden_size") would be silently ignored.
+    Keys the config consumes (e.g. rope_theta, folded into rope_parameters) are fields."""
+    cls = _config_class(arch)
+    known = set(cls().to_dict()) | set(cls.attribute_map)
+    extra = cls(**copy.deepcopy({k: v for k, v in overrides.items() if k not in known})).to_dict()
+    unknown = sorted(k for k in overrides if k not in known and k in extra)
+    if unknown:
+        raise ValueError(f"HF {arch} config: unknown key(s) {unknown} (not fields of "
+                         f"{cls.__name__}; a misspelling would build the default model)")
+
+
 def build_hf_model(config: dict, *, vocab_size: int, pad_id: int | None = None,
                    eos_id: int | None = None, dtype: torch.dtype = torch.float32, seed: int = 0):
     """Random-init causal LM. ``config`` holds ``arch`` plus transformers config overrides."""
     from transformers import AutoModelForCausalLM
 
-    config = dict(config)
+    config = copy.deepcopy(dict(config))    # transformers edits nested dicts (rope_scaling)
     arch = config.pop("arch", "llama")
     kwargs = {**TINY_DEFAULTS.get(arch, {}), **config, "vocab_size": vocab_size}
     if pad_id is not None:
@@ -48,6 +63,7 @@ def build_hf_model(config: dict, *, vocab_size: int, pad_id: int | None = None,
     if eos_id is not None:
         kwargs["eos_token_id"] = eos_id
         kwargs["bos_token_id"] = kwargs.get("bos_token_id", eos_id)
+    check_hf_config(arch, config)
     cfg = _config_class(arch)(**kwargs)
     cfg._attn_implementation = "sdpa"
     with torch.random.fork_rng(devices=[]):
@@ -63,4 +79,16 @@ def load_hf_model(path: str, *, dtype: torch.dtype = torch.float32):
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"no HF model at {path!r}: expected a local directory with "
                                 f"config.json and weights (hub downloads are disabled)")
-    return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype).eval()
+    model, info = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype,
+                                                       output_loading_info=True)
+    # transformers fills weights the checkpoint lacks (or holds in another shape) with random
+    # ones and only logs it: a policy must start from the weights it was given
+    bad = {k: sorted(str(x) for x in info.get(k) or ()) for k in ("missing_keys",
+                                                                  "mismatched_keys")}
+    if any(bad.values()):
+        raise ValueError(f"HF checkpoint {path!r} does not hold all of "
+                         f"{type(model).__name__}'s weights (they would be random): "
+                         + "; ".join(f"{k.replace('_', ' ')}: {v[:8]}"
+                                     + (f" and {len(v) - 8} more" if len(v) > 8 else "")
+                                     for k, v in bad.items() if v))
+    return model.eval()

@@ -104,6 +104,49 @@ class Policy(nn.Module):
         if n_emb < tokenizer.vocab_size:
             raise ValueError(f"policy {name!r}: model has {n_emb} output ids but tokenizer "
                              f"{tokenizer.name!r} has {tokenizer.vocab_size}")
+        if self.kind == "hf":
+            self._check_plain_output_layer()
+
+    # configuration keys of transformers models whose logits are more than the projection
+    _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+    def _check_plain_output_layer(self) -> None:
+        """Teacher forcing projects the base model's final hidden states with
+        :attr:`output_weight` alone (only the response positions, or fused with the
+        log-softmax); the sampler reads the model's own logits. A model whose logits are more
+        than that projection (an output-layer bias as in Phi, soft-capping as in Gemma 2,
+        scaling as in Cohere or Granite) would be trained on other log-probs than it samples:
+        refused, checked on the config and on one two-token forward."""
+        model, cfg = self.model, self.model.config
+        why = None
+        if getattr(model.get_output_embeddings(), "bias", None) is not None:
+            why = "its output layer has a bias"
+        for key in self._LOGIT_TRANSFORMS:     # a scale of 1 changes nothing
+            v = getattr(cfg, key, None)
+            if why is None and v is not None and (key == "final_logit_softcapping" or v != 1):
+                why = f"its config sets {key}={v!r}"
+        if why is None:
+            was_training = model.training
+            model.eval()
+            try:
+                with torch.no_grad():
+                    ids = torch.tensor([[0, self.tokenizer.vocab_size - 1]],
+                                       device=self.output_weight.device)
+                    out = model(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                use_cache=False, output_hidden_states=True)
+                    # the same final hidden states, so only the output layer can differ (a
+                    # separate forward could take another attention kernel: bf16 noise)
+                    ours = F.linear(out.hidden_states[-1], self.output_weight)
+            finally:
+                model.train(was_training)
+            ours, theirs = ours.float(), out.logits.float()[..., :ours.shape[-1]]
+            diff = float((ours - theirs).abs().max())
+            if not diff <= 1e-4 * (1 + float(theirs.abs().max())):
+                why = f"its logits differ from that projection by up to {diff:.3g}"
+        if why:
+            raise ValueError(f"policy {self.name!r}: {type(model).__name__} is not supported: "
+                             f"log-probs are the output weight times the final hidden states, "
+                             f"but {why}")
 
     # -- model access ---------------------------------------------------------------------------
     @property
@@ -165,6 +208,9 @@ class Policy(nn.Module):
             raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
         B = len(prompt_ids)
         dev = self.output_weight.device
+        if B == 0:
+            return (torch.zeros(0, 0, device=dev),
+                    torch.zeros(0, 0, dtype=torch.bool, device=dev))
         lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
         if any(len(p) == 0 for p in prompt_ids):
             raise ValueError("response_logprobs: every prompt needs at least one token")
@@ -188,11 +234,22 @@ class Policy(nn.Module):
             rows += [b] * len(r)
             cols += range(len(p) - 1, len(p) - 1 + len(r))  # position predicting each token
             targets += r
+        self._check_ids(ids[attn], "prompt or response")
         ids, attn, mask = ids.to(dev), attn.to(dev), mask.to(dev)
         hidden = self.forward_hidden(ids, attn)
         h = hidden[torch.tensor(rows, dtype=torch.long, device=dev),
                    torch.tensor(cols, dtype=torch.long, device=dev)]  # [T, H]
         return self._scatter_logprobs(h, targets, mask, temperature)
+
+    def _check_ids(self, ids: torch.Tensor, what: str) -> None:
+        """Real token ids (a CPU long tensor) inside the tokenizer's vocabulary, else a
+        ValueError naming the id (an embedding lookup would fail with an IndexError, a device
+        assert on CUDA, or read a padded embedding row)."""
+        V = self.tokenizer.vocab_size
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= V):
+            bad = int(ids[(ids < 0) | (ids >= V)][0])
+            raise ValueError(f"policy {self.name!r}: {what} id {bad} is outside the vocabulary "
+                             f"of {V} ({self.tokenizer.name!r})")
 
     def _scatter_logprobs(self, h: torch.Tensor, targets: list[int], mask: torch.Tensor,
                           temperature: float):
@@ -242,8 +299,9 @@ class Policy(nn.Module):
         if why is not None:
             raise NotImplementedError(f"policy {self.name!r} ({self.kind}): no prompt states "
                                       f"for this model: {why}")
-        if any(len(p) == 0 for p in prompt_ids):
-            raise ValueError("encode_prompts: every prompt needs at least one token")
+        if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("encode_prompts: needs at least one prompt, and every prompt needs "
+                             "at least one token")
         dev = self.output_weight.device
         P = len(prompt_ids)
         Lp = max((len(p) for p in prompt_ids), default=0)
@@ -255,6 +313,7 @@ class Policy(nn.Module):
         for i, p in enumerate(prompt_ids):
             p_ids[i, :len(p)] = torch.tensor(list(p), dtype=torch.long)
             p_mask[i, :len(p)] = True
+        self._check_ids(p_ids[p_mask], "prompt")
         if self.kind == "decoder":
             return self.model.encode_prefix(p_ids.to(dev), p_mask.to(dev))
         from hacpo.models.hf_states import encode_prefix
@@ -287,6 +346,7 @@ class Policy(nn.Module):
                 src.append(int(prompt_of_row[b]))
                 src += [P + b * Tmax + j for j in range(len(r) - 1)]
                 targets += r
+        self._check_ids(r_ids[mask], "response")
         pidx = torch.tensor([int(i) for i in prompt_of_row], dtype=torch.long, device=dev)
         if self.kind == "decoder":    # checks max_len itself
             hr = self.model.hidden_continued(states, r_ids.to(dev), mask.to(dev), pidx)

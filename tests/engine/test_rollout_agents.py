@@ -170,3 +170,22 @@ def test_published_weights_skip_the_driver_where_both_sides_can():
     q = Publishing()
     sync_agents(q, DriverEngine(), 2, timer=lambda k: Stopwatch()("x"))
     assert q.calls == [("pull", 0), ("sync", 0), ("pull", 1), ("sync", 1)]
+
+
+def test_generator_state_of_another_agent_count_is_an_error():
+    """zip() used to restore only the common agents' sampling RNGs and leave the rest as they
+    were, silently (e.g. a checkpoint of 2 agents into a 3-agent engine)."""
+    import torch
+
+    from hacpo.engine.rollout import LocalRolloutEngine
+
+    two, three = LocalRolloutEngine([None, None], seed=1), LocalRolloutEngine([None] * 3, seed=2)
+    before = [g.get_state() for g in three.generators]
+    with pytest.raises(ValueError, match="holds 2 agents' generator states, this engine has 3"):
+        three.load_state_dict(two.state_dict())
+    assert all(torch.equal(a, g.get_state()) for a, g in zip(before, three.generators))
+    with pytest.raises(ValueError, match="holds 3 agents' generator states, this engine has 2"):
+        two.load_state_dict(three.state_dict())
+    three.load_state_dict(LocalRolloutEngine([None] * 3, seed=1).state_dict())     # same count
+    assert torch.equal(three.generators[2].get_state(),
+                       LocalRolloutEngine([None] * 3, seed=1).generators[2].get_state())

@@ -117,3 +117,56 @@ def test_generation_leaves_no_grad_state(policy):
     assert torch.is_grad_enabled()
     lp, mask = policy.response_logprobs(ro.sample_prompts(), ro.response_ids)
     assert lp.requires_grad
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(temperature=float("nan")), "temperature=nan"),
+    (dict(temperature=float("inf")), "temperature=inf"),
+    (dict(temperature="0.7"), "temperature must be a real number"),
+    (dict(top_p=float("nan")), "top_p=nan"),
+    (dict(max_new_tokens=2.5), "max_new_tokens must be an integer"),
+    (dict(max_new_tokens=True), "max_new_tokens must be an integer"),
+    (dict(num_samples=1.5), "num_samples must be an integer"),
+    (dict(num_samples=0), "num_samples must be an integer >= 1"),
+    (dict(prompts=[[1.7, 2.2]]), "prompt ids must be integers, got 1.7"),
+    (dict(prompts=["abc"]), "prompt ids must be integers, got 'a'"),
+])
+def test_generate_rejects_bad_arguments_clearly(kw, match):
+    """NaN/inf temperature used to reach torch.multinomial (or sample uniformly); fractional
+    counts failed inside torch; fractional prompt ids were silently truncated."""
+    pol = Policy(Decoder(DecoderConfig(vocab_size=CharTokenizer().vocab_size, d_model=32)),
+                 CharTokenizer(), "d")
+    args = dict(prompts=[[5, 6, 7]], num_samples=2, max_new_tokens=3, temperature=1.0, top_p=1.0)
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        generate(pol, args.pop("prompts"), **args)
+
+
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_non_finite_logits_are_a_clear_error(temperature):
+    """Greedy decoding of NaN logits used to return token 0 with a NaN log-prob, silently."""
+    for bad in (float("nan"), float("inf")):
+        logits = torch.zeros(3, 5)
+        logits[1, 2] = bad
+        with pytest.raises(ValueError, match=r"1 row\(s\) \(first: \[1\]\)"):
+            sample_next(logits, temperature=temperature, top_p=0.9, generator=None)
+    with pytest.raises(ValueError, match=r"all -inf"):
+        sample_next(torch.full((1, 4), -float("inf")), temperature=temperature, top_p=1.0,
+                    generator=None)
+    tok = CharTokenizer()
+    pol = Policy(Decoder(DecoderConfig(vocab_size=tok.vocab_size, d_model=32)), tok, "nan")
+    with torch.no_grad():
+        pol.model.embed.weight[5] = float("nan")  # diverged (tied: every row's logit 5)
+    with pytest.raises(ValueError, match="policy 'nan', new token 0: logits of 2 row"):
+        generate(pol, [[6, 7], [5, 6]], num_samples=1, max_new_tokens=3,
+                 temperature=temperature, generator=torch.Generator().manual_seed(0))
+
+
+def test_tiny_temperature_samples_the_argmax():
+    """logits / 1e-40 overflowed the largest logit to inf (softmax NaN, torch's multinomial
+    error); a temperature close to 0 must behave like greedy."""
+    logits = torch.tensor([[1.0, 3.0, 2.9, -float("inf")], [0.5, -2.0, 0.4, 0.0]])
+    for top_p in (1.0, 0.5):
+        tok, lp = sample_next(logits, temperature=1e-40, top_p=top_p,
+                              generator=torch.Generator().manual_seed(0))
+        assert tok.tolist() == [1, 0] and lp.tolist() == [0.0, 0.0]

@@ -231,3 +231,100 @@ def test_fused_lm_head_equals_logits(kind, qwen3):
             w = [t for n, t in g.items() if n.endswith("embed_tokens.weight")
                  or n.endswith("lm_head.weight")]
             assert w and all(torch.count_nonzero(t[V:]) == 0 for t in w)
+
+
+def test_hf_config_unknown_key_is_an_error_not_the_default_model():
+    """transformers keeps a misspelt key as an extra attribute: hf_config={"hiden_size": 128}
+    used to build the default 64-wide model silently."""
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['hiden_size'\].*LlamaConfig"):
+        build_policy(PolicyConfig(name="h", kind="hf", arch="llama",
+                                  hf_config={"hiden_size": 128}))
+    with pytest.raises(ValueError, match=r"\['n_embed'\].*GPT2Config"):
+        build_policy(PolicyConfig(name="g", kind="hf", arch="gpt2", hf_config={"n_embed": 32}))
+    # real keys (gpt2's attribute-map aliases, keys the config folds into others) still work,
+    # and the caller's nested dicts are left as given
+    scaling = {"rope_type": "linear", "factor": 2.0}
+    pol = build_policy(PolicyConfig(name="h", kind="hf", arch="llama", hf_config={
+        "hidden_size": 32, "rope_theta": 5e5, "rope_scaling": scaling}))
+    assert pol.model.config.hidden_size == 32
+    assert pol.model.config.rope_parameters["rope_theta"] == 5e5
+    assert pol.model.config.rope_parameters["factor"] == 2.0
+    assert scaling == {"rope_type": "linear", "factor": 2.0}
+    assert build_policy(PolicyConfig(name="g", kind="hf", arch="gpt2", hf_config={
+        "hidden_size": 32})).model.config.n_embd == 32
+
+
+def test_out_of_vocab_ids_and_empty_batch(policy):
+    """An id outside the tokenizer used to fail inside the embedding ("index out of range in
+    self"; a device assert on CUDA); an empty batch failed in max()."""
+    V = policy.tokenizer.vocab_size
+    for prompts, responses, match in (([[1, 2]], [[V]], f"prompt or response id {V} is"),
+                                      ([[-1, 2]], [[3]], "prompt or response id -1 is"),
+                                      ([[V + 3], [V + 3]], [[3], [4]], f"prompt id {V + 3} is")):
+        with pytest.raises(ValueError,
+                           match=rf"policy '{policy.name}': {match} outside the vocabulary"):
+            policy.response_logprobs(prompts, responses)
+    states = policy.encode_prompts([[1, 2]])
+    with pytest.raises(ValueError, match=f"response id {V + 1} is outside"):
+        policy.continuation_logprobs(states, [0], [[3, V + 1]])
+    lp, mask = policy.response_logprobs([], [])
+    assert lp.shape == mask.shape == (0, 0)
+    # no prompt at all: the same error for every kind (HF models failed in a reshape)
+    with pytest.raises(ValueError, match="encode_prompts: needs at least one prompt"):
+        policy.encode_prompts([])
+
+
+def test_hf_model_whose_logits_are_not_the_plain_projection_is_refused(tmp_path):
+    """Teacher forcing projects hidden states with the output weight alone; a local Phi
+    checkpoint (output-layer bias) used to be trained on log-probs 2 nats away from the ones
+    it sampled, silently; so did Gemma 2 (logit soft-capping)."""
+    from transformers import AutoModelForCausalLM, PhiConfig
+
+    from hacpo.models.policy import Policy
+
+    phi = AutoModelForCausalLM.from_config(PhiConfig(
+        vocab_size=91, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, max_position_embeddings=64))
+    phi.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="'phi': PhiForCausalLM is not supported.*has a bias"):
+        build_policy(PolicyConfig(name="phi", kind="hf", path=str(tmp_path)))
+
+    class ScaledHead(torch.nn.Linear):          # what no config key announces
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    pol = build_policy(PolicyConfig(name="l", kind="hf", arch="llama", seed=1,
+                                    hf_config={"tie_word_embeddings": False}))
+    model, tok = pol.model, pol.tokenizer
+    head = ScaledHead(model.lm_head.in_features, model.lm_head.out_features, bias=False)
+    head.weight = model.lm_head.weight
+    model.lm_head = head
+    with pytest.raises(ValueError, match="'s': LlamaForCausalLM .*logits differ"):
+        Policy(model, tok, "s")
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="config sets final_logit_softcapping=30.0"):
+        Policy(model, tok, "s")
+
+
+def test_checkpoint_missing_weights_is_an_error_not_random_weights(tmp_path):
+    """transformers initializes weights a checkpoint lacks at random and only logs a report: a
+    policy loaded from such a directory used to start from random layers, silently."""
+    from safetensors.torch import load_file, save_file
+
+    from hacpo.models.hf import build_hf_model
+
+    for arch, tied in (("gpt2", True), ("llama", True), ("llama", False)):   # complete: loads
+        d = tmp_path / f"{arch}-{tied}"
+        model = build_hf_model({"arch": arch, "tie_word_embeddings": tied}, vocab_size=91)
+        model.save_pretrained(d)
+        loaded = load_hf_model(str(d))
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                     loaded.state_dict().values()))
+    weights = d / "model.safetensors"
+    sd = load_file(weights)
+    del sd["lm_head.weight"], sd["model.layers.1.mlp.down_proj.weight"]
+    save_file(sd, weights, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"does not hold all of LlamaForCausalLM's weights.*"
+                                         r"missing keys: \['lm_head.weight', "
+                                         r"'model.layers.1.mlp.down_proj.weight'\]"):
+        build_policy(PolicyConfig(kind="hf", path=str(d)))
