@@ -48,6 +48,10 @@ def main(argv=None) -> int:
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=16)
     a = ap.parse_args(argv)
+    if a.steps < 2 or a.runs < 1:      # each run's first step is not measured
+        ap.error("--steps must be >= 2 (each run's first step is not measured) and --runs >= 1")
+    if min(a.prompts, a.group, a.max_new_tokens) < 1:
+        ap.error("--prompts, --group and --max-new-tokens must be >= 1")
 
     import dataclasses
 

@@ -90,14 +90,21 @@ def pct(ts, q):
     return ts[min(len(ts) - 1, int(q * (len(ts) - 1) + 0.5))]
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n-samples", type=int, default=1_000_000)
     ap.add_argument("--agents", type=int, default=4)
     ap.add_argument("--group", type=int, default=16, help="G responses per agent per prompt")
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--json", default=None, help="also write results to this JSON file")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.agents < 1 or args.group < 1:
+        ap.error("--agents and --group must be >= 1")
+    if args.n_samples < args.agents * args.group:
+        ap.error(f"--n-samples {args.n_samples} is less than one prompt's samples "
+                 f"(--agents x --group = {args.agents * args.group})")
+    if args.repeat < 1:
+        ap.error("--repeat must be >= 1")
 
     r, p, a, om = make_pool(args.n_samples, args.agents, args.group)
     N = r.numel()

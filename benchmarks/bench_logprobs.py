@@ -20,8 +20,10 @@ Side by side, in one run (every case in a fresh subprocess, so peaks are indepen
 Modes: fwd (forward building the autograd graph), bwd (backward alone, after an untimed forward),
 both (forward + backward). Reported: p20/p50/p80 wall time, peak memory above the inputs
 (CPU: VmHWM after resetting it through /proc/self/clear_refs, i.e. the process's real peak
-RSS; CUDA: torch.cuda.max_memory_allocated), "extra" = peak minus the unavoidable gradient
-outputs, and GB/s of compulsory traffic (fwd: logits read once; bwd: logits read + grad
+RSS, with a fixed malloc mmap threshold so tensors are mapped on allocation and unmapped when
+freed: the resident set follows the live tensors, neither memory freed earlier and reused
+unseen nor heap the allocator keeps; CUDA: torch.cuda.max_memory_allocated), "extra" = peak
+minus the unavoidable gradient outputs, and GB/s of compulsory traffic (fwd: logits read once; bwd: logits read + grad
 written; both: 3x logits). On CUDA also the device-to-device copy bandwidth (read + write).
 Writes results.csv, results.json and results.png into --out.
 """
@@ -44,6 +46,15 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 MODES = ("fwd", "bwd", "both")
+MMAP_THRESHOLD = str(64 * 1024)     # bytes: every tensor of note gets its own mapping (CPU peaks)
+
+
+def case_env() -> dict:
+    """The environment of a case's subprocess: this repository importable, and glibc's mmap
+    threshold fixed (unless set already) so the CPU peak RSS is the live tensors' peak."""
+    return {**os.environ, "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_",
+                                                                   MMAP_THRESHOLD),
+            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,7 +214,8 @@ def worker(spec: dict) -> dict:
     times.sort()
     q = lambda p: times[min(len(times) - 1, int(round(p * (len(times) - 1))))]  # noqa: E731
     return {"p20": q(0.2), "p50": q(0.5), "p80": q(0.8), "peak_bytes": peak,
-            "extra_bytes": peak - (grad_bytes if mode != "fwd" else 0)}
+            "extra_bytes": peak - (grad_bytes if mode != "fwd" else 0),
+            "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,7 +276,7 @@ def available(impl, device) -> str | None:
     return None
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
@@ -275,10 +287,10 @@ def main():
     ap.add_argument("--case-timeout", type=float, default=None,
                     help="seconds per (op, impl, mode) subprocess; a case over it is skipped")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.worker:
         print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
-        return
+        return 0
 
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -298,6 +310,7 @@ def main():
 
     env = environment(device)
     env["copy_GBps"] = copy_bandwidth(device)
+    env["malloc_mmap_threshold"] = case_env()["MALLOC_MMAP_THRESHOLD_"]
     print(json.dumps(env, indent=1))
     rows, skipped = [], []
     impls = ("naive", "torch", "triton", "liger")
@@ -321,8 +334,7 @@ def main():
                     proc = subprocess.run(
                         [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)],
                         capture_output=True, text=True, timeout=args.case_timeout,
-                        env={**os.environ,
-                             "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
+                        env=case_env())
                 except subprocess.TimeoutExpired:
                     skipped.append({"op": op, "impl": impl, "mode": mode,
                                     "reason": f"over --case-timeout {args.case_timeout}s"})
@@ -362,8 +374,12 @@ def main():
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(rows)
-    plot(rows, os.path.join(out_dir, "results.png"), env)
-    print(f"wrote {out_dir}/results.{{csv,json,png}}")
+    if rows:
+        plot(rows, os.path.join(out_dir, "results.png"), env)
+        print(f"wrote {out_dir}/results.{{csv,json,png}}")
+        return 0
+    print(f"no case ran (see skipped): wrote {out_dir}/results.{{csv,json}}, no plot")
+    return 1
 
 
 def summarize(rows) -> list[str]:
@@ -414,4 +430,4 @@ def plot(rows, path, env):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

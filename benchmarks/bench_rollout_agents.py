@@ -56,6 +56,10 @@ def main(argv=None) -> int:
     ap.add_argument("--d-model", type=int, default=0, help="every agent's width (0: tiny3's)")
     ap.add_argument("--layers", type=int, default=0, help="every agent's depth (0: tiny3's)")
     a = ap.parse_args(argv)
+    if a.reps < 1 or a.sync_reps < 0:
+        ap.error("--reps must be >= 1 (the generation is timed) and --sync-reps >= 0")
+    if min(a.prompts, a.group, a.max_new_tokens) < 1:
+        ap.error("--prompts, --group and --max-new-tokens must be >= 1")
 
     import hacpo.launch.ray_cluster  # noqa: F401  (first: a private cluster binds to loopback)
     from hacpo.engine import build

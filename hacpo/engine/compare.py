@@ -43,11 +43,20 @@ def run_compare(base: TrainConfig, algorithms: list[str], seeds: list[int], root
     from .errors import user_errors
     from .trainer import train
     with user_errors(ValueError):
+        for what, xs in (("algorithm", algorithms), ("seed", seeds)):
+            if not xs:
+                raise ValueError(f"hacpo compare needs at least one {what}")
+            twice = sorted({str(x) for x in xs if list(xs).count(x) > 1})
+            if twice:                             # one run counted twice: a false mean +- CI
+                raise ValueError(f"{what} {', '.join(twice)} given more than "
+                                 f"once; each {what} is one run directory, list it once")
         for algo in algorithms:                   # every name, before any run starts
             with_algorithm(base, algo, keep)
         if base.data.eval_size == 0:
             raise ValueError("hacpo compare compares held-out accuracy, but the config has no "
                              "held-out set (data.eval_size=0)")
+        if os.path.exists(root) and not os.path.isdir(root):
+            raise ValueError(f"out_dir {root} is a file, not a directory for the compare runs")
     os.makedirs(root, exist_ok=True)
     results: dict[str, dict[str, list[dict]]] = {}
     for algo in algorithms:

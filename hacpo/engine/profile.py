@@ -27,14 +27,19 @@ Cost model (``fit_cost_model``): per agent, seconds per token for generation (pe
 token), old log-probs (per forward token: prompt + response), training fwd+bwd on prompts (per
 prompt token forwarded, when the policy shares prompt states; once per prompt for self and cross
 samples alike) and on self and on cross samples (per response token; per prompt + response
-token for whole-sequence policies), re-tokenization (per cross response token), plus a fixed
-optimizer cost per update and the reward per sample. Everything is linear in token counts, so
+token for whole-sequence policies), re-tokenization (per cross response token), plus fixed
+costs per agent and step (the optimizer, the weight sync, and the rest of the update outside
+its scored parts: batching, bookkeeping; HACPO and GSPO x n pay them once per step alike) and
+the reward per sample. Everything is linear in token counts, so
 a setting is (prompt length Lp, response length Lr, agents n, decode factor kappa); kappa
 multiplies the measured generation cost per token. Model size enters only through kappa under
 the stated assumption that per-token costs of decoding and training scale alike with the
 parameter count (FLOPs ~ P per token for both); at LLM scale decoding is memory-bound and
 kappa > 1 (pass a kappa measured on your setup). The model is checked on the measured runs:
-fitted on GSPO alone, it predicts the GSPO x2 and HACPO step times (errors reported). A step is
+fitted on GSPO (and HACPO's cross costs), it predicts every run's step time; each error is
+labelled by what the fit saw of that run: GSPO's is in-sample (near 0 by construction; what
+is left is time the token counts do not follow, e.g. GSPO's re-tokenization stage with no cross
+token), HACPO's shares its cross costs with the fit, GSPO x2's is held out. A step is
 modelled as the sum of the agents' stage times, which is how the in-process engine and trainer
 run them; the Ray / vLLM pools sample and sync every agent at once, and Ray trainer actors and
 megatron groups update at once (``generate_agents``, ``sync_agents``, ``update_all``), so
@@ -83,6 +88,9 @@ def run_profile(base: TrainConfig, out_dir: str, *, algorithms=DEFAULT_ALGORITHM
                                  "plots": False, "tensorboard": False, "checkpoint_every": 1,
                                  "profile_sync": True, "eval_every": 0, "eval_pass_k": 0})
             runs[algo] = with_algorithm(cfg, algo, keep)
+        if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+            raise ValueError(f"out_dir {out_dir} is a file, not a directory for the profile "
+                             f"runs")
         held = [c.out_dir for c in runs.values()
                 if os.path.exists(os.path.join(c.out_dir, CHECKPOINT))]
         if held:
@@ -172,8 +180,14 @@ def build_report(measured: dict, names: list[str], *, kappas=(1,)) -> dict:
         checks = {}
         for algo, m in measured.items():
             pred = model.predict_step(m, algo)
+            if algo == "gspo":
+                fit = "in-sample"
+            elif algo == "hacpo" and model.cross_measured:
+                fit = "cross costs fitted on it"
+            else:
+                fit = "held out"
             checks[algo] = {"measured_s": m["step_time"], "predicted_s": pred,
-                            "error": pred / m["step_time"] - 1}
+                            "error": pred / m["step_time"] - 1, "fit": fit}
         rep["model_check"] = checks
         rep["extrapolation"] = extrapolate(model, kappas=kappas)
     return rep
@@ -201,6 +215,8 @@ class CostModel:
     shared_prompts: bool = False
     train_prompt_per_token: float = 0.0  # fwd + bwd per prompt token forwarded
     prompts_per_agent: float = 0.0       # prompt passes per agent and step (measured)
+    sync_per_step: float = 0.0           # weight sync, per agent and step
+    update_other_per_step: float = 0.0   # update time outside its parts, per agent and step
 
     def _trained_tokens(self, d: dict, part: str) -> float:
         return d[f"tokens_scored_{part}" if self.shared_prompts else f"tokens_forward_{part}"]
@@ -220,7 +236,8 @@ class CostModel:
             t += self.train_self_per_token * self._trained_tokens(d, "self")
             t += self.train_cross_per_token * self._trained_tokens(d, "cross")
             t += self.retok_per_token * d["tokens_scored_cross"]
-            t += self.optimizer_per_step + self.reward_per_sample * gen_samples
+            t += self.optimizer_per_step + self.sync_per_step + self.update_other_per_step
+            t += self.reward_per_sample * gen_samples
         return t + self.overhead_per_step
 
     def per_sample_ratio(self, *, n: int, kappa: float = 1.0, prompt_len: float | None = None,
@@ -238,7 +255,7 @@ class CostModel:
         prompt = self.train_prompt_per_token * self.prompts_per_agent * lp  # once, any n
         retok = self.retok_per_token * S * lr
         rew = self.reward_per_sample * S
-        opt = self.optimizer_per_step
+        opt = self.optimizer_per_step + self.sync_per_step + self.update_other_per_step
         hacpo = gen + old + prompt + tself + (n - 1) * (tcross + retok) + opt + rew
         gspo_n = n * (gen + old + tself + rew) + prompt + opt
         return hacpo / gspo_n
@@ -297,6 +314,9 @@ def fit_cost_model(gspo: dict, names: list[str], cross_from: dict | None = None)
         gen_per_token=gen, old_per_token=old, train_self_per_token=tself,
         train_cross_per_token=tcross, retok_per_token=retok,
         optimizer_per_step=statistics.fmean(a["optimizer"] for a in A),
+        sync_per_step=statistics.fmean(a["sync"] for a in A),
+        update_other_per_step=statistics.fmean(
+            max(a["update"] - sum(a[p] for p in UPDATE_PARTS), 0.0) for a in A),
         reward_per_sample=gspo["reward_time"] / max(samples, 1),
         overhead_per_step=max(gspo["step_time"] - stage_sum, 0.0),
         prompt_len=prompt_len,
@@ -359,7 +379,9 @@ def render_report(rep: dict) -> str:
                   + ", ".join(f"{k}={v:.3g}" for k, v in cm.items()
                               if not isinstance(v, bool)), "",
                   "Model check (predicted / measured step time - 1): "
-                  + ", ".join(f"{a} {c['error']:+.0%}" for a, c in chk.items())]
+                  + ", ".join(f"{a} {c['error']:+.0%}"
+                              + (f" ({c['fit']})" if "fit" in c else "")
+                              for a, c in chk.items())]
         ex = rep["extrapolation"]
         lines += ["", "| agents n | ratio at kappa=1 | break-even kappa (ratio 1) | "
                       f"kappa for ratio {TARGET_PER_SAMPLE} |", "| --- | --- | --- | --- |"]

@@ -97,3 +97,31 @@ def test_with_algorithm_keeps_the_budget_and_the_users_overrides():
     assert with_algorithm(base, "hacpo-table5").algorithm.loss.cross_clip_delta == 0.8
     with pytest.raises(ValueError, match="algorithm.name='grpo' conflicts"):
         with_algorithm(base, "gspo", {"name": "grpo"})
+
+
+def test_compare_refuses_a_seed_or_algorithm_listed_twice(tmp_path):
+    """``--seeds 0 0`` would train one run and count it twice (2 seeds, CI +- 0.0): an error
+    naming the duplicate, before any run starts."""
+    base = load_config("tiny3", overrides={"steps": 1, "cache_dir": str(tmp_path / "cache"),
+                                           "threads": 1, "plots": False, "tensorboard": False})
+    root = tmp_path / "cmp"
+    with pytest.raises(ValueError, match="seed 0 given more than once"):
+        run_compare(base, ["gspo"], [0, 1, 0], str(root), pass_k=0, echo=lambda *_: None)
+    with pytest.raises(ValueError, match="algorithm gspo given more than once"):
+        run_compare(base, ["gspo", "hacpo", "gspo"], [0], str(root), pass_k=0,
+                    echo=lambda *_: None)
+    with pytest.raises(ValueError, match="at least one seed"):
+        run_compare(base, ["gspo"], [], str(root), pass_k=0, echo=lambda *_: None)
+    assert not root.exists()
+
+
+def test_compare_into_a_file_is_a_user_error(tmp_path):
+    """--out-dir naming a file: an error naming it (was a FileExistsError traceback), the file
+    untouched."""
+    from hacpo.engine.errors import is_user_error
+    base = load_config("tiny3", overrides={"steps": 1, "cache_dir": str(tmp_path / "cache")})
+    f = tmp_path / "notes.txt"
+    f.write_text("mine")
+    with pytest.raises(ValueError, match=r"notes\.txt is a file") as e:
+        run_compare(base, ["gspo"], [0], str(f), pass_k=0, echo=lambda *_: None)
+    assert is_user_error(e.value) and f.read_text() == "mine"

@@ -150,3 +150,67 @@ def test_profile_end_to_end_tiny(tmp_path):
         run_profile(cfg, str(tmp_path / "prof"), rounds=2, steps_per_round=1, skip_steps=1,
                     echo=lambda *_: None)
     assert (tmp_path / "prof" / "profile.json").read_text() == before
+
+
+def _with_fixed_costs(run, sync=0.3, update_other=0.2):
+    """``run`` plus a weight sync and update time outside the scored parts (batching,
+    bookkeeping), both fixed per agent and step: part of every agent's step time."""
+    for d in run["agents"].values():
+        d["sync"] += sync
+        d["update"] += update_other
+        d["agent_time"] += sync + update_other
+        run["step_time"] += sync + update_other
+    return run
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_cost_model_counts_sync_and_update_outside_its_parts(shared):
+    """The weight sync and the update's time outside its parts are stage times of every step:
+    the GSPO fit reproduces GSPO's step and predicts the other runs, and the per-sample ratio
+    charges them to both sides (one step each)."""
+    meas = {"gspo": _with_fixed_costs(_run(64, 0, shared=shared)),
+            "gspo2x": _with_fixed_costs(_run(128, 0, shared=shared)),
+            "hacpo": _with_fixed_costs(_run(64, 64, shared=shared))}
+    rep = build_report(meas, ["a0", "a1"])
+    assert rep["cost_model"]["sync_per_step"] == pytest.approx(0.3)
+    assert rep["cost_model"]["update_other_per_step"] == pytest.approx(0.2)
+    for algo, chk in rep["model_check"].items():
+        assert abs(chk["error"]) < 1e-9, algo
+    model = fit_cost_model(meas["gspo"], ["a0", "a1"], cross_from=meas["hacpo"])
+    S, lp, lr = 64, 40, 10
+    trained = lr if shared else lp + lr
+    gen, old = C["gen"] * S * lr, C["old"] * S * (lp + lr)
+    ts, tc = C["tself"] * S * trained, C["tcross"] * S * trained
+    pr = C["tprompt"] * PROMPTS * lp if shared else 0.0
+    rt, rew, fixed = C["retok"] * S * lr, C["rew"] * S, C["opt"] + 0.3 + 0.2
+    hacpo = gen + old + pr + ts + tc + rt + fixed + rew
+    gspo2 = 2 * (gen + old + ts + rew) + pr + fixed
+    assert model.per_sample_ratio(n=2) == pytest.approx(hacpo / gspo2)
+
+
+def test_model_check_says_what_the_fit_saw_of_each_run():
+    """GSPO's check is in-sample, HACPO's shares its cross costs with the fit, GSPO x2's is
+    held out: the report says so next to each error."""
+    meas = {"gspo": _run(64, 0), "gspo2x": _run(128, 0), "hacpo": _run(64, 64)}
+    rep = build_report(meas, ["a0", "a1"])
+    assert {a: c["fit"] for a, c in rep["model_check"].items()} == {
+        "gspo": "in-sample", "gspo2x": "held out", "hacpo": "cross costs fitted on it"}
+    md = render_report(rep)
+    assert ("gspo +0% (in-sample), gspo2x +0% (held out), hacpo +0% (cross costs fitted on it)"
+            in md)
+    # no cross sample trained: HACPO's check uses nothing of the HACPO run
+    rep = build_report({"gspo": _run(64, 0), "hacpo": _run(64, 0)}, ["a0", "a1"])
+    assert rep["model_check"]["hacpo"]["fit"] == "held out"
+
+
+def test_profile_into_a_file_is_a_user_error(tmp_path):
+    """--out-dir naming a file: an error naming it (was a FileExistsError traceback), before
+    any run, the file untouched."""
+    from hacpo.engine.errors import is_user_error
+    cfg = load_config("tiny3", overrides={"cache_dir": str(tmp_path / "cache")})
+    f = tmp_path / "notes.txt"
+    f.write_text("mine")
+    with pytest.raises(ValueError, match=r"notes\.txt is a file") as e:
+        run_profile(cfg, str(f), rounds=1, steps_per_round=2, echo=lambda *_: None)
+    assert is_user_error(e.value) and f.read_text() == "mine"
+    assert not (tmp_path / "cache").exists()

@@ -22,3 +22,18 @@ def test_bench_rollout_agents_tiny(tmp_path):
     assert {m: len(ts) for m, ts in sy["seconds"].items()} == {"at once": 2,
                                                               "one after another": 2}
     assert all(t > 0 for ts in sy["seconds"].values() for t in ts) and sy["ratio_p50"] > 0
+
+
+def test_bench_rollout_agents_refuses_zero_reps(tmp_path):
+    """--reps 0 times nothing: a usage error before the cluster starts (was a NameError after
+    it)."""
+    import os
+    import subprocess
+    import sys
+
+    from ._launch_helpers import REPO
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_rollout_agents.py"),
+                           str(tmp_path), "--reps", "0"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert proc.returncode == 2 and "--reps must be >= 1" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "rollout_agents.json").exists()
