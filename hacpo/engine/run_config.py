@@ -205,6 +205,26 @@ class AgentConfig:
         return msg if msg.startswith(where) else f"{where} ({path}): {msg}"
 
 
+# vLLM 0.32's SamplingParams raises a temperature in (0, 0.01) to 0.01 (a warning in the
+# engine's log only) and rejects one above 2.
+VLLM_MIN_TEMPERATURE = 0.01
+VLLM_MAX_TEMPERATURE = 2.0
+
+
+def check_vllm_temperature(temperature: float, what: str = "temperature") -> None:
+    """A temperature vLLM samples with exactly: 0 (greedy) or in [0.01, 2]. Others are a
+    ValueError: vLLM would sample a temperature below 0.01 at 0.01 (samples and
+    ``sampler_logprobs`` of another distribution than the trainer scores) and refuses one
+    above 2 (an error in the engine, after start-up)."""
+    if temperature == 0 or VLLM_MIN_TEMPERATURE <= temperature <= VLLM_MAX_TEMPERATURE:
+        return
+    raise ValueError(
+        f"rollout.engine='vllm': {what}={temperature!r} cannot be served: vLLM samples with "
+        f"temperature 0 (greedy) or in [{VLLM_MIN_TEMPERATURE:g}, {VLLM_MAX_TEMPERATURE:g}] "
+        f"(it would raise a lower one to {VLLM_MIN_TEMPERATURE:g}, sampling another "
+        f"distribution, and rejects a higher one)")
+
+
 def check_vllm_kinds(agents: list[tuple[str, str]]) -> None:
     """vLLM serves Hugging Face architectures only: every agent ((name, policy kind)) must be
     ``kind="hf"`` with ``rollout.engine="vllm"`` (checked before a run starts:
@@ -322,9 +342,8 @@ class RolloutConfig:
                              f"{', '.join(ROLLOUT_ENGINES)}")
         _check_count("rollout.engines_per_agent", self.engines_per_agent, 1)
         _check_count("rollout.max_engine_restarts", self.max_engine_restarts, 0)
-        if not self.call_timeout_s >= 0:
-            raise ValueError(f"rollout.call_timeout_s must be >= 0 (0: no limit), got "
-                             f"{self.call_timeout_s}")
+        _check_range("rollout.call_timeout_s", self.call_timeout_s,
+                     0 <= self.call_timeout_s < math.inf, "a finite number >= 0 (0: no limit)")
         _check_bucket_mb("rollout.weight_bucket_mb", self.weight_bucket_mb)
         if self.device not in ROLLOUT_DEVICES:
             raise ValueError(f"unknown rollout.device {self.device!r}; choose one of "
@@ -335,6 +354,10 @@ class RolloutConfig:
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"rollout.gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization!r}")
+        if self.gpu_memory_utilization is not None and self.device != "cuda":
+            raise ValueError(f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} "
+                             f"is for vLLM engines on GPUs (rollout.device='cuda'); with "
+                             f"rollout.device={self.device!r} nothing would use it: remove it")
         if not (isinstance(self.engine_tp, int) and not isinstance(self.engine_tp, bool)
                 and self.engine_tp >= 1):
             raise ValueError(f"rollout.engine_tp must be an integer >= 1, got "
@@ -391,7 +414,8 @@ class RewardConfig:
 
     def __post_init__(self):
         _check_count("reward.num_workers", self.num_workers, 0, " (0: in-process)")
-        _check_range("reward.timeout_s", self.timeout_s, self.timeout_s > 0, "> 0")
+        _check_range("reward.timeout_s", self.timeout_s, 0 < self.timeout_s < math.inf,
+                     "a finite number > 0")
 
 
 @dataclass
@@ -437,9 +461,11 @@ class TrainConfig(ConfigMixin):
 
     def check_runnable(self) -> None:
         """What a run of this config needs beyond a valid config, checked before any work
-        (``hacpo train``, the launchers' dry runs): vLLM engines serve HF policies only."""
+        (``hacpo train``, the launchers' dry runs): vLLM engines serve HF policies only, and
+        sample with temperature 0 or in [0.01, 2]."""
         if self.rollout.engine == "vllm":
             check_vllm_kinds([(a.policy.name, a.policy.kind) for a in self.agents])
+            check_vllm_temperature(self.rollout.temperature, "rollout.temperature")
 
     def __post_init__(self):
         if len(self.agents) < 1:
@@ -470,9 +496,9 @@ class TrainConfig(ConfigMixin):
         if self.trainer_setup_hook and not _is_hook(self.trainer_setup_hook):
             raise ValueError(f"trainer_setup_hook must look like 'package.module:function', "
                              f"got {self.trainer_setup_hook!r}")
-        if not self.trainer_call_timeout_s >= 0:
-            raise ValueError(f"trainer_call_timeout_s must be >= 0 (0: no limit), got "
-                             f"{self.trainer_call_timeout_s}")
+        _check_range("trainer_call_timeout_s", self.trainer_call_timeout_s,
+                     0 <= self.trainer_call_timeout_s < math.inf,
+                     "a finite number >= 0 (0: no limit)")
         if self.rollout.colocate:
             for a in self.agents:
                 if a.trainer != "megatron" or a.parallel.device != "cuda":

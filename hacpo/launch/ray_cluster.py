@@ -12,6 +12,7 @@ already connected (a test fixture, an outer driver), that connection is reused a
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import shutil
@@ -146,9 +147,9 @@ class RayCluster:
 
 
 def call_deadline(timeout_s: float) -> float | None:
-    """The ``time.monotonic()`` by which a call sent now must answer (None: ``timeout_s`` 0,
-    no limit)."""
-    return time.monotonic() + timeout_s if timeout_s > 0 else None
+    """The ``time.monotonic()`` by which a call sent now must answer (None: ``timeout_s`` 0
+    or infinite, no limit: Ray's waits cannot take an infinite timeout)."""
+    return time.monotonic() + timeout_s if 0 < timeout_s < math.inf else None
 
 
 def next_ready(refs, deadlines: dict) -> tuple[object, bool]:

@@ -84,7 +84,7 @@ import torch
 from hacpo.models.buckets import bucket_bytes_of, weight_buckets
 from hacpo.models.generation import Rollout, check_generate_args, empty_rollout
 from hacpo.engine.rollout import GeneratorState, agent_generators
-from hacpo.engine.run_config import check_vllm_kinds, gpu_needs
+from hacpo.engine.run_config import check_vllm_kinds, check_vllm_temperature, gpu_needs
 from hacpo.models.policy import Policy
 
 # before any `import ray`: ray_cluster sets Ray's loopback-only env
@@ -170,26 +170,6 @@ def hf_shapes(policy: Policy) -> dict[str, tuple[int, ...]]:
     or missing is an error naming it)."""
     params = {n: p.detach() for n, p in policy.model.named_parameters()}
     return {n: tuple(t.shape) for n, t in published(policy).fit(params).items()}
-
-
-# vLLM 0.32's SamplingParams raises a temperature in (0, 0.01) to 0.01 (a warning in the
-# engine's log only) and rejects one above 2.
-VLLM_MIN_TEMPERATURE = 0.01
-VLLM_MAX_TEMPERATURE = 2.0
-
-
-def check_vllm_temperature(temperature: float, what: str = "temperature") -> None:
-    """A temperature vLLM samples with exactly: 0 (greedy) or in [0.01, 2]. Others are a
-    ValueError: vLLM would sample a temperature below 0.01 at 0.01 (samples and
-    ``sampler_logprobs`` of another distribution than the trainer scores) and refuses one
-    above 2 (an error in the engine, after start-up)."""
-    if temperature == 0 or VLLM_MIN_TEMPERATURE <= temperature <= VLLM_MAX_TEMPERATURE:
-        return
-    raise ValueError(
-        f"rollout.engine='vllm': {what}={temperature!r} cannot be served: vLLM samples with "
-        f"temperature 0 (greedy) or in [{VLLM_MIN_TEMPERATURE:g}, {VLLM_MAX_TEMPERATURE:g}] "
-        f"(it would raise a lower one to {VLLM_MIN_TEMPERATURE:g}, sampling another "
-        f"distribution, and rejects a higher one)")
 
 
 def published(policy: Policy, refs: Sequence = ()):

@@ -47,7 +47,7 @@ def test_optional_fields_parse_from_strings():
     """``X | None`` fields (e.g. --set rollout.gpu_memory_utilization=0.7 on the command line,
     where every value is a string) parse to X, and "none" / "null" to None."""
     from hacpo.engine.run_config import load_config
-    cfg = load_config("tiny3", overrides={"rollout.engine": "vllm"})
+    cfg = load_config("tiny3", overrides={"rollout.engine": "vllm", "rollout.device": "cuda"})
     got = cfg.override({"rollout.gpu_memory_utilization": "0.7", "data.train_path": "a.jsonl"})
     assert got.rollout.gpu_memory_utilization == 0.7 and got.data.train_path == "a.jsonl"
     assert got.rollout.engine_memory_fraction() == 0.7

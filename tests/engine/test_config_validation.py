@@ -39,7 +39,16 @@ def _yaml(tmp_path, text: str) -> str:
     ("data.train_size", "0", r"data.train_size must be an integer >= 1, got 0"),
     ("data.eval_size", "-1", r"data.eval_size must be an integer >= 0 \(0: no held-out set\)"),
     ("reward.num_workers", "-1", r"reward.num_workers must be an integer >= 0"),
-    ("reward.timeout_s", "0", r"reward.timeout_s must be > 0, got 0.0"),
+    ("reward.timeout_s", "0", r"reward.timeout_s must be a finite number > 0, got 0.0"),
+    # an infinite timeout crashed every call: Ray's and threading's waits overflow on inf
+    ("reward.timeout_s", "inf", r"reward.timeout_s must be a finite number > 0, got inf"),
+    ("rollout.call_timeout_s", "inf", r"rollout.call_timeout_s must be a finite number >= 0 "
+                                      r"\(0: no limit\), got inf"),
+    ("rollout.call_timeout_s", "-1", r"rollout.call_timeout_s must be a finite number >= 0"),
+    ("trainer_call_timeout_s", "1e400", r"trainer_call_timeout_s must be a finite number >= "
+                                        r"0 \(0: no limit\), got inf"),
+    ("rollout.gpu_memory_utilization", "0.5", r"rollout.gpu_memory_utilization=0.5 is for "
+                                              r"vLLM engines on GPUs .*nothing would use it"),
     ("agents.0.warmup.steps", "-1", r"warmup.steps must be an integer >= 0"),
     ("agents.0.warmup.batch_size", "0", r"warmup.batch_size must be an integer >= 1, got 0"),
     ("agents.0.warmup.lr", "0", r"warmup.lr must be a finite number > 0, got 0.0"),

@@ -60,5 +60,8 @@ def test_temperature_vllm_cannot_serve_is_a_clear_error(temperature):
                                          rf"served.*\[0.01, 2\]"):
         VLLMRolloutEngine(policies, vllm_config(configs, temperature=temperature))
     assert ray.is_initialized() == connected
+    with pytest.raises(ValueError, match=rf"rollout.temperature={temperature!r} cannot be "
+                                         rf"served"):
+        vllm_config(configs, temperature=temperature).check_runnable()  # train, launchers
     for ok in (0.0, 0.01, 1.0, 2.0):
         vllm_rollout.check_vllm_temperature(ok)
