@@ -14,7 +14,9 @@ whole model; a resume ships weights, moved optimizer state and KL reference the 
 megatron's DDP + optimizer (AdamW,
 eps 1e-8, the agent's lr / betas / weight decay for every parameter, as the torch trainer's
 ``torch.optim.AdamW``; with ``parallel.distributed_optimizer`` megatron's distributed
-optimizer, which keeps each DP rank's slice of the Adam state only). The driver keeps its HF
+optimizer, which keeps each DP rank's slice of the Adam state only; fp16 weights train with
+a constant loss scale of 1, i.e. unscaled, as the torch trainer's AdamW: a dynamic scaler's
+overflow-skipped steps would differ from it and count as non-finite updates). The driver keeps its HF
 :class:`~hacpo.models.policy.Policy` as the CPU copy that tokenizes, evaluates and feeds the
 local and Ray rollout engines: :meth:`MegatronAgents.pull_weights` streams the shards back to
 HF names into it after each update, ``parallel.weight_bucket_mb`` at a time
@@ -384,7 +386,11 @@ class MegatronRank:
         self.opt = self.pol.build_optimizer(lr=optim["lr"], weight_decay=optim["weight_decay"],
                                             adam_beta1=optim["beta1"], adam_beta2=optim["beta2"],
                                             adam_eps=1e-8, clip_grad=0.0,
-                                            use_distributed_optimizer=par["distributed_optimizer"])
+                                            use_distributed_optimizer=par["distributed_optimizer"],
+                                            # fp16: no loss scaling, as the torch trainer's
+                                            # AdamW (a dynamic scaler's overflow skips would
+                                            # count as non-finite updates)
+                                            loss_scale=1.0 if dtype == torch.float16 else None)
         self.grad_clip = optim["grad_clip"]
         # rollout.colocate: after an update, torch's cached GPU blocks go back to the GPU for
         # the vLLM engine that shares it

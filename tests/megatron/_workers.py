@@ -458,7 +458,10 @@ def reshard_worker(rank, world, tp, pp, in_path, out_path, distributed=False,
     par = init_parallel(tp, pp, None)
     pol = MegatronPolicy.from_hf(case_model(("llama", True)).to(dtype), par, params_dtype=dtype)
     p = pol.par
-    opt = pol.build_optimizer(lr=0.05, optimizer="adam", use_distributed_optimizer=distributed)
+    # fp16: megatron's dynamic loss scaler from 2^10 (its default 2^32 overflows fp16 in the
+    # first steps, which train_step refuses); the other dtypes have no scaler
+    opt = pol.build_optimizer(lr=0.05, optimizer="adam", use_distributed_optimizer=distributed,
+                              initial_loss_scale=2.0 ** 10)
     mbs = step_microbatches(pol.arch.vocab_size, p.dp_rank * B // p.dp,
                             (p.dp_rank + 1) * B // p.dp, 1)
     res = {}

@@ -266,6 +266,9 @@ def test_distributed_and_bf16_state_moves_to_another_layout(tmp_path):
     a = tmp_path / "a-fp16.pt"
     spawn(W.reshard_worker, 1, 1, 1, None, str(a), False, torch.float16)
     res = torch.load(a)
+    # step 2 is a real Adam step (lr 0.05): the moves below compare something (gradients
+    # 1/2^32 of their value, as before the loss was scaled, fell below Adam's eps)
+    assert _step1_moved_weights(res) > 1e-2
     _moved(res, arch, moved)
     b = tmp_path / "b-fp16.pt"
     spawn(W.reshard_worker, 2, 1, 1, str(moved), str(b), True, torch.float16)

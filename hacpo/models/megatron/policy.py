@@ -458,7 +458,8 @@ class MegatronPolicy:
     def build_optimizer(self, *, lr: float, optimizer: str = "adam", weight_decay: float = 0.0,
                         adam_beta1: float = 0.9, adam_beta2: float = 0.999, adam_eps: float = 1e-8,
                         sgd_momentum: float = 0.0, clip_grad: float = 0.0,
-                        use_distributed_optimizer: bool = False):
+                        use_distributed_optimizer: bool = False,
+                        loss_scale: float | None = None, initial_loss_scale: float = 2.0 ** 32):
         """Wrap the model in megatron's DistributedDataParallel and return megatron's optimizer
         (``get_megatron_optimizer``, fp32 params: its ``FP32Optimizer`` around torch's
         AdamW/SGD when neither TE nor apex is installed).
@@ -471,6 +472,14 @@ class MegatronPolicy:
         that the parameters are CUDA tensors by name (``Tensor.type()``); on CPU the test
         helper tests/megatron/_cpu_megatron.py maps that name as it maps megatron's other CUDA
         calls.
+
+        fp16 weights: megatron's loss scaler (``loss_scale``: a constant scale, e.g. 1.0 for
+        none; None: its dynamic scaler from ``initial_loss_scale``, halved after overflows).
+        The schedule's backward multiplies each micro-batch's loss by the scale
+        (``config.grad_scale_func``, megatron's ``scale_loss``) and the optimizer divides the
+        gradients by it before clipping and stepping (without the first, the gradients would
+        be 1/scale of their value); a dynamic scaler's overflow skips the step (see
+        :meth:`train_step`). fp32 / bf16 weights have no scaler (scale 1).
         """
         require_megatron()
         from megatron.core.distributed import (DistributedDataParallel,
@@ -493,8 +502,12 @@ class MegatronPolicy:
                                   adam_beta1=adam_beta1, adam_beta2=adam_beta2, adam_eps=adam_eps,
                                   sgd_momentum=sgd_momentum, clip_grad=clip_grad,
                                   bf16=cfg.bf16, fp16=cfg.fp16, params_dtype=cfg.params_dtype,
-                                  use_distributed_optimizer=use_distributed_optimizer)
+                                  use_distributed_optimizer=use_distributed_optimizer,
+                                  loss_scale=loss_scale, initial_loss_scale=initial_loss_scale)
         opt = get_megatron_optimizer(opt_cfg, [self.model])
+        # the schedule's backward scales each loss by the optimizer's loss scale, which the
+        # optimizer divides the gradients by (fp16); 1 for fp32 / bf16
+        cfg.grad_scale_func = opt.scale_loss
         inner = sorted({f"{type(o.optimizer).__module__}.{type(o.optimizer).__qualname__}"
                         for o in chained(opt)})
         # megatron-core picks TE's FusedAdam, else apex's, else torch's: say which ran
@@ -695,16 +708,39 @@ class MegatronPolicy:
         ``positions_mask`` [b, T] in the dict, token_logp is [b, T]: only those positions
         (:meth:`logprobs_at`). Returns the per-micro-batch
         metrics on the last PP stage (empty elsewhere).
+
+        Non-finite gradients (megatron's global grad norm, the same on every rank) take no
+        step: the weights and the optimizer state stay as they were and a RuntimeError says
+        so (fp16 with a dynamic loss scaler: an overflow, the scale is lowered for the next
+        step). Otherwise the gradients are clipped to the optimizer's ``clip_grad`` (coefficient
+        ``clip_grad / (norm + 1e-6)`` where below 1, as megatron's clip) and the optimizer
+        steps.
         """
         self.model.train()
         self.model.zero_grad_buffer()
         optimizer.zero_grad()
         out = self._run(microbatches, forward_only=False, temperature=temperature,
                         loss_fn=loss_fn)
-        ok, _grad_norm, _ = optimizer.step()
-        if not ok:
-            raise RuntimeError("megatron optimizer step was skipped (non-finite gradients)")
         self.model.eval()
+        # megatron's step(), with the grad norm checked before anything is stepped (its fp32 /
+        # bf16 optimizers would step on NaN gradients and write NaN into every weight)
+        overflow = optimizer.prepare_grads()     # main_grad -> grad (fp16: unscaled, checked)
+        grad_norm = float(optimizer.get_grad_norm())
+        if overflow or not math.isfinite(grad_norm):
+            optimizer.zero_grad()
+            what = (f"the fp16 loss scaler found inf/NaN gradients (scale now "
+                    f"{float(optimizer.get_loss_scale())})" if overflow else
+                    f"non-finite gradients (grad norm {grad_norm})")
+            raise RuntimeError(f"megatron optimizer step was skipped: {what}; the weights and "
+                               f"the optimizer state are unchanged")
+        clip = optimizer.config.clip_grad
+        if clip > 0 and clip / (grad_norm + 1e-6) < 1:
+            with torch.no_grad():
+                for o in chained(optimizer):
+                    for prm in o.get_parameters():
+                        if prm.grad is not None:
+                            prm.grad.mul_(clip / (grad_norm + 1e-6))
+        optimizer.step_with_ready_grads()
         return out
 
 
