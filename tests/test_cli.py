@@ -113,3 +113,87 @@ def test_only_input_errors_are_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(trainer, "_run", boom)
     with pytest.raises(ValueError, match="a bug in a step"):
         main(common + ["steps=2", "--resume"])
+
+
+def test_demo_bad_input_is_a_usage_error(capsys):
+    """`hacpo demo` with an unknown algorithm, no agents or no steps: one line, exit 2 (not a
+    traceback from inside the demo)."""
+    assert main(["demo", "--algorithms", "gspo", "bogus", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hacpo demo: error: unknown algorithm preset(s) bogus; choose from "
+                          "hacpo, "), err
+    for bad in (["--agents", "0"], ["--steps", "0"], ["--steps", "-3"]):
+        with pytest.raises(SystemExit) as e:
+            main(["demo", *bad])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument {bad[0]}: must be an integer >= 1, got {int(bad[1])}" in err, err
+        assert "Traceback" not in err
+
+
+def test_invalid_yaml_config_is_one_line(tmp_path, capsys, monkeypatch):
+    """A --config file that is not valid YAML is the user's error: one line naming the file and
+    where the parser stopped, exit 2 (HACPO_TRACEBACK=1: the exception)."""
+    monkeypatch.delenv("HACPO_TRACEBACK", raising=False)
+    y = tmp_path / "broken.yaml"
+    y.write_text("steps: [\n")
+    assert main(["train", "--preset", "tiny3", "--config", str(y)]) == 2
+    err = capsys.readouterr().err
+    first = err.splitlines()[0]
+    assert first.startswith(f"hacpo train: error: config file {y} is not valid YAML: ") and \
+        "line 2, column 1" in first, err
+    assert "Traceback" not in err
+    monkeypatch.setenv("HACPO_TRACEBACK", "1")
+    with pytest.raises(ValueError, match="is not valid YAML"):
+        main(["train", "--preset", "tiny3", "--config", str(y)])
+
+
+def test_eval_input_errors_are_one_line_and_traceback_on_request(tmp_path, capsys,
+                                                                 monkeypatch):
+    """`hacpo eval`: an output dir that cannot be made is one line, exit 2; with
+    HACPO_TRACEBACK=1 the error propagates, as for the run commands."""
+    import torch
+
+    from hacpo.engine.run_config import load_config
+
+    monkeypatch.delenv("HACPO_TRACEBACK", raising=False)
+    run = tmp_path / "run"
+    run.mkdir()
+    torch.save({"config": load_config("tiny3").to_dict(), "agents": [{"name": "char"}]},
+               run / "checkpoint.pt")
+    bench = tmp_path / "b.jsonl"
+    bench.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    args = ["eval", str(run), "--bench", f"b={bench}:gsm8k", "--out-dir", str(blocker / "x")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hacpo eval: error: ") and "Not a directory" in err, err
+    assert "Traceback" not in err
+    monkeypatch.setenv("HACPO_TRACEBACK", "1")
+    with pytest.raises(NotADirectoryError):
+        main(args)
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        main(["eval", str(tmp_path / "none"), "--bench", f"b={bench}"])
+
+
+def test_compare_negative_pass_k_is_a_usage_error(capsys):
+    """`hacpo compare --pass-k -1` is argparse's one-line error before any run starts (it was a
+    traceback from the run config once the warm-up had been set up)."""
+    with pytest.raises(SystemExit) as e:
+        main(["compare", "--preset", "tiny3", "--pass-k", "-1"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --pass-k: must be an integer >= 0, got -1" in err, err
+
+
+def test_empty_out_dir_is_an_error_not_the_presets(tmp_path, capsys, monkeypatch):
+    """`--out-dir ""` (e.g. an unset shell variable) is an error; it once fell back silently to
+    the preset's run dir (runs/tiny3: another run's, which --resume would then continue)."""
+    monkeypatch.delenv("HACPO_TRACEBACK", raising=False)
+    monkeypatch.chdir(tmp_path)
+    for cmd in ("train", "compare", "profile"):
+        assert main([cmd, "--preset", "tiny3", "--out-dir", "", "--set", "steps=0"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"hacpo {cmd}: error: --out-dir '' is empty"), err
+    assert list(tmp_path.iterdir()) == []

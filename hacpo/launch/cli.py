@@ -6,7 +6,14 @@ import sys
 
 
 def _demo(args) -> int:
+    from hacpo.engine.config import available_presets
+
     from .bandit_demo import run
+    unknown = [a for a in args.algorithms if a not in available_presets()]
+    if unknown:
+        print(f"hacpo demo: error: unknown algorithm preset(s) {', '.join(unknown)}; choose "
+              f"from {', '.join(available_presets())}", file=sys.stderr)
+        return 2
     results = {}
     for algo in args.algorithms:
         results[algo] = run(algo, steps=args.steps, agents=args.agents, seed=args.seed)
@@ -27,15 +34,23 @@ def train_config(args):
     from hacpo.engine.configtools import parse_overrides
     from hacpo.engine.run_config import load_config
     from hacpo.engine.errors import user_errors
+    import yaml
     with user_errors():
         overrides = parse_overrides(args.set or [])
         if args.steps is not None:
             overrides["steps"] = args.steps
-        if args.out_dir:
+        if args.out_dir is not None:    # "" (an unset shell variable) is no run dir
+            if not args.out_dir.strip():
+                raise ValueError(f"--out-dir {args.out_dir!r} is empty: give the run "
+                                 f"directory (or leave --out-dir out for the preset's)")
             overrides["out_dir"] = args.out_dir
         if getattr(args, "skip_bad_rows", False):
             overrides["data.skip_bad_rows"] = True
-        cfg = load_config(args.preset, args.config, overrides)
+        try:
+            cfg = load_config(args.preset, args.config, overrides)
+        except yaml.YAMLError as e:     # a multi-line message: one line, naming the file
+            raise ValueError(f"config file {args.config} is not valid YAML: "
+                             f"{' '.join(str(e).split())}") from None
         given = [k.removeprefix("algorithm.")
                  for k in {**_yaml_overrides(args.config), **overrides}
                  if k.startswith("algorithm.")]
@@ -116,6 +131,10 @@ def _run_command(args) -> int:
 
 
 def _eval(args) -> int:
+    """Evaluate; an error in the input (a checkpoint, benchmark file, option or output dir)
+    is one line on stderr and exit status 2 (HACPO_TRACEBACK=1: the traceback instead)."""
+    import os
+
     from hacpo.engine.eval_harness import evaluate_checkpoints
     try:
         out = evaluate_checkpoints(
@@ -123,7 +142,9 @@ def _eval(args) -> int:
             temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
             limit=args.limit, template=args.template, out_dir=args.out_dir, batch=args.batch,
             seed=args.seed)
-    except (FileNotFoundError, ValueError, KeyError, RuntimeError) as e:
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        if os.environ.get("HACPO_TRACEBACK") == "1":
+            raise
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"hacpo eval: error: {msg}", file=sys.stderr)
         return 2
@@ -131,6 +152,19 @@ def _eval(args) -> int:
     print(out["table"])
     print("[eval] written to " + ", ".join(out["out_dirs"]))
     return 0
+
+
+def _int_at_least(low: int):
+    """An argparse type: an integer >= ``low`` (else argparse's one-line usage error)."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {v}")
+        return v
+    return parse
 
 
 def _add_run_args(p):
@@ -151,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="seconds-long toy demo of the algorithm library (no LM)")
     d.add_argument("--algorithms", nargs="+", default=["gspo", "hacpo"])
-    d.add_argument("--steps", type=int, default=60)
-    d.add_argument("--agents", type=int, default=3)
+    d.add_argument("--steps", type=_int_at_least(1), default=60)
+    d.add_argument("--agents", type=_int_at_least(1), default=3)
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=_demo)
     t = sub.add_parser("train", help="train n agents together (embedded default: no arguments)")
@@ -166,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     _add_run_args(c)
     c.add_argument("--algorithms", nargs="+", default=["grpo", "gspo", "gspo2x", "naive", "hacpo"])
     c.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    c.add_argument("--pass-k", type=int, default=4)
+    c.add_argument("--pass-k", type=_int_at_least(0), default=4,
+                   help="k of the held-out pass@k (0 or 1: none; default 4)")
     c.set_defaults(func=_compare)
     pr = sub.add_parser("profile", help="gspo vs gspo2x vs hacpo side by side: extra scoring "
                                         "cost, time per trained sample, fitted cost model")
