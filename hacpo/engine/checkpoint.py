@@ -106,7 +106,12 @@ def load(path: str):
     except pickle.UnpicklingError as e:
         # torch.save writes a zip archive: one whose pickle the weights-only unpickler refused
         # holds other objects; anything else is not a (whole) checkpoint
-        if trusted or not zipfile.is_zipfile(path):
+        if not trusted and not zipfile.is_zipfile(path):
+            # torch's message here advises weights_only=False, unsafe for a foreign file
+            raise RuntimeError(f"checkpoint {path} cannot be read: it is not the zip archive "
+                               f"torch.save writes (a truncated file, or another kind of "
+                               f"file)") from None
+        if trusted:
             raise RuntimeError(f"checkpoint {path} cannot be read (UnpicklingError: "
                                f"{str(e).splitlines()[0]})") from e
         detail = next((ln.strip() for ln in str(e).splitlines()

@@ -223,6 +223,8 @@ def _set(cls, d: dict, key: str, value: Any) -> None:
         else:
             if not (_dataclass_of(ftype) or _list_item(ftype)):
                 raise ValueError(f"unknown config key {key!r}: {part!r} has no sub-keys")
+            if part not in node:     # a section the YAML left out (e.g. an agent's optim)
+                node[part] = {} if _dataclass_of(ftype) else []
             node, tp = node[part], ftype
 
 

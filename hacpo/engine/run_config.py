@@ -483,6 +483,9 @@ class TrainConfig(ConfigMixin):
                                ("max_nonfinite", 1, ""),
                                ("threads", 0, " (0: torch's default)")):
             _check_count(key, getattr(self, key), low, note)
+        for key in ("out_dir", "cache_dir"):
+            if isinstance(getattr(self, key), str) and not getattr(self, key).strip():
+                raise ValueError(f"{key} must be a directory path, got {getattr(self, key)!r}")
         if self.eval_engine not in EVAL_ENGINES:
             raise ValueError(f"unknown eval_engine {self.eval_engine!r}; choose one of "
                              f"{', '.join(EVAL_ENGINES)}")

@@ -282,6 +282,12 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
                 _save(ck_path, cfg, step + 1, agents, tracker, sampler, engine, shuffle_gen,
                       nonfinite, warm, before, ratio_log, tokenizers)
                 agents.checkpoint_saved()      # e.g. drop optimizer shards no checkpoint names
+        if cfg.steps == 0 and start == 0:
+            # the warm start as a checkpoint: `hacpo eval` scores it on other benchmarks (the
+            # baseline before RL) and `--resume` with steps > 0 trains on from it
+            _save(ck_path, cfg, 0, agents, tracker, sampler, engine, shuffle_gen, nonfinite,
+                  warm, before, ratio_log, tokenizers)
+            agents.checkpoint_saved()
     finally:
         if bar is not None:
             bar.close()

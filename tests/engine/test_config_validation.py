@@ -64,6 +64,9 @@ def _yaml(tmp_path, text: str) -> str:
     ("agents.0.policy.max_len", "0", r"policy.max_len must be an integer >= 1, got 0"),
     ("agents.0.policy.dtype", "fp8", r"policy.dtype must be one of float32, bfloat16, "
                                      r"float16, got 'fp8'"),
+    # "--set out_dir=" (an unset shell variable) was "[Errno 2] No such file or directory: ''"
+    ("out_dir", "", r"out_dir must be a directory path, got ''"),
+    ("cache_dir", " ", r"cache_dir must be a directory path, got ' '"),
 ])
 def test_counts_and_ranges_are_checked_at_load(key, bad, msg):
     with pytest.raises(ValueError, match=msg):
@@ -233,3 +236,12 @@ def test_hf_settings_on_a_decoder_policy_are_an_error():
                                          r"only applies to a model built from policy.arch, but "
                                          r"policy.path='ckpt' loads one"):
         hf.override({"agents.0.policy.path": "ckpt"})
+
+
+def test_a_yaml_agent_without_a_section_takes_a_dotted_override(tmp_path):
+    """YAML agents given without their optim section, then --set agents.0.optim.lr: the
+    section is filled in (it was a bare KeyError: "hacpo train: error: optim")."""
+    path = _yaml(tmp_path, "agents: [{policy: {name: a}}]\n")
+    cfg = load_config("tiny3", path, {"agents.0.optim.lr": "3e-4"})
+    assert len(cfg.agents) == 1 and cfg.agents[0].policy.name == "a"
+    assert cfg.agents[0].optim.lr == 3e-4 and cfg.agents[0].optim.beta1 == 0.9

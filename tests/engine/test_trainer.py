@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from hacpo.engine import checkpoint as ckpt
 from hacpo.engine.rewards import register_reward
 from hacpo.engine.run_config import load_config
 from hacpo.engine.trainer import train
@@ -253,6 +254,14 @@ def test_zero_steps_and_no_held_out_set(tmp_path):
     s0 = train(_cfg(tmp_path, "s0", steps="0", tensorboard="false"), echo=lambda *_: None)
     assert (tmp_path / "s0" / "metrics.jsonl").read_text() == ""
     assert s0["steps"] == 0 and s0["after"] == s0["before"]   # no step: the same weights
+    # the warm start is a checkpoint: hacpo eval scores it, --resume trains on from it
+    state = ckpt.load(str(tmp_path / "s0" / "checkpoint.pt"))
+    assert state["step"] == 0 and state["eval_before"] == s0["before"]
+    s0b = train(_cfg(tmp_path, "s0", steps="1", tensorboard="false"), resume=True,
+                echo=lambda *_: None)
+    assert s0b["before"] == s0["before"] and ckpt.load(str(tmp_path / "s0" /
+                                                           "checkpoint.pt"))["step"] == 1
+    assert [json.loads(l)["step"] for l in open(tmp_path / "s0" / "metrics.jsonl")] == [0]
     said = []
     s1 = train(_cfg(tmp_path, "noeval", **{"steps": "1", "tensorboard": "false",
                                            "data.eval_size": "0", "eval_every": "1"}),

@@ -690,3 +690,17 @@ def test_rank_stage_clock_synchronizes_the_device_with_profile_sync():
     assert device_sync(False) is None
     if not torch.cuda.is_available():
         assert device_sync(True) is None
+
+
+def test_zero_steps_checkpoint_resumes_into_megatron_groups(cluster, tmp, torch_runs):
+    """steps=0 saves the warm start as a step-0 checkpoint (no optimizer step yet: the ranks'
+    optimizer shards hold empty Adam state); --resume with steps=1 starts fresh rank actors from
+    it and its step equals the torch trainer's first step."""
+    quiet = dict(echo=lambda *_: None)
+    train(megatron_cfg(tmp, "meg0", "megatron", steps=0), **quiet)
+    assert ckpt.load(tmp / "meg0" / "checkpoint.pt")["step"] == 0
+    train(megatron_cfg(tmp, "meg0", "megatron", steps=1), resume=True, **quiet)
+    got, ref = _rows(tmp, "meg0"), _rows(tmp, "torch1")
+    assert [r["step"] for r in got] == [0]
+    _check_metrics(got[0], ref[0])
+    _check_weights(_weights(tmp, "meg0"), _weights(tmp, "torch1"), _initial_weights(tmp))
