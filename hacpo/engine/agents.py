@@ -30,6 +30,7 @@ class LocalAgents:
         self.cfg = cfg
         self.policies = list(policies)
         self.names = [p.name for p in policies]
+        # fp32 master weights for bfloat16 / float16 policies (update.MasterWeightAdamW)
         self.optims = build.build_optimizers(cfg, self.policies)
         self.refs = build.reference_policies(cfg, self.policies)
 

@@ -12,7 +12,8 @@ import torch
 
 from .advantages import group_advantages, hacpo_advantages
 from .config import AlgorithmConfig
-from .losses import grpo_policy_loss, gspo_policy_loss, hacpo_policy_loss
+from .losses import (grpo_policy_loss, gspo_policy_loss, hacpo_policy_loss,
+                     self_cross_ratio_metrics)
 
 
 def learner_samples(cfg: AlgorithmConfig, rewards: torch.Tensor, prompt: torch.Tensor,
@@ -89,9 +90,16 @@ def learner_loss(cfg: AlgorithmConfig, *, new_lp: torch.Tensor, old_lp: torch.Te
                                 clip_low=L.grpo_clip_low, clip_high=L.grpo_clip_high,
                                 divisor=divisor)
     if cfg.name in ("gspo", "gspo2x", "naive"):
-        return gspo_policy_loss(new_lp, old_lp, advantages, clip_low=L.self_clip_low,
-                                clip_high=L.self_clip_high,
-                                max_abs_log_ratio=L.max_abs_log_ratio, divisor=divisor)
+        loss, metrics = gspo_policy_loss(new_lp, old_lp, advantages, clip_low=L.self_clip_low,
+                                         clip_high=L.self_clip_high,
+                                         max_abs_log_ratio=L.max_abs_log_ratio,
+                                         divisor=divisor)
+        if cfg.shares_samples:     # naive: one objective, but self and cross ratios apart
+            metrics = self_cross_ratio_metrics(new_lp, old_lp, is_self,
+                                               clip_low=L.self_clip_low,
+                                               clip_high=L.self_clip_high,
+                                               max_abs_log_ratio=L.max_abs_log_ratio)
+        return loss, metrics
     return hacpo_policy_loss(new_lp, old_lp, advantages, is_self, omega,
                              minibatch_index=minibatch_index, alpha=L.alpha,
                              cross_clip=L.cross_clip, cross_clip_delta=L.cross_clip_delta,

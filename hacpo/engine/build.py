@@ -133,7 +133,9 @@ def warm_start(cfg: TrainConfig, data: Data, policies: list[Policy], echo=print)
         seed = a.policy.seed + 101 * k
         key = config_hash({"policy": asdict(a.policy), "warmup": asdict(a.warmup), "seed": seed,
                            "init": _state_digest(pol), "tokenizer": tokenizer_digest(tok),
-                           "examples": examples_digest, "v": 3})
+                           "examples": examples_digest,
+                           # 4: bf16 / fp16 warm-ups step fp32 master weights (fp32: unchanged)
+                           "v": 3 if a.policy.dtype == "float32" else 4})
         path = os.path.join(cfg.cache_dir, f"warmup-{a.policy.name}-{key}.pt")
         state = _cached_warm_start(path, pol)
         if state is not None:
@@ -277,8 +279,11 @@ def rollout_engine(cfg: TrainConfig, policies: list[Policy], agents=None):
 
 
 def build_optimizers(cfg: TrainConfig, policies: list[Policy]):
-    return [torch.optim.AdamW(p.parameters(), lr=a.optim.lr, betas=(a.optim.beta1, a.optim.beta2),
-                              weight_decay=a.optim.weight_decay)
+    """Each agent's AdamW (torch's; with fp32 master weights for a bfloat16 / float16 policy,
+    :func:`hacpo.engine.update.adamw`): the in-process trainer's and the Ray trainer actors'."""
+    from .update import adamw
+    return [adamw(p.parameters(), lr=a.optim.lr, betas=(a.optim.beta1, a.optim.beta2),
+                  weight_decay=a.optim.weight_decay)
             for a, p in zip(cfg.agents, policies)]
 
 

@@ -89,6 +89,27 @@ def gspo_policy_loss(new_lp: torch.Tensor, old_lp: torch.Tensor, advantages: tor
     return loss, metrics
 
 
+@torch.no_grad()
+def self_cross_ratio_metrics(new_lp: torch.Tensor, old_lp: torch.Tensor, is_self: torch.Tensor,
+                             *, clip_low: float = D.SELF_CLIP_LOW,
+                             clip_high: float = D.SELF_CLIP_HIGH,
+                             max_abs_log_ratio: float = D.MAX_ABS_LOG_RATIO) -> dict:
+    """GSPO's ratio metrics reported apart for self and cross rows, for a GSPO objective over
+    both (naive): new_lp, old_lp [N], is_self [N] bool. Mean ratio and fraction outside
+    [1-clip_low, 1+clip_high] of each part (0 for a part with no rows; see its count), and the
+    counts. Detached tensors."""
+    check_same_length(new_lp=new_lp, old_lp=old_lp, is_self=is_self)
+    is_self = is_self.bool()
+    cross = ~is_self
+    s = sequence_ratio(new_lp.detach(), old_lp, max_abs_log_ratio)
+    clipped = ((s < 1 - clip_low) | (s > 1 + clip_high)).to(s.dtype)
+    return {"self_ratio_mean": _masked_mean(s, is_self),
+            "cross_ratio_mean": _masked_mean(s, cross),
+            "self_clip_frac": _masked_mean(clipped, is_self),
+            "cross_clip_frac": _masked_mean(clipped, cross),
+            "self_count": is_self.sum(), "cross_count": cross.sum()}
+
+
 def hacpo_policy_loss(new_lp: torch.Tensor, old_lp: torch.Tensor, advantages: torch.Tensor,
                       is_self: torch.Tensor, omega: torch.Tensor, *, minibatch_index: int,
                       alpha: float = D.ALPHA, cross_clip: str = D.CROSS_CLIP,

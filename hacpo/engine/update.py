@@ -49,6 +49,149 @@ def replay_nonfinite(trace: list[dict], nonfinite: dict, max_nonfinite: int,
                          t["grad_norm"])
 
 
+class MasterWeightAdamW(torch.optim.AdamW):
+    """torch's AdamW stepping fp32 copies ("master weights") of the bfloat16 / float16
+    parameters, as megatron's optimizer does for such weights.
+
+    Stepping low-precision weights in place is wrong two ways: in float16 Adam's ``eps`` (1e-8)
+    and the squares of small gradients underflow to 0, so a weight with a zero or tiny gradient
+    becomes NaN or inf on the first step; in bfloat16 an update smaller than half a weight's
+    spacing (lr 1e-4 on a weight of 0.05) rounds back to the weight, so small learning rates
+    train nothing. Here the gradients are cast to fp32, the moments and the update live in
+    fp32, and each weight gets its master rounded to its own dtype after the step. fp32
+    parameters are stepped as they are.
+
+    A weight written by someone else since the last step (a loaded state dict, a weight sync)
+    no longer equals its rounded master: its master takes the new value, elementwise, at the
+    next step. ``state_dict()`` also holds the master weights (``"master_weights"``, in the
+    order of the low-precision parameters), and ``load_state_dict`` restores them; a state
+    without them (e.g. of a plain AdamW) takes the masters from the current weights.
+    """
+
+    def __init__(self, params, **kwargs):
+        params = list(params)
+        if any(isinstance(p, dict) for p in params):
+            raise TypeError("MasterWeightAdamW takes a list of parameters, not parameter groups")
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []   # (low-precision, master)
+        stepped = []
+        for p in params:
+            if p.dtype in (torch.float16, torch.bfloat16):
+                m = p.detach().float().clone().requires_grad_(p.requires_grad)
+                self._pairs.append((p, m))
+                stepped.append(m)
+            else:
+                stepped.append(p)
+        super().__init__(stepped, **kwargs)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("MasterWeightAdamW.step takes no closure")
+        for p, m in self._pairs:
+            # a weight written elsewhere since the last step wins over its master
+            m.copy_(torch.where(p == m.to(p.dtype), m, p.float()))
+            m.grad = None if p.grad is None else p.grad.float()
+        super().step()
+        for p, m in self._pairs:
+            if m.grad is not None:
+                p.copy_(m)
+            m.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        for p, _ in self._pairs:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+
+    def state_dict(self):
+        sd = super().state_dict()
+        sd["master_weights"] = [m.detach().clone() for _, m in self._pairs]
+        return sd
+
+    def load_state_dict(self, state_dict) -> None:
+        state_dict = dict(state_dict)
+        masters = state_dict.pop("master_weights", None)
+        super().load_state_dict(state_dict)
+        with torch.no_grad():
+            if masters is None:
+                for p, m in self._pairs:
+                    m.copy_(p)
+                return
+            if len(masters) != len(self._pairs) or any(
+                    tuple(w.shape) != tuple(m.shape) for w, (_, m) in zip(masters, self._pairs)):
+                raise ValueError(
+                    f"optimizer state holds {len(masters)} master weights "
+                    f"{[tuple(w.shape) for w in masters]}, but this optimizer steps "
+                    f"{len(self._pairs)} low-precision parameters "
+                    f"{[tuple(m.shape) for _, m in self._pairs]}")
+            for w, (_, m) in zip(masters, self._pairs):
+                m.copy_(w)
+
+
+def adamw(params, *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
+          weight_decay: float = 0.0) -> torch.optim.AdamW:
+    """The trainer's AdamW: torch's for fp32 parameters, :class:`MasterWeightAdamW` (fp32
+    master weights) where some are bfloat16 / float16."""
+    params = list(params)
+    cls = (MasterWeightAdamW if any(p.dtype in (torch.float16, torch.bfloat16) for p in params)
+           else torch.optim.AdamW)
+    return cls(params, lr=lr, betas=betas, weight_decay=weight_decay)
+
+
+class UpdateMetrics:
+    """A learner's metrics over its M updates of a step, pooled as if computed over all their
+    samples at once (so they do not depend on how the samples fall into minibatches): a mean
+    over some of a minibatch's rows is weighted by how many it had (``self_*`` and ``kl``: self
+    rows; ``cross_*`` ratio means and clip fractions: cross rows; ``token_*``: response tokens),
+    the counts ``self_count`` / ``cross_count`` are summed, and per-update values (``loss``,
+    ``grad_norm``, ``cross_lower_bound``) are averaged over the updates. Only the updates that
+    were applied (finite) count. A mean over rows no update had (``cross_ratio_mean`` when every
+    cross sample was dropped) is left out of the result, never reported as a made-up 0."""
+
+    SUMMED = ("self_count", "cross_count")
+    PER_UPDATE = ("loss", "grad_norm", "cross_lower_bound")
+
+    def __init__(self):
+        self.num: dict[str, float] = {}
+        self.den: dict[str, float] = {}
+
+    @classmethod
+    def weight(cls, key: str, *, n_self: int, n_cross: int, n_tokens: int) -> float | None:
+        """A minibatch's weight for metric ``key``; None: summed, not averaged."""
+        if key in cls.SUMMED:
+            return None
+        if key in cls.PER_UPDATE:
+            return 1.0
+        if key.startswith("self_") or key == "kl":
+            return float(n_self)
+        if key.startswith("cross_"):
+            return float(n_cross)
+        if key.startswith("token_"):
+            return float(n_tokens)
+        return 1.0
+
+    def add(self, metrics: dict[str, float], *, n_self: int, n_cross: int,
+            n_tokens: int) -> None:
+        """One applied update's metrics (floats) and its minibatch's row and token counts."""
+        for key, v in metrics.items():
+            w = self.weight(key, n_self=n_self, n_cross=n_cross, n_tokens=n_tokens)
+            self.num.setdefault(key, 0.0)
+            self.den.setdefault(key, 0.0)
+            if w is None:
+                self.num[key] += v
+            elif w > 0:
+                self.num[key] += w * v
+                self.den[key] += w
+
+    def result(self) -> dict[str, float]:
+        """Summed counts and pooled means; no entry for a mean over no rows."""
+        return {key: v if key in self.SUMMED else v / self.den[key]
+                for key, v in self.num.items() if key in self.SUMMED or self.den[key] > 0}
+
+
 def _pad(rows: list[torch.Tensor], T: int) -> torch.Tensor:
     out = torch.zeros(len(rows), T)
     for i, r in enumerate(rows):
@@ -81,13 +224,16 @@ def update_learner(algo: AlgorithmConfig, policy, optimizer, view: LearnerView, 
     cross samples cost only their responses; other policies run self and cross micro-batches
     of whole sequences. The loss is a sum over samples divided by the minibatch's global count,
     so the split leaves the gradient unchanged. Metrics are computed once per minibatch over all
-    its samples (from detached values). The result's ``tokens_forward_prompt`` counts the prompt
+    its samples (from detached values) and pooled over the applied updates by
+    :class:`UpdateMetrics` (means over the step's self / cross rows or tokens, summed counts;
+    ``trained_*`` count the view's rows, also those of skipped updates). The result's ``tokens_forward_prompt`` counts the prompt
     tokens forwarded in prompt passes."""
     M = algo.num_minibatches * algo.minibatch_factor
     n = view.idx.numel()
     sums: dict[str, float] = defaultdict(float)
-    if n == 0:
-        return {"trained_samples": 0.0}
+    if n == 0:       # the same count keys as a step with samples (a learner's row keeps them)
+        return {"trained_samples": 0.0, "trained_self": 0.0, "trained_cross": 0.0,
+                "tokens_forward_prompt": 0.0}
     if minibatches is None:
         if generator is None or prompt_of_sample is None:
             raise ValueError("update_learner needs generator and prompt_of_sample to draw the "
@@ -101,6 +247,7 @@ def update_learner(algo: AlgorithmConfig, policy, optimizer, view: LearnerView, 
     shared = bool(getattr(policy, "share_prompts", False)
                   and getattr(policy, "supports_prompt_states", False))
     prompt_tokens = 0
+    pooled = UpdateMetrics()
     for m, mb in enumerate(mbs):
         optimizer.zero_grad(set_to_none=True)
         mb_list = mb.tolist()
@@ -200,10 +347,10 @@ def update_learner(algo: AlgorithmConfig, policy, optimizer, view: LearnerView, 
                          vals[0], vals[1])
         if not finite:
             continue
-        sums["loss"] += vals[0] / len(mbs)
-        sums["grad_norm"] += vals[1] / len(mbs)
-        for k, v in zip(keys, vals[2:]):
-            sums[k] += v / len(mbs)
+        pooled.add({"loss": vals[0], "grad_norm": vals[1], **dict(zip(keys, vals[2:]))},
+                   n_self=n_self, n_cross=len(mb_list) - n_self,
+                   n_tokens=sum(len(view.response_ids[j]) for j in mb_list))
+    sums.update(pooled.result())
     sums["trained_samples"] = float(n)
     sums["tokens_forward_prompt"] = float(prompt_tokens)
     sums["trained_self"] = float(view.is_self.sum())

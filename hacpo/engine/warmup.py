@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import torch
 
+from .update import adamw
+
 
 def supervised_warmup(policy, prompt_ids: list[list[int]], target_ids: list[list[int]], *,
                       steps: int, lr: float, batch_size: int, seed: int, micro_batch: int = 256,
                       progress=None) -> list[float]:
     """``steps`` AdamW steps on random batches of (prompt, target) pairs; token-mean NLL over
-    the target tokens (EOS included). Returns the loss per step."""
+    the target tokens (EOS included). Returns the loss per step. bfloat16 / float16 weights
+    are stepped through fp32 master weights (:func:`hacpo.engine.update.adamw`)."""
     if steps <= 0:
         return []
     if len(prompt_ids) != len(target_ids) or not prompt_ids:
         raise ValueError(f"warm-up needs as many targets as prompts, and at least one (got "
                          f"{len(prompt_ids)} prompts, {len(target_ids)} targets)")
-    opt = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
+    opt = adamw(policy.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / max(1, steps // 10)) * max(0.1, 1 - s / steps))
     g = torch.Generator().manual_seed(seed)

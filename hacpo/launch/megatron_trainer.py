@@ -135,7 +135,8 @@ from hacpo.engine.pool import LearnerView, StepPool, scored_lengths
 from hacpo.engine.rollout import agents_at_once
 from hacpo.engine.timing import device_sync
 from hacpo.engine.run_config import colocated_engines, rollout_cpus, trainer_cpus
-from hacpo.engine.update import NonFiniteUpdateError, _minibatch_metrics, _pad
+from hacpo.engine.update import (NonFiniteUpdateError, UpdateMetrics, _minibatch_metrics,
+                                 _pad)
 from hacpo.models.buckets import (bucket_bytes_of, check_bucket_shapes, copy_buckets,
                                   plan_buckets)
 from hacpo.models.policy import Policy
@@ -238,7 +239,8 @@ def shard_refs(cut, tp: int, pp: int, dp: int) -> list:
 
 
 # an agent with no samples this step: the update's metrics (the same keys every step)
-_NO_UPDATE = {"trained_samples": 0.0, "tokens_update_padded": 0.0, "update_micro_batches": 0.0}
+_NO_UPDATE = {"trained_samples": 0.0, "trained_self": 0.0, "trained_cross": 0.0,
+              "tokens_update_padded": 0.0, "update_micro_batches": 0.0}
 
 
 def rank_bundles(par, threads: int, engines: int = 0) -> list[dict[str, float]]:
@@ -1078,6 +1080,7 @@ class MegatronAgents:
             key = f"time/{stage}/{self.names[k]}"
             sw[key] = sw.get(key, 0.0) + v
         sums: dict[str, float] = defaultdict(float)
+        pooled = UpdateMetrics()
         for m, res in enumerate(rep["minibatches"]):
             new_lp_of, tl_of, kl_of = {}, {}, {}
             for r in results:
@@ -1111,10 +1114,12 @@ class MegatronAgents:
             n_self = sum(is_self[j] for j in mb_list)
             if self.kl and n_self:                  # as update_learner: mean over self rows
                 met["kl"] = sum(float(kl_of[j]) for j in mb_list if is_self[j]) / n_self
-            sums["loss"] += res["loss"] / len(mbs)
-            sums["grad_norm"] += res["grad_norm"] / len(mbs)
-            for key, v in met.items():
-                sums[key] += float(v) / len(mbs)
+            # pooled over the applied updates as update_learner does (update.UpdateMetrics)
+            pooled.add({"loss": res["loss"], "grad_norm": res["grad_norm"],
+                        **{key: float(v) for key, v in met.items()}},
+                       n_self=n_self, n_cross=len(mb_list) - n_self,
+                       n_tokens=sum(len(view.response_ids[j]) for j in mb_list))
+        sums.update(pooled.result())
         sums["trained_samples"] = float(n)
         sums["trained_self"] = float(view.is_self.sum())
         sums["trained_cross"] = float((~view.is_self).sum())

@@ -68,3 +68,24 @@ def test_learner_loss_dispatch():
                           omega=None, minibatch_index=0, token_logp=tok, old_token_logp=tok,
                           mask=torch.ones(N, 3, dtype=torch.bool))
     assert l_r.item() == -2.5 / 4
+
+
+def test_naive_reports_self_and_cross_ratios_apart():
+    """naive trains one GSPO objective on self and cross rows; its self ratio metrics are the
+    self rows' (a cross row's ratio is against another model's log-probs), cross reported
+    apart."""
+    new = torch.zeros(4)
+    old = torch.tensor([0.0, 0.0, -1.0, -2.0])      # ratios 1, 1, e, e^2
+    is_self = torch.tensor([True, True, False, False])
+    A = torch.ones(4)
+    _, m = learner_loss(preset("naive"), new_lp=new, old_lp=old, advantages=A, is_self=is_self,
+                        omega=torch.ones(4), minibatch_index=0)
+    assert m["self_ratio_mean"].item() == 1.0 and m["self_clip_frac"].item() == 0.0
+    assert abs(m["cross_ratio_mean"].item() - (2.718281828 + 7.389056099) / 2) < 1e-5
+    assert m["cross_clip_frac"].item() == 1.0
+    assert m["self_count"].item() == 2 and m["cross_count"].item() == 2
+    l_g, _ = learner_loss(preset("gspo"), new_lp=new, old_lp=old, advantages=A,
+                          is_self=is_self, omega=torch.ones(4), minibatch_index=0)
+    l_n, _ = learner_loss(preset("naive"), new_lp=new, old_lp=old, advantages=A,
+                          is_self=is_self, omega=torch.ones(4), minibatch_index=0)
+    assert l_n.item() == l_g.item()                  # the loss itself is unchanged

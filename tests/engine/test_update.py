@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hacpo.engine import preset
-from hacpo.engine.pool import LearnerView
+from hacpo.engine.pool import LearnerView, score_responses
 from hacpo.engine.timing import Stopwatch
 from hacpo.engine.update import update_learner
 from hacpo.models.policy import PolicyConfig, build_policy
@@ -144,3 +144,101 @@ def test_kl_term_is_aggregated_like_the_policy_loss(setup, algo):
         assert mask.sum(-1).float().std() > 0               # lengths differ: the two means do
     assert kl > 0.01
     assert m["loss"] == pytest.approx((pg + 0.5 * kl).item(), rel=1e-5, abs=1e-7)
+
+
+def _subset_view(view, lp_old, p_of, keep):
+    keep_t = torch.tensor(keep, dtype=torch.long)
+    v = LearnerView(view.idx[keep_t], view.advantages[keep_t], view.omega[keep_t],
+                    view.is_self[keep_t], [view.prompt_ids[j] for j in keep],
+                    [view.response_ids[j] for j in keep], {})
+    return v, lp_old, p_of
+
+
+def test_metrics_pool_samples_over_uneven_minibatches(setup):
+    """One minibatch per prompt, holding 2, 0 and 1 cross rows: the logged cross metrics are
+    means over the step's 3 cross rows (not a mean of per-minibatch means, counting the empty
+    one as 0), and the counts are the step's."""
+    pol, view, lp_old, p_of = setup
+    lp_old = lp_old.clone()
+    lp_old[~view.is_self] += torch.tensor([0.0, 0.5, 0.0, 0.0, 1.0, 0.0])  # varied ratios
+    # prompt 0: rows 0-4 (3 self, 2 cross); prompt 1: self rows 5-7 only; prompt 2: 10-13
+    keep = [0, 1, 2, 3, 4, 5, 6, 7, 10, 11, 12, 13]
+    v, _, _ = _subset_view(view, lp_old, p_of, keep)
+    opt = torch.optim.SGD(pol.parameters(), lr=0.0)       # ratios stay as at the start
+    m = update_learner(preset("hacpo", {"num_minibatches": 3}), pol, opt, v, lp_old=lp_old,
+                       old_token_logp=[], prompt_of_sample=p_of,
+                       generator=torch.Generator().manual_seed(0), micro_batch=4,
+                       grad_clip=0.0, nonfinite={"streak": 0, "total": 0}, max_nonfinite=3)
+    lp_now, _ = score_responses(pol, v.prompt_ids, v.response_ids, micro_batch=64)
+    s = torch.exp(lp_now - lp_old[v.idx])
+    cross = ~v.is_self
+    assert m["cross_ratio_mean"] == pytest.approx(float(s[cross].mean()), abs=1e-5)
+    assert m["self_ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    # lower bounds 0.8, 0.825, 0.85 by minibatch: exp(-1 + 0.1) < all, exp(-0.4) < all
+    assert m["cross_clip_low_frac"] == pytest.approx(2 / 3)
+    assert m["cross_clip_high_frac"] == pytest.approx(1 / 3)
+    assert m["self_count"] == 9 and m["cross_count"] == 3
+
+
+def test_metrics_without_cross_rows_are_left_out_not_zero(setup):
+    """A step whose cross samples were all dropped has no cross ratio: the cross means are left
+    out (no value that step), not reported as 0."""
+    pol, view, lp_old, p_of = setup
+    keep = [j for j in range(len(view.response_ids)) if bool(view.is_self[j])]
+    v, _, _ = _subset_view(view, lp_old, p_of, keep)
+    opt = torch.optim.SGD(pol.parameters(), lr=0.0)
+    m = update_learner(preset("hacpo", {"num_minibatches": 2}), pol, opt, v, lp_old=lp_old,
+                       old_token_logp=[], prompt_of_sample=p_of,
+                       generator=torch.Generator().manual_seed(0), micro_batch=4,
+                       grad_clip=0.0, nonfinite={"streak": 0, "total": 0}, max_nonfinite=3)
+    for key in ("cross_ratio_mean", "cross_clip_low_frac", "cross_clip_high_frac"):
+        assert key not in m, key
+    assert m["cross_lower_bound"] == pytest.approx(0.8125)     # mean of 0.8 and 0.825
+    assert m["cross_count"] == 0 and m["self_count"] == 9
+    assert m["self_ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_skipped_update_does_not_dilute_metrics():
+    """Of two updates the first is non-finite and skipped: loss and ratio metrics are the
+    applied update's, not halved by the skipped one."""
+    class HalfNaN(torch.nn.Module):
+        name = "half"
+
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(()))
+
+        def response_logprobs(self, prompts, resps, temperature=1.0):
+            T = max(len(r) for r in resps)
+            bad = torch.tensor([p == [9] for p in prompts])[:, None]
+            x = torch.where(bad, torch.tensor(float("nan")), torch.tensor(0.0))
+            return self.w * 1.0 + x.expand(len(resps), T), \
+                torch.ones(len(resps), T, dtype=torch.bool)
+
+    pol = HalfNaN()
+    opt = torch.optim.SGD(pol.parameters(), lr=0.0)
+    adv = torch.tensor([0.0, 0.0, 1.0, 3.0])
+    view = LearnerView(torch.arange(4), adv, torch.ones(4), torch.ones(4, dtype=torch.bool),
+                       [[9], [9], [1], [1]], [[2, 3]] * 4, {})
+    state = {"streak": 0, "total": 0}
+    m = update_learner(preset("gspo", {"num_minibatches": 2, "minibatch_order": "self_first"}),
+                       pol, opt, view, lp_old=torch.zeros(4), old_token_logp=[],
+                       prompt_of_sample=torch.tensor([0, 0, 1, 1]),
+                       generator=torch.Generator().manual_seed(0), micro_batch=8,
+                       grad_clip=0.0, nonfinite=state, max_nonfinite=3)
+    assert m["skipped_updates"] == 1 and state == {"streak": 0, "total": 1}
+    assert m["loss"] == pytest.approx(-2.0)           # -mean(1, 3) of the applied update
+    assert m["self_ratio_mean"] == pytest.approx(1.0)
+
+
+def test_empty_view_keeps_the_count_keys(setup):
+    """A learner whose samples were all dropped logs the same count keys, as 0."""
+    pol, view, lp_old, p_of = setup
+    v, _, _ = _subset_view(view, lp_old, p_of, [])
+    m = update_learner(preset("hacpo", {"num_minibatches": 2}), pol,
+                       torch.optim.SGD(pol.parameters(), lr=0.0), v, lp_old=lp_old,
+                       old_token_logp=[], prompt_of_sample=p_of,
+                       generator=torch.Generator().manual_seed(0), micro_batch=4,
+                       grad_clip=0.0, nonfinite={"streak": 0, "total": 0}, max_nonfinite=3)
+    assert m == {"trained_samples": 0.0, "trained_self": 0.0, "trained_cross": 0.0,
+                 "tokens_forward_prompt": 0.0}
