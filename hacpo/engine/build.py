@@ -139,6 +139,11 @@ def warm_start(cfg: TrainConfig, data: Data, policies: list[Policy], echo=print)
         path = os.path.join(cfg.cache_dir, f"warmup-{a.policy.name}-{key}.pt")
         state = _cached_warm_start(path, pol)
         if state is not None:
+            # a writer of this file killed mid-save while another run saved it left its temp
+            # file (the size of the model), which no later save of this path would remove
+            if removed := ckpt.remove_stale_temps(path):
+                log.warning(f"[warm-up] removed {len(removed)} temporary file(s) left by a "
+                            f"writer of {path} that died mid-save: {', '.join(removed)}")
             pol.load_state_dict(state["model"])
             echo(f"[warm-up] {a.policy.name}: loaded cached warm start {path}")
             out.append({"steps": a.warmup.steps, "cached": True,

@@ -2,8 +2,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+
+from .checkpoint import _temp_prefix, remove_stale_temps
+
+log = logging.getLogger(__name__)
 
 
 class MetricsLogger:
@@ -17,7 +22,9 @@ class MetricsLogger:
             keep = _rows_before(self.path, start_step)
             # a new file renamed over the old one: a crash (or a full disk) while it is written
             # leaves the old file, never a truncated one (the steps before start_step are gone)
-            tmp = f"{self.path}.tmp-{os.getpid()}"
+            # named after its writer, as the checkpoints' (checkpoint.py): a temp file left by
+            # a writer killed mid-rewrite is removed by the next rewrite
+            tmp = os.path.join(out_dir, _temp_prefix("metrics.jsonl") + "rewrite")
             try:
                 with open(tmp, "w") as f:
                     f.writelines(keep)
@@ -30,11 +37,17 @@ class MetricsLogger:
                 raise
         else:              # a new run (or nothing logged before): an empty file, also for 0 steps
             open(self.path, "w").close()
+        removed = remove_stale_temps(self.path)
+        if removed:
+            log.warning("removed %d temporary file(s) left by a writer of %s that died "
+                        "mid-save: %s", len(removed), self.path, ", ".join(removed))
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
+            # purge also at step 0: a run restarted without a checkpoint (killed before its
+            # first) hides the killed run's events, as a resume hides those after its step
             self.tb = SummaryWriter(os.path.join(out_dir, "tensorboard"),
-                                    purge_step=start_step if start_step > 0 else None)
+                                    purge_step=start_step)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)

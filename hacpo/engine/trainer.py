@@ -18,8 +18,11 @@ in-process (trainer_backend=local) or one Ray actor per agent (ray, launch/ray_t
 """
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
+import socket
 import time
 from collections import defaultdict
 
@@ -90,10 +93,69 @@ def evaluate_all(cfg, data, agents, engine, rc, pass_k: int = 0) -> dict[str, di
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, echo=print) -> dict:
-    """Run (or resume) training; returns the summary (held-out accuracy before/after)."""
-    with RewardComputer(cfg.reward.name, num_workers=cfg.reward.num_workers,
-                        timeout_s=cfg.reward.timeout_s) as rc:   # no worker outlives the run
-        return _train(cfg, rc, resume, echo)
+    """Run (or resume) training; returns the summary (held-out accuracy before/after). The
+    run dir is locked for the whole run: a second run in it (or a resume while the first
+    still runs) is an error, never two writers of one metrics.jsonl and checkpoint."""
+    with user_errors():
+        cfg.check_runnable()               # before the warm-up, not at the engines' start
+        lock = lock_run_dir(cfg.out_dir)
+    try:
+        with RewardComputer(cfg.reward.name, num_workers=cfg.reward.num_workers,
+                            timeout_s=cfg.reward.timeout_s) as rc:   # no worker outlives the run
+            return _train(cfg, rc, resume, echo)
+    finally:
+        lock.close()
+
+
+RUN_LOCK = ".hacpo-run.lock"
+
+
+def lock_run_dir(out_dir: str):
+    """Create ``out_dir`` if needed and take an exclusive lock on ``<out_dir>/.hacpo-run.lock``
+    (a POSIX record lock, ``lockf``: released when the process ends, kill -9 included, so a
+    dead run never blocks its resume; unlike ``flock``'s, not inherited by forked children,
+    which may outlive it; NFS passes it to the server). Returns the open lock file (close it
+    to release; never open and close that file elsewhere in the process: that drops a POSIX
+    lock). Another process holding it is a RuntimeError naming the run dir and that process
+    (``host:pid``). A filesystem that cannot lock (ENOLCK, ENOSYS, EOPNOTSUPP: e.g. Lustre
+    mounted without flock) is logged and the run goes on unlocked."""
+    import fcntl
+
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise NotADirectoryError(f"out_dir {out_dir} is a file, not a run directory")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, RUN_LOCK)
+    f = open(path, "a+")
+    try:
+        fcntl.lockf(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EAGAIN):
+            return _unlocked(f, out_dir, e)
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise RuntimeError(f"{out_dir} is in use by another hacpo run (process {holder}, "
+                           f"lock {path}): wait for it to end (or stop it), or choose "
+                           f"another out_dir") from None
+    except BaseException:
+        f.close()
+        raise
+    f.seek(0)
+    f.truncate()
+    f.write(f"{socket.gethostname()}:{os.getpid()}\n")
+    f.flush()
+    return f
+
+
+def _unlocked(f, out_dir: str, e: OSError):
+    """A filesystem that cannot lock: logged, the run goes on unlocked; other errors raise."""
+    if e.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):
+        f.close()
+        raise e
+    logging.getLogger("hacpo").warning(
+        f"cannot lock the run dir {out_dir} ({e}): a second run there at the same time would "
+        f"not be detected")
+    return f
 
 
 def _train(cfg: TrainConfig, rc: RewardComputer, resume: bool, echo) -> dict:
@@ -113,10 +175,6 @@ def _train(cfg: TrainConfig, rc: RewardComputer, resume: bool, echo) -> dict:
 def _prepare(cfg: TrainConfig, resume: bool, echo):
     """Everything before the trainers start: checks, run dir, the checkpoint to resume, data,
     policies and their warm start."""
-    cfg.check_runnable()                   # before the warm-up, not at the engines' start
-    if os.path.exists(cfg.out_dir) and not os.path.isdir(cfg.out_dir):
-        raise NotADirectoryError(f"out_dir {cfg.out_dir} is a file, not a run directory")
-    os.makedirs(cfg.out_dir, exist_ok=True)
     ck_path = os.path.join(cfg.out_dir, CHECKPOINT)
     state = None
     if resume and os.path.exists(ck_path):
@@ -300,14 +358,17 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
     summary = {"before": before, "after": after, "warmup": warm, "steps": cfg.steps,
                "algorithm": algo.name, "agents": names, "data": data.load_stats,
                "config_hash": config_hash(cfg.to_dict())}     # the config that finished
-    ckpt.write_text_atomic(os.path.join(cfg.out_dir, "summary.json"),
-                           json.dumps(summary, indent=2))
     if cfg.plots:
         if ratio_log:
-            np.savez_compressed(os.path.join(cfg.out_dir, "log_ratios.npz"),
-                                **{k: np.concatenate(v) for k, v in ratio_log.items()})
+            arrays = {k: np.concatenate(v) for k, v in ratio_log.items()}
+            ckpt._write_atomic(os.path.join(cfg.out_dir, "log_ratios.npz"),
+                               lambda f: np.savez_compressed(f, **arrays))
         from .plots import plot_run
         plot_run(cfg.out_dir, names)
+    # last: summary.json marks the run finished (`hacpo compare` resumes a run without one),
+    # so a run killed while it wrote its plots is not taken for finished with plots missing
+    ckpt.write_text_atomic(os.path.join(cfg.out_dir, "summary.json"),
+                           json.dumps(summary, indent=2))
     for name in names:
         b, a = before[name], after[name]
         if a is None:

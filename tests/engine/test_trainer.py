@@ -541,3 +541,100 @@ def test_eval_through_the_engine_keeps_its_rng(tmp_path):
     assert set(out) == {"char", "qwen3", "llama"} and all("pass@2" in r for r in out.values())
     assert False in seen, "the sampled evaluation never drew from the engine's generators"
     assert all(torch.equal(s, e) for s, e in zip(start, engine.state_dict()["generators"]))
+
+
+def test_second_run_in_a_run_dir_in_use_is_an_error_and_a_killed_run_frees_it(tmp_path):
+    """Two runs in one run dir at once (a second `hacpo train`, or `--resume` while the first
+    still runs) once both ran, interleaving their rows in one metrics.jsonl and overwriting
+    each other's checkpoints. The second is refused before it writes anything; the run dir's
+    lock dies with its process (kill -9), so the resume after a kill starts."""
+    out = tmp_path / "run"
+    common = ["--preset", "tiny3", "--out-dir", str(out), "--set", "threads=1", "steps=1",
+              f"cache_dir={tmp_path / 'cache'}", "plots=false", "tensorboard=false"]
+    proc = subprocess.Popen([sys.executable, "-m", "hacpo.launch.cli", "train"] + common,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while not (out / "config.json").exists() and proc.poll() is None \
+                and time.time() < deadline:
+            time.sleep(0.01)
+        assert proc.poll() is None, "the first run ended before the second started"
+        config = (out / "config.json").read_text()
+        cfg = _cfg(tmp_path, steps="1", plots="false", tensorboard="false")
+        for resume in (False, True):
+            with pytest.raises(RuntimeError, match=f"{out} is in use by another hacpo run "
+                                                   f"\\(process [^ ]+:{proc.pid},"):
+                train(cfg, resume=resume, echo=lambda *_: None)
+        assert (out / "config.json").read_text() == config
+    finally:
+        proc.kill()
+        proc.wait()
+    train(cfg, resume=True, echo=lambda *_: None)
+    rows = [json.loads(l) for l in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0]
+
+
+def test_restart_without_checkpoint_purges_the_killed_runs_tensorboard_steps(tmp_path):
+    """A run killed before its first checkpoint starts again at step 0 (`--resume` with no
+    checkpoint.pt); its TensorBoard scalars must not show the killed run's steps as well."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from hacpo.engine.metrics import MetricsLogger, read_metrics
+
+    first = MetricsLogger(str(tmp_path), start_step=0)
+    for step, v in ((0, 0.1), (1, 0.2)):
+        first.log(step, {"reward/a": v})
+    first.close()
+    time.sleep(1.1)            # a later events file (TensorBoard names them by the second)
+    again = MetricsLogger(str(tmp_path), start_step=0)
+    again.log(0, {"reward/a": 0.7})
+    again.close()
+    ea = EventAccumulator(str(tmp_path / "tensorboard"))
+    ea.Reload()
+    assert [(e.step, round(e.value, 3)) for e in ea.Scalars("reward/a")] == [(0, 0.7)]
+    assert [r["step"] for r in read_metrics(str(tmp_path / "metrics.jsonl"))] == [0]
+
+
+def test_resume_removes_the_metrics_rewrite_temp_of_a_killed_writer(tmp_path, caplog):
+    """A run killed while its resume rewrote metrics.jsonl leaves that temp file; the next
+    resume's rewrite removes it (a live writer's is kept), as a checkpoint save does."""
+    import socket
+
+    from hacpo.engine.metrics import MetricsLogger, read_metrics
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    left = tmp_path / f".tmp-metrics.jsonl.{host}.{dead.pid}.rewrite"
+    live = tmp_path / f".tmp-metrics.jsonl.{host}.{os.getppid()}.rewrite"
+    for p in (left, live):
+        p.write_text('{"step": 0}\n')
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n"
+                                                    for s in range(3)))
+    with caplog.at_level("WARNING", logger="hacpo.engine.metrics"):
+        MetricsLogger(str(tmp_path), start_step=2, tensorboard=False).close()
+    assert sorted(os.listdir(tmp_path)) == sorted(["metrics.jsonl", live.name])
+    assert [r["step"] for r in read_metrics(str(tmp_path / "metrics.jsonl"))] == [0, 1]
+    assert "died mid-save" in caplog.text and left.name in caplog.text
+
+
+def test_summary_is_written_after_the_plots(tmp_path, monkeypatch):
+    """summary.json marks a finished run (`hacpo compare` skips a run holding one): a run that
+    dies while writing its plots must not leave one, and its resume writes plots and summary."""
+    from hacpo.engine import plots
+
+    def dies(out_dir, names):
+        assert not (tmp_path / "run" / "summary.json").exists()
+        raise KeyboardInterrupt        # e.g. Ctrl-C (or a kill) while the plots are written
+
+    monkeypatch.setattr(plots, "plot_run", dies)
+    cfg = _cfg(tmp_path, steps="1", tensorboard="false")
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, echo=lambda *_: None)
+    assert not (tmp_path / "run" / "summary.json").exists()
+    monkeypatch.undo()
+    train(cfg, resume=True, echo=lambda *_: None)
+    for f in ("summary.json", "log_ratios.npz", "reward_curves.png"):
+        assert (tmp_path / "run" / f).exists(), f
+    assert not [n for n in os.listdir(tmp_path / "run") if n.startswith(".tmp-")]

@@ -198,3 +198,31 @@ def test_skipped_rows_are_logged_and_counted(tmp_path, caplog):
         and "line 2, line 3" in warn[0], caplog.text
     info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     assert any(ev in m and "1 examples" in m for m in info), caplog.text
+
+
+def test_a_cache_hit_removes_a_dead_writers_temp_file(tmp_path, one_thread, caplog):
+    """Two runs warm up at once into one cache_dir; one is killed mid-save after the other saved
+    the file. Its temp file (the model's size) was left for good, as only a later save of that
+    path removed it; a run that loads the cached file now removes it too (a live writer's
+    stays)."""
+    import socket
+    import subprocess
+    import sys
+
+    train = _write(tmp_path / "d.jsonl", TRAIN)
+    ev = _write(tmp_path / "e.jsonl", EVAL)
+    cfg = _cfg(tmp_path, train, ev, n_agents=1)
+    _warm(cfg)
+    (cached,) = os.listdir(tmp_path / "cache")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    left = tmp_path / "cache" / f".tmp-{cached}.{host}.{dead.pid}.abc"
+    live = tmp_path / "cache" / f".tmp-{cached}.{host}.{os.getppid()}.abc"
+    for p in (left, live):
+        p.write_bytes(b"half a model")
+    with caplog.at_level(logging.WARNING, logger="hacpo"):
+        out, _, _ = _warm(cfg)
+    assert _cached(out) == [True]
+    assert sorted(os.listdir(tmp_path / "cache")) == sorted([cached, live.name])
+    assert "died mid-save" in caplog.text and left.name in caplog.text
