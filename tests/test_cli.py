@@ -197,3 +197,70 @@ def test_empty_out_dir_is_an_error_not_the_presets(tmp_path, capsys, monkeypatch
         err = capsys.readouterr().err
         assert err.startswith(f"hacpo {cmd}: error: --out-dir '' is empty"), err
     assert list(tmp_path.iterdir()) == []
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (from /proc's parent links)."""
+    import os
+    parent = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out.update(kids)
+        todo += kids
+    return out
+
+
+@pytest.mark.parametrize("sig,code,said", [("SIGTERM", 143, "terminated (SIGTERM)"),
+                                           ("SIGINT", 130, "interrupted (Ctrl-C)")])
+def test_a_signalled_run_stops_its_reward_workers_and_resumes(tmp_path, sig, code, said):
+    """SIGTERM (a supervisor, a scheduler) and Ctrl-C unwind the run: exit 143 / 130 with one
+    line saying --resume continues it, and the reward worker processes end with it (on SIGTERM
+    Python used to die at once and leave them running); the run then resumes."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hacpo.launch.cli", "train", "--preset", "tiny3", "--out-dir",
+           str(run), "--set", f"cache_dir={tmp_path / 'cache'}", "plots=false",
+           "tensorboard=false", "reward.num_workers=2"]
+    proc = subprocess.Popen(cmd + ["--set", "steps=500", "checkpoint_every=1"],
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        # a checkpoint written and the reward workers (started at their first use) running
+        while not ((run / "checkpoint.pt").exists() and len(_descendants(proc.pid)) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.2)
+        workers = _descendants(proc.pid)
+        proc.send_signal(getattr(signal, sig))
+        err = proc.communicate(timeout=60)[1]
+    finally:         # never leave the run or its workers (its process group) behind
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    assert proc.returncode == code, err
+    assert f"hacpo train: {said}; continue it with --resume" in err
+    assert "Traceback" not in err
+    deadline = time.monotonic() + 20
+    while (alive := [p for p in workers if os.path.exists(f"/proc/{p}")]):
+        assert time.monotonic() < deadline, f"processes left running: {alive}"
+        time.sleep(0.2)
+    step = json.loads(open(run / "metrics.jsonl").readlines()[-1])["step"]
+    done = subprocess.run(cmd + ["--set", f"steps={step + 2}", "--resume"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert [json.loads(line)["step"] for line in open(run / "metrics.jsonl")] == \
+        list(range(step + 2))

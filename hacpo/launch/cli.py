@@ -117,10 +117,25 @@ def _run_command(args) -> int:
     (HACPO_TRACEBACK=1: the traceback instead); any other error propagates with its
     traceback."""
     import os
+    import signal
+    import threading
 
     from hacpo.engine.errors import is_user_error
+    # SIGTERM (kill, a supervisor, a scheduler's time limit) unwinds like Ctrl-C: the run's
+    # `finally` blocks close reward workers, engines and a private Ray cluster (by default
+    # Python dies at once and leaves the reward worker processes running)
+    prev = (signal.signal(signal.SIGTERM, _raise_terminated)
+            if threading.current_thread() is threading.main_thread() else None)
+    again = "; continue it with --resume" if args.command == "train" else ""
     try:
         return args.func(args)
+    except KeyboardInterrupt:
+        print(f"hacpo {args.command}: interrupted (Ctrl-C){again}", file=sys.stderr)
+        return 130
+    except SystemExit as e:
+        if e.code == TERMINATED:
+            print(f"hacpo {args.command}: terminated (SIGTERM){again}", file=sys.stderr)
+        raise
     except Exception as e:
         if not is_user_error(e) or os.environ.get("HACPO_TRACEBACK") == "1":
             raise
@@ -128,6 +143,16 @@ def _run_command(args) -> int:
         print(f"hacpo {args.command}: error: {msg}\n(HACPO_TRACEBACK=1 shows where it was "
               f"raised)", file=sys.stderr)
         return 2
+    finally:
+        if prev is not None:
+            signal.signal(signal.SIGTERM, prev)
+
+
+TERMINATED = 143                  # exit status of a run stopped by SIGTERM (128 + 15)
+
+
+def _raise_terminated(signum, frame):
+    raise SystemExit(TERMINATED)
 
 
 def _eval(args) -> int:

@@ -262,6 +262,23 @@ def private_object_store_bytes(weights: int, memory: int | None = None) -> int:
 
 def connect(address: str = "", *, num_cpus: int | None = None,
             timeout_s: float = 60.0, weights: int = 0) -> RayCluster:
+    """Connect this process to Ray (:func:`_connect`), keeping this process's Python SIGTERM
+    handler: ``ray.init`` installs its own fatal-signal handler, which aborts the driver on
+    SIGTERM (exit 134) instead of letting ``hacpo``'s handler unwind the run (closing reward
+    workers, engines and the cluster)."""
+    import signal
+    import threading
+    main = threading.current_thread() is threading.main_thread()
+    handler = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        return _connect(address, num_cpus=num_cpus, timeout_s=timeout_s, weights=weights)
+    finally:
+        if callable(handler):
+            signal.signal(signal.SIGTERM, handler)
+
+
+def _connect(address: str = "", *, num_cpus: int | None = None,
+             timeout_s: float = 60.0, weights: int = 0) -> RayCluster:
     """Connect this process to Ray.
 
     Args:
