@@ -564,14 +564,16 @@ RESUMABLE_KEYS = {"steps", "out_dir", "cache_dir", "progress", "plots", "tensorb
                   "checkpoint_every", "eval_every", "eval_engine", "threads", "micro_batch",
                   "profile_sync", "agents_at_once",
                   "trainer_backend",   # the backends give bit-identical results
-                  "trainer_call_timeout_s", "trainer_setup_hook"}
+                  "trainer_call_timeout_s", "trainer_setup_hook",
+                  "eval_pass_k"}       # the final evaluation only (its own seed): no step uses it
 # Nested keys that may change on resumption too (time limits, how weights move and where the
 # Ray cluster is are no part of the math; every `hacpo launch` starts a cluster at a new
 # address).
 RESUMABLE_NESTED_KEYS = {("rollout", "call_timeout_s"), ("rollout", "weight_bucket_mb"),
                          ("rollout", "device"), ("rollout", "gpu_memory_utilization"),
                          ("rollout", "colocate"), ("rollout", "engine_tp"),
-                         ("rollout", "ray_address")}
+                         ("rollout", "ray_address"),
+                         ("reward", "num_workers")}   # where rewards run, not their values
 
 
 # Per-agent keys that may change on resumption ("section.key" under agents.N).

@@ -243,3 +243,15 @@ def test_rollout_devices_and_colocation_are_validated():
         colo.override({"rollout.engines_per_agent": 2})
     dp2 = {f"agents.{k}.parallel.dp": 2 for k in range(3)}
     assert colo.override({**dp2, "rollout.engines_per_agent": 2}).rollout.engines_per_agent == 2
+
+
+def test_final_eval_pass_k_and_reward_workers_are_resumable():
+    """eval_pass_k (the final evaluation only) and reward.num_workers (where rewards run) may
+    change on --resume; the reward's timeout and the periodic evaluation's length may not."""
+    from hacpo.engine.run_config import config_diff, fingerprint_dict, load_config
+    cfg = load_config("tiny3")
+    a = fingerprint_dict(cfg)
+    assert config_diff(a, fingerprint_dict(cfg.override(
+        {"eval_pass_k": 8, "reward.num_workers": 2}))) == []
+    assert config_diff(a, fingerprint_dict(cfg.override({"reward.timeout_s": 9}))) != []
+    assert config_diff(a, fingerprint_dict(cfg.override({"eval_max_new_tokens": 7}))) != []
