@@ -2,6 +2,8 @@
 (even kill -9) leaves either the previous checkpoint or the new one, never half of one."""
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
 import os
 import pickle
@@ -16,8 +18,8 @@ log = logging.getLogger(__name__)
 
 
 def _temp_prefix(base: str) -> str:
-    # the writer's host and pid in the name let a later save tell a dead writer's leftover
-    # (kill -9 mid-save: possibly gigabytes) from a file a live process is still writing
+    # the writer's host and pid in the name: where the filesystem cannot lock (below), a later
+    # save tells a dead writer's leftover (kill -9 mid-save: possibly gigabytes) by them
     return f".tmp-{base}.{socket.gethostname()}.{os.getpid()}."
 
 
@@ -31,19 +33,62 @@ def _alive(pid: int) -> bool:
     return True
 
 
+_NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
+
+
+def _lock_temp(fd: int) -> None:
+    """The writer's lock on its temp file, held until the file is renamed into place (a POSIX
+    record lock: released when the writer dies, kill -9 included, whatever host or PID
+    namespace it ran in). A filesystem without locks leaves the file unlocked."""
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX)
+    except OSError as e:
+        if e.errno not in _NO_LOCKS:
+            raise
+
+
+def _writer_dead(path: str, pid_host: tuple[str, int] | None) -> bool:
+    """Whether the temp file at ``path`` was left by a writer that died: nobody holds its lock
+    (a live writer holds it until its rename). Where the filesystem cannot lock, only a file
+    of this host whose pid no longer runs counts as dead."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:                  # gone already, or not ours to take
+        return False
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as e:
+        if e.errno in (errno.EACCES, errno.EAGAIN):
+            return False             # a live writer holds it
+        if e.errno not in _NO_LOCKS:
+            raise
+        return (pid_host is not None and pid_host[0] == socket.gethostname()
+                and pid_host[1] != os.getpid() and not _alive(pid_host[1]))
+    finally:
+        os.close(fd)                 # drops only this process's own lock on it
+
+
 def remove_stale_temps(path: str) -> list[str]:
-    """Delete the temporary files that writers of ``path`` on this host left when they died
-    mid-save (their pid no longer runs); a live writer's file, or one from another host (a
-    shared filesystem), is kept. Returns the paths removed."""
+    """Delete the temporary files that writers of ``path`` left when they died mid-save (no
+    process holds their lock: any host on a shared filesystem, any PID namespace); a live
+    writer's file is kept. Returns the paths removed."""
     d, base = os.path.split(os.path.abspath(path))
-    pat = re.compile(re.escape(f".tmp-{base}.{socket.gethostname()}.") + r"(\d+)\.")
+    prefix = f".tmp-{base}."
+    named = re.compile(re.escape(prefix) + r"(.+)\.(\d+)\.[^.]*$")
     removed = []
     for name in os.listdir(d):
-        m = pat.match(name)
-        if m and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))):
+        if not name.startswith(prefix):
+            continue
+        m = named.match(name)
+        owner = (m.group(1), int(m.group(2))) if m else None
+        if owner == (socket.gethostname(), os.getpid()):
+            continue                 # this process's own (another thread's write)
+        full = os.path.join(d, name)
+        if _writer_dead(full, owner):
             try:
-                os.unlink(os.path.join(d, name))
-                removed.append(os.path.join(d, name))
+                os.unlink(full)
+                removed.append(full)
             except FileNotFoundError:   # another process cleaned it first
                 pass
     return removed
@@ -53,11 +98,12 @@ def _write_atomic(path: str, write) -> None:
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(os.path.basename(path)), dir=d)
+    f = os.fdopen(fd, "wb")
     try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
+        _lock_temp(fd)               # held through the rename: see remove_stale_temps
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
         os.replace(tmp, path)
         dfd = os.open(d, os.O_RDONLY)
         try:
@@ -68,6 +114,8 @@ def _write_atomic(path: str, write) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    finally:
+        f.close()
     removed = remove_stale_temps(path)
     if removed:
         log.warning("removed %d temporary file(s) left by a writer of %s that died mid-save: "

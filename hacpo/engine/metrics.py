@@ -6,7 +6,7 @@ import logging
 import math
 import os
 
-from .checkpoint import _temp_prefix, remove_stale_temps
+from .checkpoint import _write_atomic, remove_stale_temps
 
 log = logging.getLogger(__name__)
 
@@ -22,19 +22,10 @@ class MetricsLogger:
             keep = _rows_before(self.path, start_step)
             # a new file renamed over the old one: a crash (or a full disk) while it is written
             # leaves the old file, never a truncated one (the steps before start_step are gone)
-            # named after its writer, as the checkpoints' (checkpoint.py): a temp file left by
-            # a writer killed mid-rewrite is removed by the next rewrite
-            tmp = os.path.join(out_dir, _temp_prefix("metrics.jsonl") + "rewrite")
-            try:
-                with open(tmp, "w") as f:
-                    f.writelines(keep)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, self.path)
-            except BaseException:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-                raise
+            # (as the checkpoints: a locked temp file named after its writer, so a temp file
+            # left by a writer killed mid-rewrite is removed by the next rewrite)
+            data = "".join(keep).encode()
+            _write_atomic(self.path, lambda f: f.write(data))
         else:              # a new run (or nothing logged before): an empty file, also for 0 steps
             open(self.path, "w").close()
         removed = remove_stale_temps(self.path)

@@ -108,6 +108,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, echo=print) -> dict:
 
 
 RUN_LOCK = ".hacpo-run.lock"
+RUN_LOCK_WAIT_ENV = "HACPO_RUN_LOCK_WAIT_S"   # how long a lock held from another host is waited
 
 
 def lock_run_dir(out_dir: str):
@@ -118,7 +119,9 @@ def lock_run_dir(out_dir: str):
     to release; never open and close that file elsewhere in the process: that drops a POSIX
     lock). Another process holding it is a RuntimeError naming the run dir and that process
     (``host:pid``). A filesystem that cannot lock (ENOLCK, ENOSYS, EOPNOTSUPP: e.g. Lustre
-    mounted without flock) is logged and the run goes on unlocked."""
+    mounted without flock) is logged and the run goes on unlocked. A lock held from another
+    host is waited for up to ``$HACPO_RUN_LOCK_WAIT_S`` (default 120) seconds first: a node
+    that died holding it keeps it on a network filesystem until its lease ends."""
     import fcntl
 
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
@@ -126,17 +129,35 @@ def lock_run_dir(out_dir: str):
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, RUN_LOCK)
     f = open(path, "a+")
+    deadline = None
     try:
-        fcntl.lockf(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        if e.errno not in (errno.EACCES, errno.EAGAIN):
-            return _unlocked(f, out_dir, e)
-        f.seek(0)
-        holder = f.read().strip() or "unknown"
-        f.close()
-        raise RuntimeError(f"{out_dir} is in use by another hacpo run (process {holder}, "
-                           f"lock {path}): wait for it to end (or stop it), or choose "
-                           f"another out_dir") from None
+        while True:
+            try:
+                fcntl.lockf(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as e:
+                if e.errno not in (errno.EACCES, errno.EAGAIN):
+                    return _unlocked(f, out_dir, e)
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            host = holder.rpartition(":")[0]
+            if host and host != socket.gethostname():
+                # another host's lock may be a dead node's, which a network filesystem frees
+                # only when the node's lease ends (~90 s on NFSv4): a requeued job waits
+                wait_s = float(os.environ.get(RUN_LOCK_WAIT_ENV, "120"))
+                if deadline is None:
+                    deadline = time.monotonic() + wait_s
+                    logging.getLogger("hacpo").warning(
+                        f"{out_dir} is locked by {holder}; waiting up to {wait_s:g} s for it "
+                        f"(a dead node's lock ends with its filesystem lease)")
+                if time.monotonic() < deadline:
+                    time.sleep(min(2.0, max(deadline - time.monotonic(), 0.0)))
+                    continue
+            raise RuntimeError(f"{out_dir} is in use by another hacpo run (process {holder}, "
+                               f"lock {path}" + (f", still held after {wait_s:g} s"
+                                                 if deadline is not None else "")
+                               + "): wait for it to end (or stop it), or choose another "
+                               "out_dir")
     except BaseException:
         f.close()
         raise
@@ -364,7 +385,12 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
             ckpt._write_atomic(os.path.join(cfg.out_dir, "log_ratios.npz"),
                                lambda f: np.savez_compressed(f, **arrays))
         from .plots import plot_run
-        plot_run(cfg.out_dir, names)
+        try:
+            plot_run(cfg.out_dir, names)
+        except Exception as e:   # e.g. a matplotlib backend error: the run itself finished
+            summary["plots_error"] = f"{type(e).__name__}: {e}"
+            echo(f"[plots] not written: {summary['plots_error']} (the run's results are "
+                 f"complete: summary.json, metrics.jsonl, checkpoint.pt)")
     # last: summary.json marks the run finished (`hacpo compare` resumes a run without one),
     # so a run killed while it wrote its plots is not taken for finished with plots missing
     ckpt.write_text_atomic(os.path.join(cfg.out_dir, "summary.json"),

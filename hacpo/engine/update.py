@@ -82,20 +82,27 @@ class MasterWeightAdamW(torch.optim.AdamW):
             else:
                 stepped.append(p)
         super().__init__(stepped, **kwargs)
+        # the weights' version counters when this optimizer last wrote (or saw) them: only a
+        # weight written since (a load_state_dict, a weight sync) is compared with its master
+        # (a full elementwise pass with temporaries: not on every step)
+        self._seen = [p._version for p, _ in self._pairs]
 
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("MasterWeightAdamW.step takes no closure")
-        for p, m in self._pairs:
-            # a weight written elsewhere since the last step wins over its master
-            m.copy_(torch.where(p == m.to(p.dtype), m, p.float()))
+        for i, (p, m) in enumerate(self._pairs):
+            if p._version != self._seen[i]:
+                # written elsewhere since: the new values win over the master, elementwise
+                # (a write of the same values, e.g. the weights reloaded on resume, keeps it)
+                m.copy_(torch.where(p == m.to(p.dtype), m, p.float()))
             m.grad = None if p.grad is None else p.grad.float()
         super().step()
-        for p, m in self._pairs:
+        for i, (p, m) in enumerate(self._pairs):
             if m.grad is not None:
                 p.copy_(m)
             m.grad = None
+            self._seen[i] = p._version
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)

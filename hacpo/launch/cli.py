@@ -117,25 +117,10 @@ def _run_command(args) -> int:
     (HACPO_TRACEBACK=1: the traceback instead); any other error propagates with its
     traceback."""
     import os
-    import signal
-    import threading
 
     from hacpo.engine.errors import is_user_error
-    # SIGTERM (kill, a supervisor, a scheduler's time limit) unwinds like Ctrl-C: the run's
-    # `finally` blocks close reward workers, engines and a private Ray cluster (by default
-    # Python dies at once and leaves the reward worker processes running)
-    prev = (signal.signal(signal.SIGTERM, _raise_terminated)
-            if threading.current_thread() is threading.main_thread() else None)
-    again = "; continue it with --resume" if args.command == "train" else ""
     try:
-        return args.func(args)
-    except KeyboardInterrupt:
-        print(f"hacpo {args.command}: interrupted (Ctrl-C){again}", file=sys.stderr)
-        return 130
-    except SystemExit as e:
-        if e.code == TERMINATED:
-            print(f"hacpo {args.command}: terminated (SIGTERM){again}", file=sys.stderr)
-        raise
+        return _stoppable(args, args.func)
     except Exception as e:
         if not is_user_error(e) or os.environ.get("HACPO_TRACEBACK") == "1":
             raise
@@ -143,12 +128,34 @@ def _run_command(args) -> int:
         print(f"hacpo {args.command}: error: {msg}\n(HACPO_TRACEBACK=1 shows where it was "
               f"raised)", file=sys.stderr)
         return 2
+
+
+TERMINATED = 143                  # exit status of a command stopped by SIGTERM (128 + 15)
+
+
+def _stoppable(args, func) -> int:
+    """``func(args)`` with SIGTERM (kill, a supervisor, a scheduler's time limit) unwinding
+    like Ctrl-C: the command's `finally` blocks close reward workers, engines and a private
+    Ray cluster (by default Python dies at once and leaves the reward worker processes
+    running). Either prints one line and exits 143 (SIGTERM) / 130 (Ctrl-C)."""
+    import signal
+    import threading
+
+    prev = (signal.signal(signal.SIGTERM, _raise_terminated)
+            if threading.current_thread() is threading.main_thread() else None)
+    again = "; continue it with --resume" if args.command == "train" else ""
+    try:
+        return func(args)
+    except KeyboardInterrupt:
+        print(f"hacpo {args.command}: interrupted (Ctrl-C){again}", file=sys.stderr)
+        return 130
+    except SystemExit as e:
+        if e.code == TERMINATED:
+            print(f"hacpo {args.command}: terminated (SIGTERM){again}", file=sys.stderr)
+        raise
     finally:
         if prev is not None:
             signal.signal(signal.SIGTERM, prev)
-
-
-TERMINATED = 143                  # exit status of a run stopped by SIGTERM (128 + 15)
 
 
 def _raise_terminated(signum, frame):
@@ -262,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.command in ("train", "compare", "profile"):
         return _run_command(args)
+    if args.command == "eval":          # reward workers too
+        return _stoppable(args, args.func)
     return args.func(args)
 
 

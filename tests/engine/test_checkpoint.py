@@ -82,9 +82,20 @@ ckpt.save_atomic({"big": bytes(1 << 20), "slow": Slow()}, sys.argv[1])
 """
 
 
+_LOCK_HOLDER = r"""
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.lockf(fd, fcntl.LOCK_EX)           # what a live writer holds until its rename
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
 def test_a_writer_killed_mid_save_leaves_a_temp_file_the_next_save_removes(tmp_path, caplog):
     """kill -9 during a save leaves the old checkpoint and a temp file; the next save of that
-    path removes the dead writer's temp file and keeps a live writer's and another host's."""
+    path removes every dead writer's temp file (this host's, another host's on a shared
+    filesystem) and keeps a live writer's, even one whose pid means nothing here (another PID
+    namespace with the same hostname: judged by the lock it holds, not by its pid)."""
     import signal
     import subprocess
     import sys
@@ -92,29 +103,44 @@ def test_a_writer_killed_mid_save_leaves_a_temp_file_the_next_save_removes(tmp_p
     path = str(tmp_path / "checkpoint.pt")
     ckpt.save_atomic({"step": 1}, path)
     proc = subprocess.Popen([sys.executable, "-c", _SLOW_SAVER, path])
-    deadline = time.monotonic() + 60
-    while not [n for n in os.listdir(tmp_path) if n.startswith(".tmp-checkpoint.pt.")]:
-        assert proc.poll() is None and time.monotonic() < deadline, "the saver never started"
-        time.sleep(0.1)
-    time.sleep(0.5)
-    live_other = tmp_path / f".tmp-checkpoint.pt.{os.uname().nodename}.{os.getppid()}.abc"
-    other_host = tmp_path / ".tmp-checkpoint.pt.some-other-host.1234567.abc"
-    other_file = tmp_path / f".tmp-other.pt.{os.uname().nodename}.{proc.pid}.abc"
-    for p in (live_other, other_host, other_file):
-        p.write_bytes(b"x")
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    dead = [n for n in os.listdir(tmp_path) if n.startswith(f".tmp-checkpoint.pt.") and
-            f".{proc.pid}." in n]
-    assert len(dead) == 1, os.listdir(tmp_path)
-    assert ckpt.load(path)["step"] == 1          # the killed save changed nothing
-    with caplog.at_level("WARNING", logger="hacpo.engine.checkpoint"):
-        ckpt.save_atomic({"step": 2}, path)
-    assert ckpt.load(path)["step"] == 2
-    left = sorted(os.listdir(tmp_path))
-    assert dead[0] not in left
-    assert sorted([live_other.name, other_host.name, other_file.name, "checkpoint.pt"]) == left
-    assert "died mid-save" in caplog.text and dead[0] in caplog.text
+    host = os.uname().nodename
+    live = tmp_path / f".tmp-checkpoint.pt.{host}.999999999.abc"     # no such pid here
+    holder = subprocess.Popen([sys.executable, "-c", _LOCK_HOLDER, str(live)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 60
+        while not [n for n in os.listdir(tmp_path)
+                   if n.startswith(f".tmp-checkpoint.pt.{host}.{proc.pid}.")]:
+            assert proc.poll() is None and time.monotonic() < deadline, "no saver"
+            time.sleep(0.1)
+        time.sleep(0.5)
+        other_host = tmp_path / ".tmp-checkpoint.pt.some-other-host.1234567.abc"
+        other_file = tmp_path / f".tmp-other.pt.{host}.{proc.pid}.abc"
+        for p in (other_host, other_file):
+            p.write_bytes(b"x")
+        # while the saver runs, its temp file is locked: a save now keeps it
+        ckpt.save_atomic({"step": 1}, path)
+        assert [n for n in os.listdir(tmp_path) if f".{proc.pid}." in n and
+                n.startswith(".tmp-checkpoint.pt.")]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        dead = [n for n in os.listdir(tmp_path) if n.startswith(".tmp-checkpoint.pt.") and
+                f".{proc.pid}." in n]
+        assert len(dead) == 1, os.listdir(tmp_path)
+        assert ckpt.load(path)["step"] == 1          # the killed save changed nothing
+        with caplog.at_level("WARNING", logger="hacpo.engine.checkpoint"):
+            ckpt.save_atomic({"step": 2}, path)
+        assert ckpt.load(path)["step"] == 2
+        left = sorted(os.listdir(tmp_path))
+        assert sorted([live.name, other_file.name, "checkpoint.pt"]) == left
+        assert "died mid-save" in caplog.text and dead[0] in caplog.text
+        assert other_host.name in caplog.text
+    finally:
+        for p in (proc, holder):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 def test_write_text_atomic(tmp_path):

@@ -186,29 +186,11 @@ def test_resume_rewrites_metrics_atomically_and_drops_a_cut_last_row(tmp_path, m
     path = tmp_path / "metrics.jsonl"
     rows = "".join(json.dumps({"step": s, "reward/a": 0.5}) + "\n" for s in range(3))
     path.write_text(rows)
-    real_open = open
 
-    class DiskFull:
-        def __init__(self, f):
-            self.f = f
+    def disk_full(fd):          # the new file's data cannot reach the disk
+        raise OSError(28, "No space left on device")
 
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.f.close()
-
-        def __getattr__(self, name):
-            return getattr(self.f, name)
-
-        def writelines(self, lines):
-            raise OSError(28, "No space left on device")
-
-    def full_open(file, mode="r", *args, **kw):
-        f = real_open(file, mode, *args, **kw)
-        return DiskFull(f) if "w" in mode else f
-
-    monkeypatch.setattr(metrics, "open", full_open, raising=False)
+    monkeypatch.setattr(os, "fsync", disk_full)
     with pytest.raises(OSError, match="No space left on device"):
         metrics.MetricsLogger(str(tmp_path), start_step=2, tensorboard=False)
     monkeypatch.undo()
@@ -608,13 +590,22 @@ def test_resume_removes_the_metrics_rewrite_temp_of_a_killed_writer(tmp_path, ca
     host = socket.gethostname()
     left = tmp_path / f".tmp-metrics.jsonl.{host}.{dead.pid}.rewrite"
     live = tmp_path / f".tmp-metrics.jsonl.{host}.{os.getppid()}.rewrite"
-    for p in (left, live):
-        p.write_text('{"step": 0}\n')
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n"
-                                                    for s in range(3)))
-    with caplog.at_level("WARNING", logger="hacpo.engine.metrics"):
-        MetricsLogger(str(tmp_path), start_step=2, tensorboard=False).close()
-    assert sorted(os.listdir(tmp_path)) == sorted(["metrics.jsonl", live.name])
+    left.write_text('{"step": 0}\n')
+    holder = subprocess.Popen(     # a live writer: it holds its temp file's lock
+        [sys.executable, "-c", "import fcntl, os, sys, time\n"
+         "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+         "fcntl.lockf(fd, fcntl.LOCK_EX)\nprint('ready', flush=True)\ntime.sleep(120)",
+         str(live)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n"
+                                                        for s in range(3)))
+        with caplog.at_level("WARNING"):
+            MetricsLogger(str(tmp_path), start_step=2, tensorboard=False).close()
+        assert sorted(os.listdir(tmp_path)) == sorted(["metrics.jsonl", live.name])
+    finally:
+        holder.kill()
+        holder.wait()
     assert [r["step"] for r in read_metrics(str(tmp_path / "metrics.jsonl"))] == [0, 1]
     assert "died mid-save" in caplog.text and left.name in caplog.text
 
@@ -638,3 +629,60 @@ def test_summary_is_written_after_the_plots(tmp_path, monkeypatch):
     for f in ("summary.json", "log_ratios.npz", "reward_curves.png"):
         assert (tmp_path / "run" / f).exists(), f
     assert not [n for n in os.listdir(tmp_path / "run") if n.startswith(".tmp-")]
+
+
+def test_a_plot_that_fails_does_not_hide_a_finished_run(tmp_path, monkeypatch):
+    """A plot error (e.g. a matplotlib backend) after the run finished is reported, and
+    summary.json is still written (else `hacpo compare` would resume and fail it forever)."""
+    from hacpo.engine import plots
+
+    def broken(out_dir, names):
+        raise RuntimeError("no backend")
+
+    monkeypatch.setattr(plots, "plot_run", broken)
+    said = []
+    summary = train(_cfg(tmp_path, steps="1", tensorboard="false"), echo=said.append)
+    assert summary["plots_error"] == "RuntimeError: no backend"
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["plots_error"] == \
+        "RuntimeError: no backend"
+    assert any(line.startswith("[plots] not written: RuntimeError: no backend") for line in said)
+
+
+_OTHER_HOST_HOLDER = r"""
+import fcntl, os, sys, time
+f = open(sys.argv[1], "a+")
+fcntl.lockf(f.fileno(), fcntl.LOCK_EX)
+f.seek(0); f.truncate(); f.write("some-dead-node:4242\n"); f.flush()
+print("ready", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def test_a_run_dir_locked_from_another_host_is_waited_for(tmp_path, monkeypatch):
+    """A lock held from another host (a node that died holding it keeps it on NFS until its
+    lease ends) is waited for up to HACPO_RUN_LOCK_WAIT_S: taken once it is freed, an error
+    naming the holder and the wait if it is not."""
+    from hacpo.engine.trainer import RUN_LOCK, RUN_LOCK_WAIT_ENV, lock_run_dir
+
+    run = tmp_path / "run"
+    run.mkdir()
+    for hold_s, wait_s, frees in ((60, 1.5, False), (1.0, 30, True)):
+        holder = subprocess.Popen([sys.executable, "-c", _OTHER_HOST_HOLDER,
+                                   str(run / RUN_LOCK), str(hold_s)],
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            assert holder.stdout.readline().strip() == "ready"
+            monkeypatch.setenv(RUN_LOCK_WAIT_ENV, str(wait_s))
+            t0 = time.monotonic()
+            if frees:
+                lock_run_dir(str(run)).close()          # taken once the holder ended
+                assert 0.5 < time.monotonic() - t0 < 25
+            else:
+                with pytest.raises(RuntimeError, match=r"in use by another hacpo run \(process "
+                                                       r"some-dead-node:4242, .*still held "
+                                                       r"after 1.5 s"):
+                    lock_run_dir(str(run))
+                assert time.monotonic() - t0 >= 1.4
+        finally:
+            holder.kill()
+            holder.wait()
