@@ -10,6 +10,7 @@ import pickle
 import re
 import socket
 import tempfile
+import time
 import zipfile
 
 import torch
@@ -69,10 +70,16 @@ def _writer_dead(path: str, pid_host: tuple[str, int] | None) -> bool:
         os.close(fd)                 # drops only this process's own lock on it
 
 
+# a temp file modified this recently is never taken for a leftover: between creating it and
+# locking it a live writer holds no lock (a dead writer's file is older: it stopped writing)
+FRESH_S = 30.0
+
+
 def remove_stale_temps(path: str) -> list[str]:
     """Delete the temporary files that writers of ``path`` left when they died mid-save (no
     process holds their lock: any host on a shared filesystem, any PID namespace); a live
-    writer's file is kept. Returns the paths removed."""
+    writer's file is kept, and so is one modified in the last ``FRESH_S`` seconds. Returns the
+    paths removed."""
     d, base = os.path.split(os.path.abspath(path))
     prefix = f".tmp-{base}."
     named = re.compile(re.escape(prefix) + r"(.+)\.(\d+)\.[^.]*$")
@@ -85,6 +92,11 @@ def remove_stale_temps(path: str) -> list[str]:
         if owner == (socket.gethostname(), os.getpid()):
             continue                 # this process's own (another thread's write)
         full = os.path.join(d, name)
+        try:
+            if time.time() - os.stat(full).st_mtime < FRESH_S:
+                continue             # maybe just created, its writer not yet holding the lock
+        except FileNotFoundError:
+            continue
         if _writer_dead(full, owner):
             try:
                 os.unlink(full)

@@ -129,11 +129,18 @@ def test_a_writer_killed_mid_save_leaves_a_temp_file_the_next_save_removes(tmp_p
                 f".{proc.pid}." in n]
         assert len(dead) == 1, os.listdir(tmp_path)
         assert ckpt.load(path)["step"] == 1          # the killed save changed nothing
+        # a file modified in the last FRESH_S seconds is kept whatever its lock (a writer
+        # between creating and locking it); age the others past that
+        fresh = tmp_path / ".tmp-checkpoint.pt.yet-another-host.77.abc"
+        fresh.write_bytes(b"x")
+        old = time.time() - 2 * ckpt.FRESH_S
+        for name in (dead[0], live.name, other_host.name):
+            os.utime(tmp_path / name, (old, old))
         with caplog.at_level("WARNING", logger="hacpo.engine.checkpoint"):
             ckpt.save_atomic({"step": 2}, path)
         assert ckpt.load(path)["step"] == 2
         left = sorted(os.listdir(tmp_path))
-        assert sorted([live.name, other_file.name, "checkpoint.pt"]) == left
+        assert sorted([live.name, other_file.name, fresh.name, "checkpoint.pt"]) == left
         assert "died mid-save" in caplog.text and dead[0] in caplog.text
         assert other_host.name in caplog.text
     finally:

@@ -600,6 +600,10 @@ def test_resume_removes_the_metrics_rewrite_temp_of_a_killed_writer(tmp_path, ca
         assert holder.stdout.readline().strip() == "ready"
         (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n"
                                                         for s in range(3)))
+        from hacpo.engine.checkpoint import FRESH_S
+        old = time.time() - 2 * FRESH_S          # left long ago (a fresh file is kept)
+        for p in (left, live):
+            os.utime(p, (old, old))
         with caplog.at_level("WARNING"):
             MetricsLogger(str(tmp_path), start_step=2, tensorboard=False).close()
         assert sorted(os.listdir(tmp_path)) == sorted(["metrics.jsonl", live.name])

@@ -208,6 +208,9 @@ def test_a_cache_hit_removes_a_dead_writers_temp_file(tmp_path, one_thread, capl
     import socket
     import subprocess
     import sys
+    import time
+
+    from hacpo.engine.checkpoint import FRESH_S
 
     train = _write(tmp_path / "d.jsonl", TRAIN)
     ev = _write(tmp_path / "e.jsonl", EVAL)
@@ -219,10 +222,22 @@ def test_a_cache_hit_removes_a_dead_writers_temp_file(tmp_path, one_thread, capl
     host = socket.gethostname()
     left = tmp_path / "cache" / f".tmp-{cached}.{host}.{dead.pid}.abc"
     live = tmp_path / "cache" / f".tmp-{cached}.{host}.{os.getppid()}.abc"
-    for p in (left, live):
-        p.write_bytes(b"half a model")
-    with caplog.at_level(logging.WARNING, logger="hacpo"):
-        out, _, _ = _warm(cfg)
-    assert _cached(out) == [True]
-    assert sorted(os.listdir(tmp_path / "cache")) == sorted([cached, live.name])
+    left.write_bytes(b"half a model")
+    holder = subprocess.Popen(     # a live writer: it holds its temp file's lock
+        [sys.executable, "-c", "import fcntl, os, sys, time\n"
+         "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+         "fcntl.lockf(fd, fcntl.LOCK_EX)\nprint('ready', flush=True)\ntime.sleep(120)",
+         str(live)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        old = time.time() - 2 * FRESH_S          # left long ago (a fresh file is kept)
+        for p in (left, live):
+            os.utime(p, (old, old))
+        with caplog.at_level(logging.WARNING, logger="hacpo"):
+            out, _, _ = _warm(cfg)
+        assert _cached(out) == [True]
+        assert sorted(os.listdir(tmp_path / "cache")) == sorted([cached, live.name])
+    finally:
+        holder.kill()
+        holder.wait()
     assert "died mid-save" in caplog.text and left.name in caplog.text
