@@ -132,14 +132,18 @@ class Policy(nn.Module):
                 with torch.no_grad():
                     ids = torch.tensor([[0, self.tokenizer.vocab_size - 1]],
                                        device=self.output_weight.device)
-                    out = model(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                use_cache=False, output_hidden_states=True)
-                    # the same final hidden states, so only the output layer can differ (a
-                    # separate forward could take another attention kernel: bf16 noise)
-                    ours = F.linear(out.hidden_states[-1], self.output_weight)
+                    # the base model and the whole model called alike (the same attention
+                    # path: no kernel noise in bf16), so only the output layer can differ.
+                    # (Not output_hidden_states: transformers then leaves output-capturing
+                    # hooks on the modules, and the policy no longer pickles for Ray.)
+                    mask = torch.ones_like(ids)
+                    hidden = model.base_model(input_ids=ids, attention_mask=mask,
+                                              use_cache=False).last_hidden_state
+                    ours = F.linear(hidden, self.output_weight)
+                    theirs = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
             finally:
                 model.train(was_training)
-            ours, theirs = ours.float(), out.logits.float()[..., :ours.shape[-1]]
+            ours, theirs = ours.float(), theirs.float()[..., :ours.shape[-1]]
             diff = float((ours - theirs).abs().max())
             if not diff <= 1e-4 * (1 + float(theirs.abs().max())):
                 why = f"its logits differ from that projection by up to {diff:.3g}"

@@ -39,9 +39,11 @@ GEN = dict(num_samples=3, max_new_tokens=12, temperature=1.0, top_p=0.9)
 # config
 # --------------------------------------------------------------------------------------------
 def test_timeout_config_is_checked_and_resumable():
-    with pytest.raises(ValueError, match=r"rollout.call_timeout_s must be >= 0 .*got -1"):
+    with pytest.raises(ValueError,
+                       match=r"rollout.call_timeout_s must be a finite number >= 0 .*got -1"):
         load_config("tiny3", overrides={"rollout.call_timeout_s": -1})
-    with pytest.raises(ValueError, match=r"trainer_call_timeout_s must be >= 0 .*got nan"):
+    with pytest.raises(ValueError,
+                       match=r"trainer_call_timeout_s must be a finite number >= 0 .*got nan"):
         load_config("tiny3", overrides={"trainer_call_timeout_s": "nan"})
     cfg = load_config("tiny3")
     assert cfg.rollout.call_timeout_s == 1800 and cfg.trainer_call_timeout_s == 3600

@@ -328,3 +328,15 @@ def test_checkpoint_missing_weights_is_an_error_not_random_weights(tmp_path):
                                          r"missing keys: \['lm_head.weight', "
                                          r"'model.layers.1.mlp.down_proj.weight'\]"):
         build_policy(PolicyConfig(kind="hf", path=str(d)))
+
+
+def test_hf_policy_pickles_after_its_build_checks():
+    """The Ray pools and trainer actors ship policies by pickling them: the build's output-layer
+    check must leave no hook behind (transformers' output_hidden_states installs unpicklable
+    output-capturing hooks on the modules)."""
+    import pickle
+
+    for arch in ("llama", "qwen2", "gpt2"):
+        pol = build_policy(PolicyConfig(name="p", kind="hf", arch=arch))
+        back = pickle.loads(pickle.dumps(pol))
+        assert torch.equal(back.output_weight, pol.output_weight)
