@@ -234,8 +234,11 @@ def test_a_signalled_run_stops_its_reward_workers_and_resumes(tmp_path, sig, cod
     cmd = [sys.executable, "-m", "hacpo.launch.cli", "train", "--preset", "tiny3", "--out-dir",
            str(run), "--set", f"cache_dir={tmp_path / 'cache'}", "plots=false",
            "tensorboard=false", "reward.num_workers=2"]
+    # SIGINT's default restored: a job started in the background (CI, nohup) inherits it
+    # ignored, and Python then keeps ignoring it (no KeyboardInterrupt)
     proc = subprocess.Popen(cmd + ["--set", "steps=500", "checkpoint_every=1"],
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 180
         # a checkpoint written and the reward workers (started at their first use) running
