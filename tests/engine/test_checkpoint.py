@@ -1,6 +1,7 @@
 """hacpo.engine.checkpoint.load unpickles with weights_only=True: a file holding other Python
 objects (one that would run code when unpickled) is refused with an error naming the file and
 the variable that allows it; the checkpoints hacpo writes load that way."""
+import contextlib
 import os
 
 import numpy as np
@@ -8,6 +9,8 @@ import pytest
 import torch
 
 from hacpo.engine import checkpoint as ckpt
+
+from ._locks import held_lock
 
 
 class _RunsCode:
@@ -82,15 +85,6 @@ ckpt.save_atomic({"big": bytes(1 << 20), "slow": Slow()}, sys.argv[1])
 """
 
 
-_LOCK_HOLDER = r"""
-import fcntl, os, sys, time
-fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
-fcntl.lockf(fd, fcntl.LOCK_EX)           # what a live writer holds until its rename
-print("ready", flush=True)
-time.sleep(120)
-"""
-
-
 def test_a_writer_killed_mid_save_leaves_a_temp_file_the_next_save_removes(tmp_path, caplog):
     """kill -9 during a save leaves the old checkpoint and a temp file; the next save of that
     path removes every dead writer's temp file (this host's, another host's on a shared
@@ -105,10 +99,8 @@ def test_a_writer_killed_mid_save_leaves_a_temp_file_the_next_save_removes(tmp_p
     proc = subprocess.Popen([sys.executable, "-c", _SLOW_SAVER, path])
     host = os.uname().nodename
     live = tmp_path / f".tmp-checkpoint.pt.{host}.999999999.abc"     # no such pid here
-    holder = subprocess.Popen([sys.executable, "-c", _LOCK_HOLDER, str(live)],
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "ready"
+    with held_lock(live), contextlib.ExitStack() as stack:
+        stack.callback(lambda: proc.poll() is None and (proc.kill(), proc.wait()))
         deadline = time.monotonic() + 60
         while not [n for n in os.listdir(tmp_path)
                    if n.startswith(f".tmp-checkpoint.pt.{host}.{proc.pid}.")]:
@@ -143,11 +135,6 @@ def test_a_writer_killed_mid_save_leaves_a_temp_file_the_next_save_removes(tmp_p
         assert sorted([live.name, other_file.name, fresh.name, "checkpoint.pt"]) == left
         assert "died mid-save" in caplog.text and dead[0] in caplog.text
         assert other_host.name in caplog.text
-    finally:
-        for p in (proc, holder):
-            if p.poll() is None:
-                p.kill()
-                p.wait()
 
 
 def test_write_text_atomic(tmp_path):

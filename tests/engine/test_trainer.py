@@ -15,6 +15,8 @@ from hacpo.engine.rewards import register_reward
 from hacpo.engine.run_config import load_config
 from hacpo.engine.trainer import train
 
+from ._locks import held_lock
+
 
 def _cfg(tmp_path, name="run", **over):
     base = {"out_dir": str(tmp_path / name), "cache_dir": str(tmp_path / "cache"),
@@ -591,13 +593,7 @@ def test_resume_removes_the_metrics_rewrite_temp_of_a_killed_writer(tmp_path, ca
     left = tmp_path / f".tmp-metrics.jsonl.{host}.{dead.pid}.rewrite"
     live = tmp_path / f".tmp-metrics.jsonl.{host}.{os.getppid()}.rewrite"
     left.write_text('{"step": 0}\n')
-    holder = subprocess.Popen(     # a live writer: it holds its temp file's lock
-        [sys.executable, "-c", "import fcntl, os, sys, time\n"
-         "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
-         "fcntl.lockf(fd, fcntl.LOCK_EX)\nprint('ready', flush=True)\ntime.sleep(120)",
-         str(live)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "ready"
+    with held_lock(live):     # a live writer: it holds its temp file's lock
         (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n"
                                                         for s in range(3)))
         from hacpo.engine.checkpoint import FRESH_S
@@ -607,9 +603,6 @@ def test_resume_removes_the_metrics_rewrite_temp_of_a_killed_writer(tmp_path, ca
         with caplog.at_level("WARNING"):
             MetricsLogger(str(tmp_path), start_step=2, tensorboard=False).close()
         assert sorted(os.listdir(tmp_path)) == sorted(["metrics.jsonl", live.name])
-    finally:
-        holder.kill()
-        holder.wait()
     assert [r["step"] for r in read_metrics(str(tmp_path / "metrics.jsonl"))] == [0, 1]
     assert "died mid-save" in caplog.text and left.name in caplog.text
 

@@ -17,6 +17,8 @@ from hacpo.engine.data import DataError
 from hacpo.engine.evaluate import evaluate_policy
 from hacpo.engine.run_config import load_config
 
+from ._locks import held_lock
+
 TRAIN = [{"question": f"Tom has {a} apples and gets {b} more. How many apples?",
           "answer": f"{a}+{b}={a + b}\n#### {a + b}"} for a, b in ((1, 2), (3, 4), (2, 5), (4, 4))]
 EVAL = [{"question": "Ann has 2 cats and gets 3 more. How many cats?", "answer": "#### 5"}]
@@ -223,13 +225,7 @@ def test_a_cache_hit_removes_a_dead_writers_temp_file(tmp_path, one_thread, capl
     left = tmp_path / "cache" / f".tmp-{cached}.{host}.{dead.pid}.abc"
     live = tmp_path / "cache" / f".tmp-{cached}.{host}.{os.getppid()}.abc"
     left.write_bytes(b"half a model")
-    holder = subprocess.Popen(     # a live writer: it holds its temp file's lock
-        [sys.executable, "-c", "import fcntl, os, sys, time\n"
-         "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
-         "fcntl.lockf(fd, fcntl.LOCK_EX)\nprint('ready', flush=True)\ntime.sleep(120)",
-         str(live)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "ready"
+    with held_lock(live):     # a live writer: it holds its temp file's lock
         old = time.time() - 2 * FRESH_S          # left long ago (a fresh file is kept)
         for p in (left, live):
             os.utime(p, (old, old))
@@ -237,7 +233,4 @@ def test_a_cache_hit_removes_a_dead_writers_temp_file(tmp_path, one_thread, capl
             out, _, _ = _warm(cfg)
         assert _cached(out) == [True]
         assert sorted(os.listdir(tmp_path / "cache")) == sorted([cached, live.name])
-    finally:
-        holder.kill()
-        holder.wait()
     assert "died mid-save" in caplog.text and left.name in caplog.text
