@@ -49,6 +49,71 @@ def replay_nonfinite(trace: list[dict], nonfinite: dict, max_nonfinite: int,
                          t["grad_norm"])
 
 
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def grad_norm_fp32(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of ``grads`` (tensors of any shapes) taken as one vector: a 0-dim float32
+    tensor (float64 if a gradient is float64) on the first gradient's device; 0 for none.
+
+    Each bfloat16 / float16 tensor's norm is accumulated and returned in float32, and the
+    total is taken in float32: in float16 a norm above 65504 is inf (a finite update would
+    count as non-finite), in bfloat16 it keeps 8 bits. Without low-precision gradients this
+    is ``torch.nn.utils.get_total_norm(grads)``, bit for bit (what ``clip_grad_norm_`` uses)."""
+    if not any(g.dtype in _LOW_PRECISION for g in grads):
+        return torch.nn.utils.get_total_norm(grads, 2.0)
+    dev = grads[0].device
+    out_dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    norms = [torch.linalg.vector_norm(g, 2.0, dtype=torch.float32 if g.dtype in _LOW_PRECISION
+                                      else None).to(dev, out_dtype) for g in grads]
+    return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+
+
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor (0-dim, ``norm``'s dtype, at most 1) that brings gradients of norm ``norm``
+    to at most ``max_norm``: ``clip_grad_norm_``'s ``min(1, max_norm / (norm + 1e-6))``."""
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+
+def _scale_grads_(grads: list[torch.Tensor], coef: torch.Tensor | float) -> None:
+    """Multiply each gradient by ``coef`` in place, in float32 for bf16 / fp16 gradients (one
+    rounding to their dtype; the coefficient is never rounded to it)."""
+    coef = torch.as_tensor(coef)
+    full: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        if g.dtype in _LOW_PRECISION:
+            g.copy_(g.float() * coef.to(g.device, torch.float32))
+        else:
+            full.setdefault((g.device, g.dtype), []).append(g)
+    for (device, dtype), gs in full.items():          # as clip_grad_norm_
+        torch._foreach_mul_(gs, coef.to(device, dtype))
+
+
+def step_clipped(optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
+                 max_norm: float) -> torch.Tensor:
+    """Clip the gradients of ``params`` to a total 2-norm of ``max_norm`` (<= 0: no clip)
+    and step ``optimizer``; returns the norm before clipping (:func:`grad_norm_fp32`). The
+    norm and clip coefficient are float32 whatever the gradients' dtype; a
+    :class:`MasterWeightAdamW` applies the coefficient to its fp32 copies of the
+    low-precision gradients. A non-finite norm steps nothing (the caller decides)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = grad_norm_fp32(grads)
+    if not bool(torch.isfinite(norm)):
+        return norm
+    _apply_clip_and_step(optimizer, grads, norm, max_norm)
+    return norm
+
+
+def _apply_clip_and_step(optimizer, grads, norm, max_norm) -> None:
+    coef = clip_coefficient(norm, max_norm) if max_norm > 0 else None
+    if isinstance(optimizer, MasterWeightAdamW):
+        optimizer.step(grad_scale=coef)
+        return
+    if coef is not None:
+        _scale_grads_(grads, coef)
+    optimizer.step()
+
+
 class MasterWeightAdamW(torch.optim.AdamW):
     """torch's AdamW stepping fp32 copies ("master weights") of the bfloat16 / float16
     parameters, as megatron's optimizer does for such weights.
@@ -88,15 +153,27 @@ class MasterWeightAdamW(torch.optim.AdamW):
         self._seen = [p._version for p, _ in self._pairs]
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, *, grad_scale: torch.Tensor | float | None = None):
+        """One AdamW step. ``grad_scale`` (e.g. a clip coefficient, see
+        :func:`clip_coefficient`): every gradient is multiplied by it first, the low-precision
+        parameters' on their fp32 copies (no rounding to bf16 / fp16: a clip coefficient of
+        1e-5 would put most of an fp16 gradient below its normal range), the fp32 parameters'
+        in place."""
         if closure is not None:
             raise ValueError("MasterWeightAdamW.step takes no closure")
+        if grad_scale is not None:
+            # the stepped fp32 parameters' own gradients (the masters' are set below)
+            masters = {id(m) for _, m in self._pairs}
+            _scale_grads_([q.grad for g in self.param_groups for q in g["params"]
+                           if q.grad is not None and id(q) not in masters], grad_scale)
         for i, (p, m) in enumerate(self._pairs):
             if p._version != self._seen[i]:
                 # written elsewhere since: the new values win over the master, elementwise
                 # (a write of the same values, e.g. the weights reloaded on resume, keeps it)
                 m.copy_(torch.where(p == m.to(p.dtype), m, p.float()))
             m.grad = None if p.grad is None else p.grad.float()
+            if m.grad is not None and grad_scale is not None:
+                _scale_grads_([m.grad], grad_scale)
         super().step()
         for i, (p, m) in enumerate(self._pairs):
             if m.grad is not None:
@@ -336,15 +413,16 @@ def update_learner(algo: AlgorithmConfig, policy, optimizer, view: LearnerView, 
         if kl_coef > 0 and ref_policy is not None and n_self:
             mb_metrics["kl"] = kl_sum / n_self
         with timer("optimizer"):
-            gnorm = torch.nn.utils.clip_grad_norm_(
-                params, grad_clip if grad_clip > 0 else float("inf"))
+            # norm and clip coefficient in fp32 whatever the weights' dtype (grad_norm_fp32)
+            grads = [p.grad for p in params if p.grad is not None]
+            gnorm = grad_norm_fp32(grads)
             # the update's one host sync: its loss, grad norm and metrics come over together
             keys = list(mb_metrics)
             vals = torch.stack([total.float(), gnorm.float()]
                                + [mb_metrics[k].float().reshape(()) for k in keys]).tolist()
             finite = all(map(math.isfinite, vals[:2]))
             if finite:
-                optimizer.step()
+                _apply_clip_and_step(optimizer, grads, gnorm, grad_clip)
         if trace is not None:
             trace.append({"finite": finite, "loss": vals[0], "grad_norm": vals[1]})
         if not finite:

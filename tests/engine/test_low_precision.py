@@ -133,3 +133,36 @@ def test_local_agents_step_low_precision_policies_with_master_weights():
     assert agents.optims[0].defaults["lr"] == cfg.agents[0].optim.lr
     assert agents.optims[0].defaults["betas"] == (cfg.agents[0].optim.beta1,
                                                   cfg.agents[0].optim.beta2)
+
+
+class _ScaledSum(torch.nn.Module):
+    """A stand-in policy: every target token's log-prob is ``scale * sum(w)``, so each
+    element of w gets the gradient -scale (w: 20,000 float16 zeros)."""
+    name = "scaled"
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.scale = scale
+        self.w = torch.nn.Parameter(torch.zeros(20_000, dtype=torch.float16))
+
+    def response_logprobs(self, prompts, targets):
+        T = max(map(len, targets))
+        mask = torch.tensor([[j < len(t) for j in range(T)] for t in targets])
+        return (self.w.float().sum() * self.scale).expand(len(targets), T), mask
+
+
+def test_warmup_float16_grad_norm_above_fp16_max_steps():
+    # gradient 625 per element: finite in fp16, but the norm 625 * sqrt(20000) = 88,388 is
+    # above fp16's 65,504 (an fp16 norm was inf, the clip coefficient 0, and no weight moved)
+    pol = _ScaledSum(625.0)
+    supervised_warmup(pol, [[1]] * 4, [[2, 3]] * 4, steps=1, lr=1e-2, batch_size=4, seed=0)
+    assert torch.isfinite(pol.w).all()
+    assert (pol.w != 0).all(), pol.w
+
+
+def test_warmup_nonfinite_gradient_is_an_error_and_takes_no_step():
+    pol = _ScaledSum(float("inf"))
+    with pytest.raises(RuntimeError, match=r"warm-up of policy 'scaled', step 0: non-finite "
+                                           r"gradient norm"):
+        supervised_warmup(pol, [[1]] * 4, [[2, 3]] * 4, steps=2, lr=1e-2, batch_size=4, seed=0)
+    assert (pol.w == 0).all()

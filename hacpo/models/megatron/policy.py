@@ -6,6 +6,8 @@
     lp = pol.token_logprobs(input_ids, targets, positions=pos, mask=m)   # [B, T]: only those
     opt = pol.build_optimizer(lr=1e-5)                     # megatron DDP + megatron optimizer
     metrics = pol.train_step(opt, microbatches, loss_fn)   # loss_fn(lp, mb) -> (loss, metrics)
+    pol.last_step        # {"step_skipped", "loss_scale", "grad_norm"}: fp16's dynamic loss
+                         # scaler skips overflowing steps (as megatron), see train_step
 
 Only the positions asked for are scored (``positions`` [B, T] into the sequence, ``mask``
 [B, T]; the trainer asks for the response tokens): prompt, padding and pad-row positions never
@@ -60,6 +62,8 @@ from hacpo.models.policy import LM_HEADS   # "logits" | "fused": see the module 
 log = logging.getLogger(__name__)
 
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
+# what train_step adds to each micro-batch's metrics (a loss_fn may not use these names)
+STEP_KEYS = frozenset({"step_skipped", "loss_scale"})
 
 
 class MegatronPolicy:
@@ -85,6 +89,8 @@ class MegatronPolicy:
         self.transformer_impl = transformer_impl
         self.logprob_backend = logprob_backend
         self.lm_head = lm_head
+        # the last train_step's {"step_skipped", "loss_scale", "grad_norm"} (on every rank)
+        self.last_step: dict | None = None
 
     @classmethod
     def from_hf(cls, hf_model, par: Parallel, *, transformer_impl: str = "local",
@@ -359,7 +365,8 @@ class MegatronPolicy:
             lp = self.logprobs_from_logits(output[rows, at], tgt, temperature)
         return lp.new_zeros(tuple(mask.shape)).index_put((rows, cols), lp)
 
-    def _forward_step(self, temperature: float, loss_fn: LossFn | None, data_iterator, model):
+    def _forward_step(self, temperature: float, loss_fn: LossFn | None,
+                      losses: list | None, data_iterator, model):
         mb = next(data_iterator)
         out = self.forward(model, mb["input_ids"])
 
@@ -369,12 +376,18 @@ class MegatronPolicy:
             if loss_fn is None:
                 return lp.sum() * 0.0, torch.ones((), dtype=torch.int), {"logprobs": lp.detach()}
             loss, metrics = loss_fn(lp, mb)
+            reserved = STEP_KEYS & set(metrics)
+            if reserved:
+                raise ValueError(f"loss_fn's metrics use {sorted(reserved)}: train_step "
+                                 f"reports the step under those keys; rename them")
+            if losses is not None:
+                losses.append(loss.detach())
             return loss, torch.ones((), dtype=torch.int), {"logprobs": lp.detach(), **metrics}
 
         return out, loss_func
 
     def _run(self, microbatches: Sequence[dict], *, forward_only: bool, temperature: float,
-             loss_fn: LossFn | None):
+             loss_fn: LossFn | None, losses: list | None = None):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         shapes = [tuple(mb["input_ids"].shape) for mb in microbatches]
@@ -383,7 +396,7 @@ class MegatronPolicy:
             raise ValueError(f"micro-batches of different shapes {sorted(set(shapes))} need "
                              f"the model config's variable_seq_lengths at PP > 1")
         fb = get_forward_backward_func()
-        return fb(forward_step_func=partial(self._forward_step, temperature, loss_fn),
+        return fb(forward_step_func=partial(self._forward_step, temperature, loss_fn, losses),
                   data_iterator=iter(microbatches), model=[self.model],
                   num_microbatches=len(microbatches), seq_length=max(s for _, s in shapes),
                   micro_batch_size=max(b for b, _ in shapes), forward_only=forward_only)
@@ -707,41 +720,96 @@ class MegatronPolicy:
         the global divisor already (see the module docstring). With ``positions`` and
         ``positions_mask`` [b, T] in the dict, token_logp is [b, T]: only those positions
         (:meth:`logprobs_at`). Returns the per-micro-batch
-        metrics on the last PP stage (empty elsewhere).
+        metrics on the last PP stage (empty elsewhere), each with ``step_skipped`` (bool) and
+        ``loss_scale`` (float: the fp16 loss scale for the next step, 1.0 without a scaler)
+        added; every rank also finds them, with ``grad_norm``, in :attr:`last_step`.
 
-        Non-finite gradients (megatron's global grad norm, the same on every rank) take no
-        step: the weights and the optimizer state stay as they were and a RuntimeError says
-        so (fp16 with a dynamic loss scaler: an overflow, the scale is lowered for the next
-        step). Otherwise the gradients are clipped to the optimizer's ``clip_grad`` (coefficient
-        ``clip_grad / (norm + 1e-6)`` where below 1, as megatron's clip) and the optimizer
-        steps.
+        fp16 with megatron's dynamic loss scaler (``build_optimizer(loss_scale=None)``): as in
+        megatron, gradients that overflow at the current scale skip the step (the weights and
+        the optimizer state stay as they were, ``step_skipped`` is True) and the scaler lowers
+        the scale (halved after ``hysteresis`` = 2 overflows in a row, then at each one), as
+        is normal for the first steps from the default 2^32.
+
+        Errors (a RuntimeError, the weights, the optimizer state and the loss scale unchanged):
+        a non-finite loss of any micro-batch on any rank (whatever the scaler); non-finite
+        gradients without a dynamic scaler (fp32 / bf16, or a constant fp16 ``loss_scale``;
+        megatron's fp32 / bf16 optimizers would step on NaN gradients and write NaN into every
+        weight). Otherwise the gradients are clipped to the optimizer's ``clip_grad``
+        (coefficient ``clip_grad / (norm + 1e-6)`` where below 1, as megatron's clip; the norm
+        is megatron's global fp32 norm of its fp32 main gradients, finite above fp16's 65504)
+        and the optimizer steps.
         """
         self.model.train()
         self.model.zero_grad_buffer()
         optimizer.zero_grad()
+        losses: list[torch.Tensor] = []
         out = self._run(microbatches, forward_only=False, temperature=temperature,
-                        loss_fn=loss_fn)
+                        loss_fn=loss_fn, losses=losses)
         self.model.eval()
+        opts = chained(optimizer)
+        scalers = [o.grad_scaler for o in opts if getattr(o, "grad_scaler", None) is not None]
+        saved = [_scaler_state(sc) for sc in scalers]
         # megatron's step(), with the grad norm checked before anything is stepped (its fp32 /
         # bf16 optimizers would step on NaN gradients and write NaN into every weight)
-        overflow = optimizer.prepare_grads()     # main_grad -> grad (fp16: unscaled, checked)
-        grad_norm = float(optimizer.get_grad_norm())
-        if overflow or not math.isfinite(grad_norm):
+        overflow = optimizer.prepare_grads()     # main_grad -> grad (fp16: unscaled, checked;
+        grad_norm = float(optimizer.get_grad_norm())   # the scaler updated)
+        skipped = bool(overflow) or not math.isfinite(grad_norm)
+        if skipped:
             optimizer.zero_grad()
-            what = (f"the fp16 loss scaler found inf/NaN gradients (scale now "
-                    f"{float(optimizer.get_loss_scale())})" if overflow else
-                    f"non-finite gradients (grad norm {grad_norm})")
-            raise RuntimeError(f"megatron optimizer step was skipped: {what}; the weights and "
-                               f"the optimizer state are unchanged")
-        clip = optimizer.config.clip_grad
-        if clip > 0 and clip / (grad_norm + 1e-6) < 1:
-            with torch.no_grad():
-                for o in chained(optimizer):
-                    for prm in o.get_parameters():
-                        if prm.grad is not None:
-                            prm.grad.mul_(clip / (grad_norm + 1e-6))
-        optimizer.step_with_ready_grads()
+            bad = self._nonfinite_loss(losses)    # the same on every rank (a collective)
+            dynamic = bool(scalers) and all(_is_dynamic(sc) for sc in scalers)
+            if bad is not None or not (overflow and dynamic):
+                for sc, st in zip(scalers, saved):
+                    sc.load_state_dict(st)       # an error changes nothing, the scale neither
+                what = (f"non-finite loss ({bad})" if bad is not None else
+                        f"the fp16 loss scaler (constant scale "
+                        f"{float(optimizer.get_loss_scale())}) found inf/NaN gradients"
+                        if overflow else f"non-finite gradients (grad norm {grad_norm})")
+                raise RuntimeError(f"megatron optimizer step was skipped: {what}; the weights, "
+                                   f"the optimizer state and the loss scale are unchanged")
+        else:
+            clip = optimizer.config.clip_grad
+            if clip > 0 and clip / (grad_norm + 1e-6) < 1:
+                with torch.no_grad():
+                    for o in opts:
+                        for prm in o.get_parameters():
+                            if prm.grad is not None:
+                                prm.grad.mul_(clip / (grad_norm + 1e-6))
+            optimizer.step_with_ready_grads()
+        scale = float(optimizer.get_loss_scale()) if scalers else 1.0
+        self.last_step = {"step_skipped": skipped, "loss_scale": scale, "grad_norm": grad_norm}
+        for m in out:
+            m.update(step_skipped=skipped, loss_scale=scale)
         return out
+
+    def _nonfinite_loss(self, losses: list[torch.Tensor]) -> str | None:
+        """Whether a micro-batch's loss on any rank of this model is non-finite (only the last
+        PP stage computes losses): a description, or None. A collective over TP, PP and DP."""
+        bad = [(i, float(v)) for i, v in enumerate(losses) if not math.isfinite(float(v))]
+        device = next(self.module.parameters()).device
+        flag = torch.tensor([1.0 if bad else 0.0], device=device)
+        for group, size in ((self.par.tp_group, self.par.tp), (self.par.pp_group, self.par.pp),
+                            (self.par.dp_group, self.par.dp)):
+            if size > 1:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if not flag.item():
+            return None
+        if bad:
+            return f"{bad[0][1]} in micro-batch {bad[0][0]} of this rank"
+        return "in a micro-batch of another rank"
+
+
+def _scaler_state(scaler) -> dict:
+    """A copy of a megatron grad scaler's state (its scale tensor is replaced, not updated in
+    place, but copy it anyway)."""
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v
+            for k, v in scaler.state_dict().items()}
+
+
+def _is_dynamic(scaler) -> bool:
+    from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+
+    return isinstance(scaler, DynamicGradScaler)
 
 
 def chained(optimizer) -> list:
