@@ -267,3 +267,23 @@ def test_a_signalled_run_stops_its_reward_workers_and_resumes(tmp_path, sig, cod
     assert done.returncode == 0, done.stderr
     assert [json.loads(line)["step"] for line in open(run / "metrics.jsonl")] == \
         list(range(step + 2))
+
+
+def test_policy_settings_nothing_would_use_fail_before_the_run(capsys, monkeypatch):
+    """A decoder size given for an HF policy, and a misspelt hf_config key, are one error line
+    when the config loads: before any data, warm-up or model is built."""
+    import hacpo.engine.trainer as trainer
+
+    def reached(*a, **k):
+        raise AssertionError("the run started")
+    monkeypatch.setattr(trainer, "train", reached)
+    monkeypatch.delenv("HACPO_TRACEBACK", raising=False)
+    hf = ["--preset", "tiny3", "--set", "agents.0.policy.kind=hf"]
+    assert main(["train", *hf, "agents.0.policy.d_model=512"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hacpo train: error: agent 'char': agents.0.policy.d_model=512 "
+                          "applies to policy.kind='decoder' only"), err
+    assert main(["train", *hf, "agents.0.policy.hf_config={hiden_size: 32}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hacpo train: error: agent 'char': policy.hf_config: HF llama "
+                          "config: unknown key(s) ['hiden_size']"), err

@@ -22,6 +22,7 @@ Problems a policy cannot take are scored 0 and counted, never fatal:
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -37,10 +38,10 @@ from .compare import mean_ci
 from .data import DataError, apply_prompt_template, load_examples
 from .evaluate import pass_at_k, sample_and_score
 from .rewards import RewardComputer
-from .run_config import TrainConfig
+from .run_config import TrainConfig, drop_unused_policy_settings
 
 __all__ = ["Benchmark", "parse_benchmark_spec", "resolve_checkpoint", "prompt_ids_lenient",
-           "evaluate_checkpoints", "FIELD_MAP_NAMES"]
+           "evaluate_checkpoints", "eval_config", "FIELD_MAP_NAMES"]
 
 CHECKPOINT = "checkpoint.pt"
 FIELD_MAP_NAMES = ("auto", "gsm8k", "math", "math_answer")
@@ -147,12 +148,60 @@ def _summary(per: list[dict], samples: int) -> dict:
 # Driver
 # --------------------------------------------------------------------------------------------
 
-def _load_run(path: str):
+# What `hacpo eval` reads of a run's stored config: every agent's policy, the data (a reduced
+# vocabulary is built from the run's corpus; the default template), the reward, and (where no
+# option replaces them) the rollout temperature and the response-length limits. The rest
+# (rollout engine, trainer, parallel layout, optimizer, timeouts, ...) builds no part of the
+# evaluated model: an old checkpoint whose stored values this version refuses there (or whose
+# keys it no longer knows) still evaluates.
+_EVAL_TOP_KEYS = ("data", "reward", "threads")
+
+
+def eval_config(stored: dict, *, temperature: bool = True, max_new_tokens: bool = True,
+                where: str = "the run") -> tuple[TrainConfig, list[str]]:
+    """The TrainConfig `hacpo eval` rebuilds the run's policies from: ``stored`` (a
+    checkpoint's config dict) cut to what evaluation reads (above), everything else at its
+    default. ``temperature`` / ``max_new_tokens``: whether the stored rollout temperature /
+    response-length limits are used (no option replaces them). Returns the config and the
+    stored policy settings left out because the run's build never used them (notes).
+
+    A value evaluation does read that this version refuses is a ValueError naming the key."""
+    if not isinstance(stored, dict) or not isinstance(stored.get("agents"), list):
+        raise ValueError(f"cannot evaluate {where}: its stored config holds no list of agents")
+    d = {k: stored[k] for k in _EVAL_TOP_KEYS if k in stored}
+    roll = stored.get("rollout") if isinstance(stored.get("rollout"), dict) else {}
+    keep = (["temperature"] if temperature else []) + (["max_new_tokens"] if max_new_tokens
+                                                       else [])
+    d["rollout"] = {k: roll[k] for k in keep if k in roll}
+    if max_new_tokens and "eval_max_new_tokens" in stored:
+        d["eval_max_new_tokens"] = stored["eval_max_new_tokens"]
+    notes, agents = [], []
+    for i, a in enumerate(stored["agents"]):
+        pol = a.get("policy") if isinstance(a, dict) else None
+        if isinstance(pol, dict):
+            pol = copy.deepcopy(pol)        # the state stays as loaded
+            notes += [f"agents.{i} ({pol.get('name')!r}): {x}"
+                      for x in drop_unused_policy_settings(pol)]
+            agents.append({"policy": pol})
+        else:
+            agents.append(a)     # not a mapping: from_dict's error names it
+    d["agents"] = agents
+    try:
+        return TrainConfig.from_dict(d), notes
+    except ValueError as e:
+        hint = "".join(f" (or give {opt})" for key, opt in (
+            ("rollout.temperature", "--temperature"), ("max_new_tokens", "--max-new-tokens"))
+            if key in str(e))
+        raise ValueError(f"cannot evaluate {where}: its stored config: {e}{hint}") from None
+
+
+def _load_run(path: str, **need):
     ck_path, run_dir = resolve_checkpoint(path)
     state = ckpt.load(ck_path)
     if not isinstance(state, dict) or "config" not in state or "agents" not in state:
         raise ValueError(f"{ck_path} is not a hacpo training checkpoint (no 'config'/'agents')")
-    return ck_path, run_dir, state, TrainConfig.from_dict(state["config"])
+    cfg, notes = eval_config(state["config"], where=ck_path, **need)
+    return ck_path, run_dir, state, cfg, notes
 
 
 def _labels(run_dirs: list[str]) -> list[str]:
@@ -206,8 +255,12 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
             raise FileNotFoundError(f"benchmark {b.name}: no file at {b.path}")
     if template is not None:
         apply_prompt_template(template, "")   # KeyError listing the known templates
-    runs = [_load_run(c) for c in checkpoints]   # fail fast on a bad path before any work
-    for ck_path, _, state, _ in runs:
+    # fail fast on a bad path or config before any work
+    runs = [_load_run(c, temperature=temperature is None and samples > 1,
+                      max_new_tokens=max_new_tokens is None) for c in checkpoints]
+    for ck_path, _, state, _, notes in runs:
+        for n in notes:
+            echo(f"[eval] {ck_path}: ignoring {n} (the run's policy build never used it)")
         have = [a["name"] for a in state["agents"]]
         missing = [a for a in (agents or []) if a not in have]
         if missing:
@@ -225,7 +278,7 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
     labels = _labels([r[1] for r in runs])
     results: list[dict] = []
     out_dirs: list[str] = []
-    for (ck_path, run_dir, state, cfg), label in zip(runs, labels):
+    for (ck_path, run_dir, state, cfg, _), label in zip(runs, labels):
         if out_dir is None:
             rdir = os.path.join(run_dir, "eval")
         else:

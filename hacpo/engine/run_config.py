@@ -240,6 +240,12 @@ def check_vllm_kinds(agents: list[tuple[str, str]]) -> None:
 
 # PolicyConfig fields only a kind="hf" policy uses (build_policy): a decoder would ignore them
 HF_ONLY_POLICY_FIELDS = ("arch", "hf_config", "path")
+# PolicyConfig fields only a kind="decoder" policy uses: an HF model's sizes come from its
+# transformers config (policy.hf_config over policy.arch's defaults, or policy.path's
+# config.json). They keep their values when a policy switches kind (a preset's decoder agent
+# made kind="hf"), so only a value the user gives explicitly is an error
+# (TrainConfig.override: --set, a --config YAML)
+DECODER_ONLY_POLICY_FIELDS = ("d_model", "n_layers", "n_heads", "max_len")
 
 
 def _check_policy(p: PolicyConfig) -> None:
@@ -253,6 +259,8 @@ def _check_policy(p: PolicyConfig) -> None:
             raise ValueError(f"{where}: policy.hf_config={p.hf_config!r} only applies to a "
                              f"model built from policy.arch, but policy.path={p.path!r} loads "
                              f"one (its config.json sets the architecture)")
+        if p.path is None:
+            _check_hf_arch_config(where, p.arch, p.hf_config)
         return
     default = PolicyConfig()       # a setting nothing would use: say so, never ignore it
     set_ = [f"policy.{k}={getattr(p, k)!r}" for k in HF_ONLY_POLICY_FIELDS
@@ -260,7 +268,7 @@ def _check_policy(p: PolicyConfig) -> None:
     if set_:
         raise ValueError(f"{where}: {', '.join(set_)} only appl{'y' if len(set_) > 1 else 'ies'} "
                          f"to policy.kind='hf', but this agent has policy.kind={p.kind!r}")
-    for k in ("d_model", "n_layers", "n_heads", "max_len"):
+    for k in DECODER_ONLY_POLICY_FIELDS:
         try:
             _check_count(f"policy.{k}", getattr(p, k), 1)
         except ValueError as e:
@@ -271,6 +279,116 @@ def _check_policy(p: PolicyConfig) -> None:
     except ValueError as e:
         sizes = "" if "d_model=" in str(e) else f" (d_model={p.d_model}, n_heads={p.n_heads})"
         raise ValueError(f"{where}: policy: {e}{sizes}") from None
+
+
+def _check_hf_arch_config(where: str, arch, hf_config: dict) -> None:
+    """policy.arch a supported architecture and policy.hf_config's keys fields of its
+    transformers config (build_hf_model's own check, run when the config loads rather than
+    when the model is built, after the data and any other agent's warm-up). Local: the config
+    classes ship with transformers, nothing is downloaded."""
+    import copy
+
+    from hacpo.models.hf import TINY_DEFAULTS, _config_class, check_hf_config
+
+    try:
+        check_hf_config(arch, {})
+    except ValueError as e:
+        raise ValueError(f"{where}: policy.arch: {e}") from None
+    odd = [k for k in hf_config if not isinstance(k, str)]
+    if odd:
+        raise ValueError(f"{where}: policy.hf_config: keys must be strings (config field "
+                         f"names), got {odd!r}")
+    try:
+        check_hf_config(arch, hf_config)
+    except ValueError as e:
+        raise ValueError(f"{where}: policy.hf_config: {e}") from None
+    cls = _config_class(arch)
+    try:       # the values too, as build_hf_model gives them (transformers checks types and
+        # e.g. heads dividing the hidden size); it edits nested dicts: a copy
+        cls(**copy.deepcopy({**TINY_DEFAULTS.get(arch, {}), **hf_config}))
+    except Exception as e:       # transformers' own (StrictDataclass...Error, TypeError, ...)
+        raise ValueError(f"{where}: policy.hf_config={hf_config!r} is no valid "
+                         f"{cls.__name__}: {' '.join(str(e).split())}") from None
+
+
+def drop_unused_policy_settings(pol: dict) -> list[str]:
+    """Settings of a stored policy mapping that build_policy never used and that the current
+    config checks would refuse (a run written before those checks): the HF model's settings on
+    a decoder policy, hf_config next to policy.path, hf_config keys that are no fields of the
+    architecture's transformers config (the model was built without them). Removed from
+    ``pol`` (edited in place); returned as "policy.KEY=VALUE" for a note. For a stored config
+    that must load again (`hacpo eval`; a resume could compare fingerprints cut the same way)."""
+    from hacpo.models.hf import check_hf_config
+
+    out = []
+    kind, default = pol.get("kind", PolicyConfig.kind), PolicyConfig()
+    if kind == "decoder":
+        for k in HF_ONLY_POLICY_FIELDS:
+            if k in pol and pol[k] != getattr(default, k):
+                out.append(f"policy.{k}={pol.pop(k)!r}")
+    elif kind == "hf" and isinstance(pol.get("hf_config"), dict) and pol["hf_config"]:
+        hf = pol["hf_config"]
+        if pol.get("path") is not None:
+            out.append(f"policy.hf_config={pol.pop('hf_config')!r}")
+        else:
+            arch = pol.get("arch", PolicyConfig.arch)
+            try:
+                check_hf_config(arch, {})
+            except ValueError:
+                return out       # an unknown architecture: the config check names it
+            for k in list(hf):
+                try:
+                    check_hf_config(arch, {k: hf[k]})
+                except (ValueError, TypeError):      # TypeError: a key that is no string
+                    out.append(f"policy.hf_config.{k}={hf.pop(k)!r}")
+    return out
+
+
+def _saved_policy(pol: dict) -> bool:
+    """A policy mapping as a run writes it (config.json, a checkpoint's config): every field,
+    the decoder's sizes and the HF model's settings alike, whichever the kind uses; a YAML
+    that replays it (README: a saved config.json works as --config) chooses none of them."""
+    return all(k in pol for k in ("kind", *DECODER_ONLY_POLICY_FIELDS, *HF_ONLY_POLICY_FIELDS))
+
+
+def _given_policy_keys(overrides: dict[str, Any]) -> dict[int, dict[str, str]]:
+    """Agent index -> {policy field: the dotted key that sets it} for the policy fields the
+    overrides give explicitly: a dotted key ``agents.N.policy.F`` (--set, a YAML mapping by
+    index) or field F of entry N of an ``agents`` list (a YAML list) that is no saved config."""
+    given: dict[int, dict[str, str]] = {}
+    for key, value in overrides.items():
+        parts = key.split(".")
+        if parts == ["agents"] and isinstance(value, (list, tuple)):
+            given = {}                  # the list replaces the agents: earlier keys are gone
+            for i, a in enumerate(value):
+                pol = a.get("policy") if isinstance(a, dict) else None
+                if isinstance(pol, dict) and not _saved_policy(pol):
+                    given[i] = {f: f"agents.{i}.policy.{f}" for f in pol}
+        elif (len(parts) == 4 and parts[0] == "agents" and parts[1].isdigit()
+              and parts[2] == "policy"):
+            given.setdefault(int(parts[1]), {})[parts[3]] = key
+    return given
+
+
+def _check_given_policy_fields(cfg: TrainConfig, overrides: dict[str, Any]) -> None:
+    """A decoder size (DECODER_ONLY_POLICY_FIELDS) the overrides set explicitly on a kind="hf"
+    policy: an error naming it, never ignored. Sizes carried over from the preset when only
+    ``policy.kind`` changes are no error. (The reverse, an HF setting on a decoder, is an error
+    whenever it differs from its default: _check_policy; setting one to its default, e.g.
+    ``hf_config={}`` when switching a policy to kind=decoder, clears it.)"""
+    for i, keys in sorted(_given_policy_keys(overrides).items()):
+        if i >= len(cfg.agents) or cfg.agents[i].policy.kind != "hf":
+            continue
+        p = cfg.agents[i].policy
+        bad = [k for f, k in keys.items() if f in DECODER_ONLY_POLICY_FIELDS]
+        if bad:
+            vals = ", ".join(f"{k}={getattr(p, k.rsplit('.', 1)[1])!r}" for k in bad)
+            raise ValueError(
+                f"agent {p.name!r}: {vals} appl{'ies' if len(bad) == 1 else 'y'} to "
+                f"policy.kind='decoder' only, but this agent has policy.kind='hf', whose sizes "
+                f"come from its model config (policy.hf_config over policy.arch's defaults, "
+                f"e.g. hf_config.hidden_size / num_hidden_layers / max_position_embeddings, or "
+                f"policy.path's config.json): remove {'it' if len(bad) == 1 else 'them'}")
 
 
 def _check_megatron_agent(a: AgentConfig) -> None:
@@ -458,6 +576,14 @@ class TrainConfig(ConfigMixin):
     progress: bool = True
     plots: bool = True
     tensorboard: bool = True
+
+    def override(self, overrides: dict[str, Any]) -> "TrainConfig":
+        """Dotted-key overrides (ConfigMixin.override); also an error for a policy field they
+        set explicitly that the agent's policy kind does not use (e.g.
+        ``agents.0.policy.d_model`` on a kind="hf" policy)."""
+        cfg = super().override(overrides)
+        _check_given_policy_fields(cfg, overrides)
+        return cfg
 
     def check_runnable(self) -> None:
         """What a run of this config needs beyond a valid config, checked before any work

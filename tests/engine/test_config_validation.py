@@ -1,6 +1,7 @@
 """Run config validation at load time: counts and ranges, the type of every YAML / override
 value, the YAML file's shape, errors that name the agent, and policy settings nothing would
 use. Each bad value is a clear ValueError naming the key before anything is built."""
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Literal
@@ -245,3 +246,87 @@ def test_a_yaml_agent_without_a_section_takes_a_dotted_override(tmp_path):
     cfg = load_config("tiny3", path, {"agents.0.optim.lr": "3e-4"})
     assert len(cfg.agents) == 1 and cfg.agents[0].policy.name == "a"
     assert cfg.agents[0].optim.lr == 3e-4 and cfg.agents[0].optim.beta1 == 0.9
+
+
+def test_decoder_sizes_given_for_an_hf_policy_are_an_error(tmp_path):
+    """d_model / n_layers / n_heads / max_len size the plain decoder only; an HF model's sizes
+    come from its transformers config. One the user gives for a kind='hf' policy (--set, a YAML
+    mapping by index or a YAML agents list) is an error naming it; the preset's decoder sizes
+    a policy keeps when only its kind changes, and a saved config.json replayed as --config
+    (every field written, whichever the kind uses), are not."""
+    msg = (r"^agent 'char': agents\.0\.policy\.d_model=512 applies to policy\.kind='decoder' "
+           r"only, but this agent has policy\.kind='hf', whose sizes come from its model "
+           r"config .*hf_config\.hidden_size.*: remove it$")
+    with pytest.raises(ValueError, match=msg):
+        load_config("tiny3", overrides={"agents.0.policy.kind": "hf",
+                                        "agents.0.policy.d_model": "512"})
+    with pytest.raises(ValueError, match=msg):
+        load_config("tiny3", _yaml(tmp_path, "agents:\n  0: {policy: {kind: hf, d_model: 512}}"))
+    with pytest.raises(ValueError, match=r"^agent 'h': agents\.0\.policy\.n_layers=3, "
+                                         r"agents\.0\.policy\.max_len=64 apply to "
+                                         r"policy\.kind='decoder' only.*: remove them$"):
+        load_config("tiny3", _yaml(tmp_path, "agents:\n  - policy: {name: h, kind: hf, "
+                                             "n_layers: 3, max_len: 64}\n"))
+    # the YAML sets the size, --set makes the policy HF: checked as the two give it together
+    with pytest.raises(ValueError, match=r"agents\.0\.policy\.n_heads=8 applies to "
+                                         r"policy\.kind='decoder' only"):
+        load_config("tiny3", _yaml(tmp_path, "agents:\n  0: {policy: {n_heads: 8}}"),
+                    {"agents.0.policy.kind": "hf"})
+    # only the kind changes: the preset's decoder sizes stay (unused), no error
+    hf = load_config("tiny3", overrides={"agents.0.policy.kind": "hf"})
+    assert (hf.agents[0].policy.kind, hf.agents[0].policy.d_model) == ("hf", 32)
+    # a decoder's sizes are its own; an HF policy switched to decoder takes them
+    assert load_config("tiny3", overrides={"agents.0.policy.d_model": "64"}
+                       ).agents[0].policy.d_model == 64
+    assert hf.override({"agents.0.policy.kind": "decoder", "agents.0.policy.d_model": "64"}
+                       ).agents[0].policy.d_model == 64
+    # a run's saved config.json (an HF agent with the decoder sizes carried along) replays
+    saved = tmp_path / "config.json"
+    saved.write_text(json.dumps(hf.to_dict()))
+    assert load_config("tiny3", str(saved)) == hf
+    # ... but a size given on top of it is the user's
+    with pytest.raises(ValueError, match=r"agents\.0\.policy\.max_len=99 applies to "
+                                         r"policy\.kind='decoder' only"):
+        load_config("tiny3", str(saved), {"agents.0.policy.max_len": "99"})
+    # the reverse: an HF setting on a decoder differing from its default is an error
+    # (test_hf_settings_on_a_decoder_policy_are_an_error); set to its default it clears it
+    assert load_config("tiny3", str(saved), {"agents.0.policy.kind": "decoder",
+                                             "agents.0.policy.arch": "llama"}
+                       ).agents[0].policy.kind == "decoder"
+
+
+def test_hf_config_keys_and_arch_are_checked_when_the_config_loads():
+    """A misspelt policy.hf_config key, or an unknown policy.arch, is an error when the config
+    loads (hacpo train before any data or warm-up, the launchers' dry runs), with
+    build_hf_model's message and the agent's name."""
+    base = {"agents.0.policy.kind": "hf"}
+    with pytest.raises(ValueError, match=r"^agent 'char': policy\.hf_config: HF llama config: "
+                                         r"unknown key\(s\) \['hiden_size'\] \(not fields of "
+                                         r"LlamaConfig; a misspelling would build the default "
+                                         r"model\)$"):
+        load_config("tiny3", overrides={**base, "agents.0.policy.hf_config":
+                                        "{hiden_size: 32, num_hidden_layers: 1}"})
+    with pytest.raises(ValueError, match=r"HF gpt2 config: unknown key\(s\) \['n_embed'\]"):
+        load_config("tiny3", overrides={**base, "agents.0.policy.arch": "gpt2",
+                                        "agents.0.policy.hf_config": "{n_embed: 32}"})
+    with pytest.raises(ValueError, match=r"^agent 'char': policy\.arch: unknown HF "
+                                         r"architecture 'mamba'; supported: \['gpt2', "
+                                         r"'llama', 'qwen2'\]$"):
+        load_config("tiny3", overrides={**base, "agents.0.policy.arch": "mamba"})
+    # the values too, as transformers checks them when the model is built
+    with pytest.raises(ValueError, match=r"^agent 'char': policy\.hf_config=\{'hidden_size': "
+                                         r"30\} is no valid LlamaConfig: .*hidden size \(30\) "
+                                         r"is not a multiple of the number of attention heads"):
+        load_config("tiny3", overrides={**base, "agents.0.policy.hf_config": "{hidden_size: 30}"})
+    with pytest.raises(ValueError, match=r"is no valid LlamaConfig: .*'hidden_size' expected "
+                                         r"int, got str"):
+        load_config("tiny3", overrides={**base, "agents.0.policy.hf_config": "{hidden_size: x}"})
+    with pytest.raises(ValueError, match=r"^agent 'char': policy\.hf_config: keys must be "
+                                         r"strings \(config field names\), got \[1\]$"):
+        load_config("tiny3", overrides={**base, "agents.0.policy.hf_config": "{1: 2}"})
+    # fields of the config (and keys the config consumes, e.g. rope_theta) load
+    ok = load_config("tiny3", overrides={**base, "agents.0.policy.arch": "qwen2",
+                                         "agents.0.policy.hf_config":
+                                         "{hidden_size: 32, num_attention_heads: 2, "
+                                         "rope_theta: 5000.0}"})
+    assert ok.agents[0].policy.hf_config["rope_theta"] == 5000.0

@@ -240,3 +240,90 @@ def test_bad_inputs(run, tmp_path, capsys):
     assert "hacpo eval: error: no checkpoint at" in capsys.readouterr().err
     assert cli.main(["eval", str(run["dir"]), "--bench", "oops"]) == 2
     assert "malformed benchmark spec" in capsys.readouterr().err
+
+
+def _with_config(run, tmp_path, name, edit):
+    """A copy of the run's checkpoint whose stored config ``edit`` changed (as an older
+    version of hacpo may have written it)."""
+    from hacpo.engine import checkpoint as ckpt
+    state = ckpt.load(str(run["dir"] / "checkpoint.pt"))
+    edit(state["config"])
+    ckpt.save_atomic(state, str(tmp_path / name / "checkpoint.pt"))
+    return str(tmp_path / name)
+
+
+def _means(rep):
+    return {r["row"]: r["mean"] for r in rep["rows"]}
+
+
+def test_stored_settings_eval_does_not_use_do_not_block_it(run, tmp_path):
+    """`hacpo eval` rebuilds the policies from the checkpoint's config: values this version
+    refuses where evaluation reads nothing (rollout engine settings, timeouts, an optimizer,
+    a key it no longer knows, an HF setting on a decoder that its build never used) still
+    evaluate, to the same numbers as the unedited checkpoint; the unused policy setting is
+    named in a note."""
+    def edit(c):
+        c["rollout"].update(gpu_memory_utilization=0.5, call_timeout_s=float("inf"),
+                            removed_option=1)
+        c["trainer_call_timeout_s"] = float("inf")
+        c["algorithm"]["no_such_key"] = 0
+        c["agents"][0]["optim"]["lr"] = -1.0
+        c["agents"][1]["policy"]["arch"] = "qwen2"
+    old = _with_config(run, tmp_path, "old", edit)
+    kw = dict(agents=["char", "qwen3"], limit=2, echo=lambda *_: None)
+    want = evaluate_checkpoints([str(run["dir"])], run["benches"],
+                                out_dir=str(tmp_path / "e0"), **kw)
+    said = []
+    got = evaluate_checkpoints([old], run["benches"], out_dir=str(tmp_path / "e1"),
+                               **{**kw, "echo": said.append})
+    assert _means(got) == _means(want)
+    assert any("ignoring agents.1 ('qwen3'): policy.arch='qwen2' (the run's policy build "
+               "never used it)" in s for s in said), said
+
+
+def test_stored_value_eval_needs_and_refuses_is_one_line(run, tmp_path, capsys, monkeypatch):
+    """A stored value evaluation does use and this version refuses is an error naming the key
+    (and the option that replaces it, where one does); with that option given it evaluates."""
+    hot = _with_config(run, tmp_path, "hot",
+                       lambda c: c["rollout"].update(temperature=float("inf")))
+    with pytest.raises(ValueError, match=r"^cannot evaluate .*hot/checkpoint\.pt: its stored "
+                                         r"config: rollout\.temperature must be a finite number "
+                                         r">= 0 \(0: greedy\), got inf \(or give "
+                                         r"--temperature\)$"):
+        evaluate_checkpoints([hot], run["benches"], samples=2, limit=1, echo=lambda *_: None)
+    for kw in ({"samples": 1}, {"samples": 2, "temperature": 0.5}):   # not read
+        evaluate_checkpoints([hot], run["benches"], agents=["char"], limit=1,
+                             out_dir=str(tmp_path / "e"), echo=lambda *_: None, **kw)
+    slow = _with_config(run, tmp_path, "slow",
+                        lambda c: c["reward"].update(timeout_s=float("inf")))
+    monkeypatch.delenv("HACPO_TRACEBACK", raising=False)
+    assert cli.main(["eval", slow, "--bench", *run["benches"]]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hacpo eval: error: cannot evaluate ") and err.count("\n") == 1, err
+    assert "its stored config: reward.timeout_s must be a finite number > 0, got inf" in err
+
+
+def test_hf_config_key_an_old_run_ignored_does_not_block_it(run, tmp_path):
+    """A checkpoint of an HF agent whose stored hf_config holds a key that is no field of the
+    architecture's config (written before that was checked: the model was built without it)
+    evaluates like the same checkpoint without the key, with a note naming it."""
+    from hacpo.engine import build, checkpoint as ckpt
+    cfg = load_config("tiny3", overrides={
+        "cache_dir": str(tmp_path / "cache"), "agents": [{"policy": {
+            "name": "h", "kind": "hf", "tokenizer": "char", "seed": 1, "hf_config": {
+                "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                "num_attention_heads": 2, "num_key_value_heads": 1}}}]})
+    pol = build.build_policies(cfg, build.load_data(cfg))[0]
+    state = {"step": 0, "config": cfg.to_dict(), "agents": [{"name": "h",
+                                                             "model": pol.state_dict()}],
+             "tokenizers": [build.tokenizer_digest(pol.tokenizer)]}
+    ckpt.save_atomic(state, str(tmp_path / "clean" / "checkpoint.pt"))
+    state["config"]["agents"][0]["policy"]["hf_config"]["hiden_size"] = 999
+    ckpt.save_atomic(state, str(tmp_path / "typo" / "checkpoint.pt"))
+    kw = dict(limit=2, max_new_tokens=4)
+    want = evaluate_checkpoints([str(tmp_path / "clean")], run["benches"], echo=lambda *_: None,
+                                **kw)
+    said = []
+    got = evaluate_checkpoints([str(tmp_path / "typo")], run["benches"], echo=said.append, **kw)
+    assert _means(got) == _means(want)
+    assert any("ignoring agents.0 ('h'): policy.hf_config.hiden_size=999" in s for s in said)
