@@ -18,6 +18,7 @@ in-process (trainer_backend=local) or one Ray actor per agent (ray, launch/ray_t
 """
 from __future__ import annotations
 
+import copy
 import errno
 import json
 import logging
@@ -43,7 +44,7 @@ from .pool import build_pool, learner_view
 from .rewards import RewardComputer
 from .rollout import generate_agents, sync_agents
 from .run_config import (TrainConfig, config_diff, config_hash, default_fingerprint,
-                         fingerprint_dict)
+                         drop_unused_policy_settings, fingerprint_dict)
 from .timing import Stopwatch, device_sync, null_timer
 
 CHECKPOINT = "checkpoint.pt"
@@ -193,6 +194,18 @@ def _train(cfg: TrainConfig, rc: RewardComputer, resume: bool, echo) -> dict:
         agents.close()
 
 
+def _stored_fingerprint(fp):
+    """A checkpoint's config fingerprint as this version would write it for the same run: the
+    policy settings the run's build never used and this version refuses (an old run's
+    misspelt ``hf_config`` key, an HF setting on a decoder: drop_unused_policy_settings) left
+    out, so the run resumes once the user removes them. A copy; other differences stay."""
+    fp = copy.deepcopy(fp)
+    for a in fp.get("agents", []) if isinstance(fp, dict) else []:
+        if isinstance(a, dict) and isinstance(a.get("policy"), dict):
+            drop_unused_policy_settings(a["policy"])
+    return fp
+
+
 def _prepare(cfg: TrainConfig, resume: bool, echo):
     """Everything before the trainers start: checks, run dir, the checkpoint to resume, data,
     policies and their warm start."""
@@ -205,7 +218,7 @@ def _prepare(cfg: TrainConfig, resume: bool, echo):
             raise ValueError(f"{ck_path} is not a hacpo training checkpoint (no 'step', "
                              f"'fingerprint', 'agents' and 'sampler'); move it away to start "
                              f"a new run there")
-        diff = config_diff(state["fingerprint"], fingerprint_dict(cfg),
+        diff = config_diff(_stored_fingerprint(state["fingerprint"]), fingerprint_dict(cfg),
                            defaults=default_fingerprint(cfg))
         if diff:
             raise ValueError(f"cannot resume {ck_path}: the config differs from the "

@@ -126,6 +126,28 @@ def test_resume_with_other_config_is_clear_error(tmp_path):
     assert f"[resume] no checkpoint.pt in {tmp_path / 'new'}: starting a new run there" in said
 
 
+def test_resume_of_a_run_with_a_setting_now_refused_once_it_is_removed(tmp_path):
+    """A run written before a config check existed may hold a policy setting its build never
+    used (here an HF setting on a decoder agent); this version refuses the setting, and once
+    the user removes it the run resumes (the stored fingerprint is compared without it)."""
+    cfg = _cfg(tmp_path, steps="1", plots="false", tensorboard="false")
+    train(cfg, echo=lambda *_: None)
+    ck_path = os.path.join(cfg.out_dir, "checkpoint.pt")
+    state = ckpt.load(ck_path)
+    state["fingerprint"]["agents"][0]["policy"]["arch"] = "qwen2"    # unused by a decoder
+    state["fingerprint"]["agents"][0]["policy"]["hf_config"] = {"hidden_size": 8}
+    ckpt.save_atomic(state, ck_path)
+    train(cfg.override({"steps": 2}), resume=True, echo=lambda *_: None)
+    assert ckpt.load(ck_path)["step"] == 2
+    # a setting the build did use still counts
+    state = ckpt.load(ck_path)
+    state["fingerprint"]["agents"][0]["policy"]["d_model"] += 1
+    ckpt.save_atomic(state, ck_path)
+    with pytest.raises(ValueError, match=r"differs from the checkpoint's in agents\.0\.policy\."
+                                         r"d_model$"):
+        train(cfg.override({"steps": 3}), resume=True, echo=lambda *_: None)
+
+
 def test_resume_of_a_foreign_checkpoint_or_changed_data_is_clear_error(tmp_path):
     """A checkpoint.pt that torch reads but that is no training checkpoint (e.g. a warm-start
     cache file copied there), and a resume over training data that changed since the
