@@ -228,13 +228,15 @@ class Decoder(nn.Module):
 
     def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                position_ids: torch.Tensor | None = None,
-               cache: KVCache | None = None) -> torch.Tensor:
+               cache: KVCache | None = None, *, check_positions: bool = True) -> torch.Tensor:
         """input_ids [B, L] -> hidden [B, L, D].
 
         attention_mask [B, L] (1 = real token). Without a cache, positions default to the
         count of real tokens before each one (so left or right padding both work). With a
         cache, the new tokens are written at slots ``cache.length ...`` and attend to every
-        real slot before them; pass ``position_ids`` explicitly.
+        real slot before them; pass ``position_ids`` explicitly. A position >= max_len is a
+        ValueError; ``check_positions=False`` skips that check (a device->host read) for a
+        caller that guarantees it (the sampler's decode steps: prompt + new tokens <= max_len).
         """
         B, L = input_ids.shape
         dev = input_ids.device
@@ -245,7 +247,7 @@ class Decoder(nn.Module):
             if cache is not None and cache.length:
                 raise ValueError("position_ids are required when decoding with a non-empty cache")
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        if position_ids.max() >= self.cfg.max_len:
+        if check_positions and position_ids.max() >= self.cfg.max_len:
             raise ValueError(f"position {int(position_ids.max())} >= max_len={self.cfg.max_len}")
         start = cache.length if cache is not None else 0
         if cache is not None:

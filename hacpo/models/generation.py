@@ -3,7 +3,9 @@
 All ``B * G`` sequences decode together. Prompts are left-padded and prefilled once per prompt
 (``B`` rows); the cache is then repeated ``G`` times. Each row's positions count only its real
 tokens, so a sample does not depend on how much padding its prompt got. Rows that produced
-EOS keep decoding padding (ignored) until every row is done or ``max_new_tokens`` is reached.
+EOS keep decoding padding (ignored, and so are their logits: non-finite ones there are no
+error) until every row is done or ``max_new_tokens`` is reached. The loop reads the device
+once per new token (no torch.multinomial: its validity checks are two more reads).
 
 Sample order is prompt-major: sample ``i`` answers prompt ``i // G``.
 """
@@ -76,16 +78,37 @@ def sample_next(logits: torch.Tensor, *, temperature: float, top_p: float,
     +inf logit, or with every logit -inf, has no distribution to sample: a ValueError naming
     the rows (never a silent token, nor torch's multinomial error).
     """
+    tokens, lp, bad = _sample(logits, temperature=temperature, top_p=top_p, generator=generator)
+    if bool(bad.any()):
+        raise ValueError(_bad_rows_message(bad))
+    return tokens, lp
+
+
+def _bad_rows_message(bad: torch.Tensor) -> str:
+    """bad [N] bool (some True) -> the error text of rows without a distribution."""
+    rows = bad.nonzero().flatten().tolist()
+    return (f"logits of {len(rows)} row(s) (first: {rows[:8]}) are NaN, +inf or all -inf: no "
+            f"distribution to sample from (non-finite model outputs)")
+
+
+def _sample(logits: torch.Tensor, *, temperature: float, top_p: float,
+            generator: torch.Generator | None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`sample_next` without any host sync: logits [N, V] -> (tokens [N] long,
+    log-probs [N] float32, bad [N] bool).
+
+    ``bad`` marks the rows with a NaN or +inf logit or every logit -inf. Nothing here fails on
+    them (there is no torch.multinomial to raise), but their tokens (some id in [0, V)) and
+    log-probs mean nothing: the caller must check ``bad``. Rows are independent, so the other
+    rows get exactly sample_next's tokens and log-probs (the same draws of ``generator`` as
+    ``torch.multinomial``).
+    """
     logits = logits.float()
     top = logits.amax(-1, keepdim=True)      # [N, 1]: NaN if any logit is (one reduction)
-    bad = ~torch.isfinite(top.squeeze(-1))
-    if bool(bad.any()):
-        rows = bad.nonzero().flatten().tolist()
-        raise ValueError(f"logits of {len(rows)} row(s) (first: {rows[:8]}) are NaN, +inf or all "
-                         f"-inf: no distribution to sample from (non-finite model outputs)")
+    bad = ~torch.isfinite(top.squeeze(-1))   # [N]
     if temperature == 0:
         tokens = logits.argmax(-1)
-        return tokens, torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
+        return tokens, torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1), bad
     # shifted first, so that a tiny temperature cannot overflow the largest logit to inf
     probs = torch.softmax((logits - top) / temperature, -1)
     if top_p < 1.0:
@@ -95,8 +118,21 @@ def sample_next(logits: torch.Tensor, *, temperature: float, top_p: float,
         keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
         probs = probs * keep
         probs = probs / probs.sum(-1, keepdim=True)
-    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1).log()
+    tokens = _draw(probs, generator)
+    return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1).log(), bad
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """probs [N, V] (rows sum to 1) -> one token per row [N] long, drawn with P = probs.
+
+    The exponential race: argmax_v p_v / E_v with E_v ~ Exp(1) i.i.d. picks v with probability
+    p_v. ``torch.multinomial(probs, 1)`` computes exactly this (same draws of ``generator``,
+    same tokens) but first validates ``probs`` with two device->host reads (an error for NaN);
+    here a NaN row just gets some id in [0, V). A zero-probability token is never picked
+    (even if a draw is 0).
+    """
+    race = probs / torch.empty_like(probs).exponential_(1, generator=generator)
+    return race.masked_fill_(probs == 0, -1.0).argmax(-1)
 
 
 class _DecoderStepper:
@@ -116,7 +152,9 @@ class _DecoderStepper:
 
     def step(self, tokens, pos):
         ones = torch.ones_like(tokens, dtype=torch.bool)
-        h = self.model.hidden(tokens[:, None], ones[:, None], pos[:, None], self.cache)
+        # positions < prompt + max_new_tokens <= max_len (check_generate_args): no read
+        h = self.model.hidden(tokens[:, None], ones[:, None], pos[:, None], self.cache,
+                              check_positions=False)
         return F.linear(h[:, -1], self.weight)
 
 
@@ -259,16 +297,18 @@ def generate(policy: Policy, prompt_ids: Sequence[Sequence[int]], *, num_samples
     finished = torch.zeros(N, dtype=torch.bool, device=dev)
     steps = 0
     for t in range(max_new_tokens):
-        try:
-            tokens, lp = sample_next(logits, temperature=temperature, top_p=top_p,
-                                     generator=generator)
-        except ValueError as e:
-            raise ValueError(f"policy {policy.name!r}, new token {t}: {e}") from None
+        tokens, lp, bad = _sample(logits, temperature=temperature, top_p=top_p,
+                                  generator=generator)
+        bad &= ~finished  # a finished row's logits are not used: its tokens become padding
         tokens = tokens.masked_fill(finished, tok.pad_id)
         out[:, t], out_lp[:, t] = tokens, lp
         steps = t + 1
         finished |= tokens == tok.eos_id
-        if t + 1 == max_new_tokens or bool(finished.all()):
+        # The one device->host read of this token: an unusable row, and whether all are done.
+        any_bad, all_finished = torch.stack([bad.any(), finished.all()]).tolist()
+        if any_bad:
+            raise ValueError(f"policy {policy.name!r}, new token {t}: {_bad_rows_message(bad)}")
+        if t + 1 == max_new_tokens or all_finished:
             break
         logits = stepper.step(tokens, next_pos + t)[:, :V]
 

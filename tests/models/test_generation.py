@@ -78,7 +78,8 @@ class ScriptedDecoder(Decoder):
         with torch.no_grad():
             self.embed.weight.copy_(torch.eye(tok.vocab_size, 96))
 
-    def hidden(self, input_ids, attention_mask=None, position_ids=None, cache=None):
+    def hidden(self, input_ids, attention_mask=None, position_ids=None, cache=None,
+               check_positions=True):
         super().hidden(input_ids, attention_mask, position_ids, cache)  # advance the cache
         return 10 * self.embed.weight[self.table[input_ids]]
 
@@ -170,3 +171,173 @@ def test_tiny_temperature_samples_the_argmax():
         tok, lp = sample_next(logits, temperature=1e-40, top_p=top_p,
                               generator=torch.Generator().manual_seed(0))
         assert tok.tolist() == [1, 0] and lp.tolist() == [0.0, 0.0]
+
+
+def _sample_next_multinomial(logits, *, temperature, top_p, generator):
+    """The sampler before it stopped reading the device (torch.multinomial): the reference."""
+    logits = logits.float()
+    top = logits.amax(-1, keepdim=True)
+    if temperature == 0:
+        tokens = logits.argmax(-1)
+        return tokens, torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    probs = torch.softmax((logits - top) / temperature, -1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(-1, descending=True)
+        keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < top_p
+        keep_sorted[:, 0] = True
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        probs = probs * keep
+        probs = probs / probs.sum(-1, keepdim=True)
+    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1).log()
+
+
+@pytest.mark.parametrize("temperature, top_p", [(0, 1.0), (1.0, 1.0), (0.7, 0.9), (1.3, 0.5),
+                                                (1e-3, 1.0)])
+def test_sampler_draws_exactly_what_torch_multinomial_drew(temperature, top_p):
+    """The sampler no longer calls torch.multinomial (two device->host reads per call): same
+    tokens and log-probs, bit for bit, from the same generator draws (several calls in a row
+    on one generator, so the generator advances alike)."""
+    for seed in range(5):
+        x = torch.randn(64, 300, generator=torch.Generator().manual_seed(100 + seed)) * 3
+        x[:, ::7] = -float("inf")          # zero-probability tokens
+        x[::5] = x[::5].to(torch.bfloat16).float()  # ties
+        ga, gb = (torch.Generator().manual_seed(seed) for _ in range(2))
+        for _ in range(3):
+            ta, la = sample_next(x, temperature=temperature, top_p=top_p, generator=ga)
+            tb, lb = _sample_next_multinomial(x, temperature=temperature, top_p=top_p,
+                                              generator=gb)
+            assert torch.equal(ta, tb) and torch.equal(la, lb)
+            assert torch.isfinite(x.gather(-1, ta[:, None])).all()  # never a -inf token
+    assert torch.equal(ga.get_state(), gb.get_state())
+
+
+@pytest.mark.parametrize("temperature, top_p", [(0, 1.0), (1.0, 1.0), (0.7, 0.5)])
+def test_sampler_core_flags_rows_without_a_distribution_and_samples_the_rest(temperature,
+                                                                            top_p):
+    """generate's sampler reads nothing back: a NaN / +inf / all -inf row is flagged, not
+    raised on (torch.multinomial used to raise its own error), and the other rows are
+    sampled exactly as without it."""
+    from hacpo.models.generation import _sample
+
+    x = torch.randn(6, 40, generator=torch.Generator().manual_seed(3))
+    bad = x.clone()
+    bad[1, 4], bad[3, 0], bad[4] = float("nan"), float("inf"), -float("inf")
+    tok, lp, flags = _sample(bad, temperature=temperature, top_p=top_p,
+                             generator=torch.Generator().manual_seed(1))
+    assert flags.tolist() == [False, True, False, True, True, False]
+    assert ((tok >= 0) & (tok < 40)).all()
+    ref_tok, ref_lp = sample_next(x, temperature=temperature, top_p=top_p,
+                                  generator=torch.Generator().manual_seed(1))
+    good = ~flags
+    assert torch.equal(tok[good], ref_tok[good]) and torch.equal(lp[good], ref_lp[good])
+
+
+class _PoisonedScript(ScriptedDecoder):
+    """ScriptedDecoder whose logits are NaN after reading one of ``poison`` tokens."""
+
+    def __init__(self, tok, next_token, poison):
+        super().__init__(tok, next_token)
+        self.poison = list(poison)
+
+    def hidden(self, input_ids, attention_mask=None, position_ids=None, cache=None,
+               check_positions=True):
+        h = super().hidden(input_ids, attention_mask, position_ids, cache)
+        hit = torch.isin(input_ids, torch.tensor(self.poison))
+        return h.masked_fill(hit[..., None], float("nan"))
+
+
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_non_finite_logits_of_finished_rows_are_ignored(temperature):
+    """A row that produced EOS keeps decoding padding, and its tokens are thrown away: NaN
+    logits there (a model whose pad embedding is NaN, say) used to fail the whole rollout.
+    A row still decoding with NaN logits is still a clear error at the right new token."""
+    tok = CharTokenizer()
+    d = [tok.encode(str(i))[0] for i in range(10)]
+    script = {d[i]: d[i + 1] for i in range(9)} | {d[9]: tok.eos_id}
+    pol = Policy(_PoisonedScript(tok, script, poison=[tok.pad_id]), tok, "p")
+    prompts = [tok.encode("x=8"), tok.encode("y=3")]
+    g = torch.Generator().manual_seed(0)
+    ro = generate(pol, prompts, num_samples=2, max_new_tokens=6, temperature=temperature,
+                  generator=g)
+    assert [tok.decode(r) for r in ro.response_ids] == ["9", "9", "456789", "456789"]
+    assert ro.finished_eos == [True, True, False, False]
+    assert all(x == x for row in ro.sampler_logprobs for x in row)  # no NaN kept
+
+    pol = Policy(_PoisonedScript(tok, script, poison=[d[6]]), tok, "p6")  # y=3: 4 5 6 NaN
+    with pytest.raises(ValueError, match=r"policy 'p6', new token 3: logits of 2 row\(s\) "
+                                         r"\(first: \[2, 3\]\) are NaN"):
+        generate(pol, prompts, num_samples=2, max_new_tokens=6, temperature=temperature,
+                 generator=g)
+
+
+class _SyncFreeEcho(Decoder):
+    """Logits favour the last input token by 100 nats (never EOS after a digit); reads
+    nothing back from the device (Decoder.hidden's position check does)."""
+
+    def __init__(self, tok):
+        super().__init__(DecoderConfig(vocab_size=tok.vocab_size, d_model=96, n_heads=4))
+        with torch.no_grad():
+            self.embed.weight.copy_(torch.eye(tok.vocab_size, 96))
+
+    def hidden(self, input_ids, attention_mask=None, position_ids=None, cache=None,
+               check_positions=True):
+        if cache is not None:
+            cache.length += input_ids.shape[1]
+        return 100 * self.embed.weight[input_ids]
+
+
+def _device_reads(monkeypatch, fn) -> int:
+    """Host syncs done by ``fn()``: scalar reads (``item``/``bool``/``int``/``float``, also
+    inside torch ops, e.g. torch.multinomial's checks) seen by the profiler, plus ``tolist`` /
+    ``cpu`` / ``numpy`` calls (no aten op to see on a CPU tensor)."""
+    from torch.profiler import profile
+
+    calls = [0]
+    for name in ("tolist", "cpu", "numpy"):
+        orig = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _orig=orig, **k):
+            calls[0] += 1
+            return _orig(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    with profile() as prof:
+        fn()
+    monkeypatch.undo()
+    return calls[0] + sum(e.name == "aten::_local_scalar_dense" for e in prof.events())
+
+
+@pytest.mark.parametrize("temperature, top_p", [(0, 1.0), (1.0, 1.0), (0.8, 0.9)])
+def test_generate_reads_the_device_once_per_new_token(monkeypatch, temperature, top_p):
+    """Each host sync stalls a GPU's launch queue: the loop used to read the NaN check and
+    the all-finished flag separately, plus torch.multinomial's two validity reads."""
+    tok = CharTokenizer()
+    pol = Policy(_SyncFreeEcho(tok), tok, "echo")
+    prompts = [tok.encode("x=7"), tok.encode("long y=12")]
+
+    def run(n):
+        ro = generate(pol, prompts, num_samples=3, max_new_tokens=n, temperature=temperature,
+                      top_p=top_p, generator=torch.Generator().manual_seed(0))
+        assert ro.response_lengths == [n] * 6 and not any(ro.finished_eos)
+
+    assert _device_reads(monkeypatch, lambda: run(12)) - _device_reads(
+        monkeypatch, lambda: run(4)) == 12 - 4
+
+
+def test_decoder_decode_step_reads_nothing(monkeypatch):
+    """The plain-torch decoder's decode step makes no host read (its max_len check read the
+    largest position every token; the sampler guarantees positions < max_len)."""
+    from hacpo.models.generation import _DecoderStepper
+
+    tok = CharTokenizer()
+    model = Decoder(DecoderConfig(vocab_size=tok.vocab_size, d_model=16, n_layers=1, n_heads=2,
+                                  max_len=32))
+    pol = Policy(model, tok, "dec")
+    st = _DecoderStepper(pol, 12)
+    ids = torch.tensor([tok.encode("ab=1"), tok.encode("cd=2")])
+    st.prefill(ids, torch.ones_like(ids, dtype=torch.bool), torch.arange(4).expand(2, 4))
+    tokens = torch.tensor([5, 6])
+    assert _device_reads(monkeypatch, lambda: [st.step(tokens, torch.tensor([4 + t, 4 + t]))
+                                               for t in range(3)]) == 0
+    with pytest.raises(ValueError, match=r"position 32 >= max_len=32"):    # checked elsewhere
+        model.hidden(ids, position_ids=torch.full((2, 4), 32))
