@@ -56,9 +56,22 @@ if ! "$PY" -c "import megatron.core" 2>/dev/null; then
   else
     SITE="${MEGATRON_SITE:-$HOME/.cache/hacpo/megatron-site-py$("$PY" -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')}"
     echo "== installing $WHEEL into $SITE (on PYTHONPATH)"
-    timeout 120 "$PY" -m pip install --no-deps --no-index --upgrade --target "$SITE" "$WHEEL" 2>&1 \
-      | tee "$RESULTS_DIR/install.log"
-    c=${PIPESTATUS[0]}
+    if "$PY" -m pip --version >/dev/null 2>&1; then
+      timeout 120 "$PY" -m pip install --no-deps --no-index --upgrade --target "$SITE" "$WHEEL" 2>&1 \
+        | tee "$RESULTS_DIR/install.log"
+      c=${PIPESTATUS[0]}
+    else
+      # no pip for this python: a wheel is a zip of the installed tree; unpack it (after
+      # checking its python tag, which pip would have checked)
+      TAG="cp$("$PY" -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')"
+      case "$(basename "$WHEEL")" in
+        *-"$TAG"-*) echo "no pip for $PY: unpacking the wheel into $SITE" | tee "$RESULTS_DIR/install.log"
+                    mkdir -p "$SITE" && "$PY" -m zipfile -e "$WHEEL" "$SITE" 2>&1 | tee -a "$RESULTS_DIR/install.log"
+                    c=${PIPESTATUS[0]} ;;
+        *) echo "no pip for $PY, and $(basename "$WHEEL") is no $TAG wheel" | tee "$RESULTS_DIR/install.log"
+           c=3 ;;
+      esac
+    fi
     export PYTHONPATH="$SITE:$PYTHONPATH"
   fi
   if [ "$c" -ne 0 ]; then

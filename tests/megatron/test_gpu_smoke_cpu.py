@@ -78,3 +78,113 @@ def test_gpu_smoke_missing_wheel_is_a_clear_error(tmp_path):
     proc = _run(tmp_path / "r", env={"PYTHON": str(env_py), "MEGATRON_WHEEL": ""})
     assert proc.returncode == 2
     assert "megatron-core is not importable" in proc.stderr and "--megatron-wheel" in proc.stderr
+
+
+def _python_without_pip_or_megatron(tmp_path):
+    """An interpreter as on the GPU machine: no venv, no pip, no megatron-core (this venv's
+    python behind a wrapper; megatron is importable only from outside site-packages)."""
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class _Hide:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name != 'megatron':\n"
+        "            return None\n"
+        "        import importlib.machinery\n"
+        "        spec = importlib.machinery.PathFinder.find_spec(name, path)\n"
+        "        locs = list(spec.submodule_search_locations or []) if spec else []\n"
+        "        if not [p for p in locs if 'site-packages' not in p]:\n"
+        "            raise ModuleNotFoundError(\"No module named 'megatron'\")\n"
+        "        return spec\n"
+        "sys.meta_path.insert(0, _Hide())\n")
+    py = tmp_path / "python"
+    py.write_text("#!/bin/sh\n"
+                  "case \"$*\" in *'-m pip'*) echo 'No module named pip' >&2; exit 1;; esac\n"
+                  "case \"$*\" in *'sys.base_prefix'*) exit 1;; esac\n"     # "no venv"
+                  f"PYTHONPATH=\"{hide}${{PYTHONPATH:+:$PYTHONPATH}}\" exec {sys.executable} \"$@\"\n")
+    py.chmod(0o755)
+    return py
+
+
+def _wheel_of_installed_megatron(tmp_path):
+    """A wheel-shaped zip of the installed megatron package (CI downloads nothing), named with
+    this python's tag."""
+    import zipfile
+
+    import megatron.core
+    pkg = os.path.dirname(os.path.dirname(megatron.core.__file__))     # .../megatron
+    tag = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+    whl = tmp_path / f"megatron_core-0.16.1-{tag}-{tag}-manylinux_2_28_x86_64.whl"
+    with zipfile.ZipFile(whl, "w") as z:
+        for d, _, files in os.walk(pkg):
+            for f in files:
+                if not f.endswith(".pyc"):
+                    p = os.path.join(d, f)
+                    z.write(p, os.path.relpath(p, os.path.dirname(pkg)))
+    return whl
+
+
+def test_gpu_smoke_installs_the_wheel_without_pip(tmp_path):
+    """The GPU machine's python may have no pip: the wheel is unpacked into MEGATRON_SITE
+    and the run uses megatron from there."""
+    py = _python_without_pip_or_megatron(tmp_path)
+    check = subprocess.run([str(py), "-c", "import megatron.core"], capture_output=True,
+                           text=True)
+    assert check.returncode != 0 and "No module named 'megatron'" in check.stderr
+    site = tmp_path / "site"
+    out = tmp_path / "r"
+    proc = _run(out, "--device", "cpu", "--megatron-wheel", str(_wheel_of_installed_megatron(
+        tmp_path)), env={"PYTHON": str(py), "MEGATRON_SITE": str(site)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"no pip for {py}: unpacking the wheel into {site}" in proc.stdout
+    assert str(site / "megatron" / "core") in (out / "env.txt").read_text()
+    assert json.loads((out / "summary.json").read_text())["ok"] is True
+    # a wheel for another python is refused (pip would say "not a supported wheel")
+    other = tmp_path / "megatron_core-0.16.1-cp27-cp27-manylinux_2_28_x86_64.whl"
+    other.write_bytes(b"")
+    proc = _run(tmp_path / "r2", "--device", "cpu", "--megatron-wheel", str(other),
+                env={"PYTHON": str(py), "MEGATRON_SITE": str(tmp_path / "site2")})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "is no cp3" in proc.stdout and "pip could not install" in proc.stderr
+
+
+def test_device_run_packs_every_stage_into_few_files(tmp_path):
+    """benchmarks/device_run.sh (the one command for a lent GPU) in CPU mode: each stage's
+    status and time in summary.txt, everything in one tarball (the device tool returns at
+    most 8 files, 2 folders deep), and stages that no longer fit the budget skipped."""
+    import tarfile
+
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
+           "DEVICE_RUN_SMOKE_ARGS": "--device cpu", "DEVICE_RUN_STAGES": "correctness smoke bench",
+           "GPU_CHECK_BENCH_ARGS": "--quick --device cpu --ops logits --reps 2",
+           "TMPDIR": str(tmp_path)}
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "device_run.sh"), str(out)],
+                          capture_output=True, text=True, env=env, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = (out / "summary.txt").read_text()
+    for st in ("correctness", "smoke", "bench"):
+        assert f"stage {st}: rc=0, " in summary, summary
+    assert "3 of 3 stages passed" in summary
+    files = sorted(p.name for p in out.iterdir())
+    assert len(files) <= 8 and all(p.is_file() for p in out.iterdir()), files
+    with tarfile.open(out / "gpu-results.tar.gz") as t:
+        names = set(t.getnames())
+    for f in ("./smoke/summary.json", "./smoke/timings.json", "./check/results.csv",
+              "./check/bench.log", "./check/correctness.log", "./env.txt"):
+        assert f in names, (f, sorted(names))
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("hacpo-device.")]  # cleaned
+    # a budget too small for any stage (each needs 30 s + 15 s to pack): every stage is
+    # skipped, and said, and the run does not pass
+    out2 = tmp_path / "out2"
+    proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "device_run.sh"), str(out2)],
+                          capture_output=True, text=True, timeout=400,
+                          env={**env, "DEVICE_RUN_BUDGET_S": "40"})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    summary = (out2 / "summary.txt").read_text()
+    for st in ("correctness", "smoke", "bench"):
+        assert f"stage {st}: skipped, " in summary, summary
+    assert "0 of 3 stages passed (skipped: correctness smoke bench)" in summary, summary
+    assert (out2 / "gpu-results.tar.gz").is_file()
