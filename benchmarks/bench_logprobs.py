@@ -22,7 +22,9 @@ both (forward + backward). Reported: p20/p50/p80 wall time, peak memory above th
 (CPU: VmHWM after resetting it through /proc/self/clear_refs, i.e. the process's real peak
 RSS, with a fixed malloc mmap threshold so tensors are mapped on allocation and unmapped when
 freed: the resident set follows the live tensors, neither memory freed earlier and reused
-unseen nor heap the allocator keeps; CUDA: torch.cuda.max_memory_allocated), "extra" = peak
+unseen nor heap the allocator keeps; measured in a process of its own, apart from the timing
+runs, which use glibc's default malloc as users do; CUDA: torch.cuda.max_memory_allocated,
+in the same process as the timing), "extra" = peak
 minus the unavoidable gradient outputs, and GB/s of compulsory traffic (fwd: logits read once; bwd: logits read + grad
 written; both: 3x logits). On CUDA also the device-to-device copy bandwidth (read + write).
 Writes results.csv, results.json and results.png into --out.
@@ -50,11 +52,19 @@ MMAP_THRESHOLD = str(64 * 1024)     # bytes: every tensor of note gets its own m
 
 
 def case_env() -> dict:
-    """The environment of a case's subprocess: this repository importable, and glibc's mmap
-    threshold fixed (unless set already) so the CPU peak RSS is the live tensors' peak."""
+    """The environment of a case's memory subprocess: this repository importable, and glibc's
+    mmap threshold fixed (unless set already) so the CPU peak RSS is the live tensors' peak."""
     return {**os.environ, "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_",
                                                                    MMAP_THRESHOLD),
             "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def time_env() -> dict:
+    """The environment of a case's timing subprocess on CPU: this repository importable and
+    malloc as users run it (glibc's own dynamic mmap threshold, unless the caller set one): a
+    fixed 64 KiB threshold maps and faults in every chunk a chunked implementation allocates,
+    which is no cost of the implementation."""
+    return {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,8 +176,13 @@ def _sync(device):
 
 
 def worker(spec: dict) -> dict:
-    """One (op, impl, mode) in a fresh process: memory first (so no earlier run has left freed
-    memory resident in the allocator), then warmup and timed repetitions."""
+    """One (op, impl, mode) in a fresh process; ``spec["measure"]``: "memory" (the peak),
+    "time" (warmup and timed repetitions) or "both" (memory first, so no earlier run has left
+    freed memory resident in the allocator; the default, used on CUDA, where host malloc
+    plays no part)."""
+    measure = spec.get("measure", "both")
+    if measure not in ("memory", "time", "both"):
+        raise ValueError(f"measure must be memory, time or both, got {measure!r}")
     device = torch.device(spec["device"])
     dtype = getattr(torch, spec["dtype"])
     mode = spec["mode"]
@@ -183,18 +198,23 @@ def worker(spec: dict) -> dict:
     mem = Mem(device)
     grad_bytes = sum(v.numel() * v.element_size() for v in inputs.values())
 
-    inp = fresh(inputs)
-    if mode == "bwd":
-        y = run(inp)
-        base = mem.reset()
-        y.backward(torch.ones_like(y))
-    else:
-        base = mem.reset()
-        y = run(inp)
-        if mode == "both":
+    out = {"malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_")}
+    if measure != "time":
+        inp = fresh(inputs)
+        if mode == "bwd":
+            y = run(inp)
+            base = mem.reset()
             y.backward(torch.ones_like(y))
-    peak = mem.peak() - base
-    del y
+        else:
+            base = mem.reset()
+            y = run(inp)
+            if mode == "both":
+                y.backward(torch.ones_like(y))
+        peak = mem.peak() - base
+        del y
+        out.update(peak_bytes=peak, extra_bytes=peak - (grad_bytes if mode != "fwd" else 0))
+    if measure == "memory":
+        return out
 
     times = []
     for rep in range(spec["warmup"] + spec["reps"]):
@@ -213,9 +233,23 @@ def worker(spec: dict) -> dict:
         del y
     times.sort()
     q = lambda p: times[min(len(times) - 1, int(round(p * (len(times) - 1))))]  # noqa: E731
-    return {"p20": q(0.2), "p50": q(0.5), "p80": q(0.8), "peak_bytes": peak,
-            "extra_bytes": peak - (grad_bytes if mode != "fwd" else 0),
-            "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_")}
+    out.update(p20=q(0.2), p50=q(0.5), p80=q(0.8))
+    return out
+
+
+def run_case(spec: dict, env: dict, timeout: float | None) -> tuple[dict | None, str | None]:
+    """``worker(spec)`` in a fresh subprocess with ``env``: (its result, None) or (None, why
+    not)."""
+    try:
+        proc = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)],
+            capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return None, f"over --case-timeout {timeout}s"
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not line:
+        return None, f"failed (rc={proc.returncode}): {proc.stderr.strip()[-400:]}"
+    return json.loads(line[0][len("RESULT "):]), None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,6 +345,9 @@ def main(argv=None):
     env = environment(device)
     env["copy_GBps"] = copy_bandwidth(device)
     env["malloc_mmap_threshold"] = case_env()["MALLOC_MMAP_THRESHOLD_"]
+    # CPU timing runs: glibc's default (dynamic) threshold unless the caller set one
+    env["timing_malloc_mmap_threshold"] = (time_env().get("MALLOC_MMAP_THRESHOLD_") if not cuda
+                                           else env["malloc_mmap_threshold"])
     print(json.dumps(env, indent=1))
     rows, skipped = [], []
     impls = ("naive", "torch", "triton", "liger")
@@ -330,30 +367,34 @@ def main(argv=None):
                 spec = {"op": op, "impl": impl, "mode": mode, "shape": s, "dtype": dtype,
                         "device": args.device, "temperature": 1.0, "reps": reps,
                         "warmup": 1 if not cuda else 3}
-                try:
-                    proc = subprocess.run(
-                        [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)],
-                        capture_output=True, text=True, timeout=args.case_timeout,
-                        env=case_env())
-                except subprocess.TimeoutExpired:
-                    skipped.append({"op": op, "impl": impl, "mode": mode,
-                                    "reason": f"over --case-timeout {args.case_timeout}s"})
-                    print(f"skip {op}/{impl}/{mode}: over --case-timeout")
-                    continue
-                line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-                if proc.returncode != 0 or not line:
-                    reason = f"failed (rc={proc.returncode}): {proc.stderr.strip()[-400:]}"
+                # CPU: the peak with the fixed mmap threshold, the time with malloc as users
+                # run it, in two fresh processes; CUDA: both in one (host malloc plays no part)
+                passes = ([("memory", case_env()), ("time", time_env())] if not cuda
+                          else [("both", case_env())])
+                r, reason = {}, None
+                for measure, penv in passes:
+                    got, reason = run_case({**spec, "measure": measure}, penv,
+                                           args.case_timeout)
+                    if got is None:
+                        reason = f"{measure} pass {reason}"
+                        break
+                    if measure == "time":
+                        got["timing_malloc_mmap_threshold"] = got.pop("malloc_mmap_threshold")
+                    r.update(got)
+                if reason:
                     skipped.append({"op": op, "impl": impl, "mode": mode, "reason": reason})
                     print(f"skip {op}/{impl}/{mode}: {reason}")
                     continue
-                r = json.loads(line[0][len("RESULT "):])
                 traffic = {"fwd": 1, "bwd": 2, "both": 3}[mode] * logit_bytes
                 row = {"op": op, "impl": impl, "mode": mode, "dtype": dtype,
                        "shape": "x".join(f"{k}={v}" for k, v in s.items()),
                        "p20_ms": 1e3 * r["p20"], "p50_ms": 1e3 * r["p50"],
                        "p80_ms": 1e3 * r["p80"], "peak_MB": r["peak_bytes"] / 2 ** 20,
                        "extra_MB": r["extra_bytes"] / 2 ** 20,
-                       "GBps": (traffic / r["p50"] / 1e9) if op == "logits" else None}
+                       "GBps": (traffic / r["p50"] / 1e9) if op == "logits" else None,
+                       "malloc_mmap_threshold": r["malloc_mmap_threshold"],
+                       "timing_malloc_mmap_threshold": r.get("timing_malloc_mmap_threshold",
+                                                             r["malloc_mmap_threshold"])}
                 if env["copy_GBps"] and row["GBps"]:
                     row["frac_of_copy_bw"] = row["GBps"] / env["copy_GBps"]
                 rows.append(row)

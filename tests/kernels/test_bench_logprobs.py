@@ -46,3 +46,32 @@ def test_no_case_ran_writes_results_and_exits_1(tmp_path):
     assert {(s["impl"], s["mode"]) for s in res["skipped"] if "mode" in s} == {
         (i, m) for i in ("naive", "torch") for m in bench_logprobs.MODES}
     assert (tmp_path / "results.csv").exists() and not (tmp_path / "results.png").exists()
+
+
+def test_cpu_memory_and_time_are_measured_in_separate_processes(tmp_path, monkeypatch):
+    """The fixed mmap threshold is for the peak only: with it, every chunk a chunked
+    implementation allocates is mapped and faulted in anew, a cost users do not pay, so the
+    timing runs use glibc's default malloc (a process of their own)."""
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    rc = bench_logprobs.main(["--quick", "--ops", "logits", "--device", "cpu", "--reps", "2",
+                              "--out", str(tmp_path)])
+    assert rc == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    env = res["environment"]
+    assert env["malloc_mmap_threshold"] == str(64 * 1024)
+    assert env["timing_malloc_mmap_threshold"] is None
+    assert len(res["rows"]) == 6
+    for r in res["rows"]:
+        assert r["malloc_mmap_threshold"] == str(64 * 1024), r
+        assert r["timing_malloc_mmap_threshold"] is None, r
+        assert r["peak_MB"] > 0 and 0 < r["p20_ms"] <= r["p50_ms"] <= r["p80_ms"], r
+    # the worker's passes: memory only, time only
+    spec = {"op": "logits", "impl": "torch", "mode": "fwd", "shape": {"T": 64, "V": 256},
+            "dtype": "float32", "device": "cpu", "temperature": 1.0, "reps": 1, "warmup": 0}
+    mem, why = bench_logprobs.run_case({**spec, "measure": "memory"}, bench_logprobs.case_env(),
+                                       300)
+    assert why is None and "peak_bytes" in mem and "p50" not in mem
+    tim, why = bench_logprobs.run_case({**spec, "measure": "time"}, bench_logprobs.time_env(),
+                                       300)
+    assert why is None and "p50" in tim and "peak_bytes" not in tim
+    assert tim["malloc_mmap_threshold"] is None
