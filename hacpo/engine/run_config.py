@@ -281,6 +281,21 @@ def _check_policy(p: PolicyConfig) -> None:
         raise ValueError(f"{where}: policy: {e}{sizes}") from None
 
 
+def _check_agent_name(i: int, name) -> None:
+    """An agent's name names files (the warm-start cache, eval outputs) and metric keys
+    (``train/<name>/loss``, ``omega/<s>-><t>``): non-empty, no path separator, no '.' or '..',
+    no whitespace or control characters, no '->'."""
+    where = f"agents.{i}.policy.name={name!r}"
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{where}: an agent needs a non-empty name")
+    bad = [repr(c) for c in ("/", "\\", "->") if c in name]
+    bad += [repr(c) for c in sorted(set(name)) if c.isspace() or not c.isprintable()]
+    if name in (".", "..") or bad:
+        why = f"may not contain {', '.join(bad)}" if bad else "may not be '.' or '..'"
+        raise ValueError(f"{where}: an agent's name {why} (it names files and metric keys "
+                         f"such as train/<name>/loss and omega/<source>-><learner>)")
+
+
 def _check_hf_arch_config(where: str, arch, hf_config: dict) -> None:
     """policy.arch a supported architecture and policy.hf_config's keys fields of its
     transformers config (build_hf_model's own check, run when the config loads rather than
@@ -597,6 +612,8 @@ class TrainConfig(ConfigMixin):
         if len(self.agents) < 1:
             raise ValueError("need at least one agent")
         names = [a.policy.name for a in self.agents]
+        for i, name in enumerate(names):
+            _check_agent_name(i, name)
         if len(set(names)) != len(names):
             raise ValueError(f"agent names must be unique, got {names}")
         for key, low, note in (("steps", 0, " (0: no RL steps)"),

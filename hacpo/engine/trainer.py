@@ -247,8 +247,102 @@ def _prepare(cfg: TrainConfig, resume: bool, echo):
     policies = build.build_policies(cfg, data)
     if state is not None and (bad := build.tokenizer_mismatch(state, policies, cfg)):
         raise ValueError(f"cannot resume {ck_path}: {bad}")
+    check_prompt_lengths(cfg, data, policies)
+    for note in (minibatch_shortfall(cfg), no_signal_note(cfg)):
+        if note:
+            echo(f"[warn] {note}")
     warm = build.warm_start(cfg, data, policies, echo) if state is None else state["warmup"]
     return data, policies, state, warm, ck_path
+
+
+def minibatch_shortfall(cfg: TrainConfig) -> str | None:
+    """A note when a step cannot make the configured number of updates: minibatches split by
+    prompt (``minibatch_order="mixed"``) with fewer prompts per step than minibatches leave
+    some empty, and an empty minibatch is no update (algorithm.split_minibatches). Then each
+    agent makes at most ``prompts_per_step`` updates of one prompt each, the stepwise clip's
+    index stays below that, and gspo2x's minibatches are no smaller than gspo's. None when the
+    configured count is made."""
+    algo = cfg.algorithm
+    M = algo.num_minibatches * algo.minibatch_factor
+    P = cfg.prompts_per_step
+    if algo.minibatch_order != "mixed" or P >= M:
+        return None
+    what = (f"algorithm.num_minibatches={algo.num_minibatches}"
+            + (f" x {algo.minibatch_factor} for {algo.name}" if algo.minibatch_factor > 1 else ""))
+    return (f"{M} minibatches per step ({what}), but minibatches are split by prompt "
+            f"(algorithm.minibatch_order=mixed) and a step has prompts_per_step={P}: each "
+            f"agent makes at most {P} updates per step, not {M} (the stepwise clip index "
+            f"stays below {P}); raise prompts_per_step to {M} or lower "
+            f"algorithm.num_minibatches")
+
+
+def no_signal_note(cfg: TrainConfig) -> str | None:
+    """A note when a prompt's group cannot hold two different responses, so every advantage is
+    0 and the run gets no policy gradient (SPEC: uniform-reward groups give zero advantages):
+    a group of one agent's samples (grpo, gspo, gspo2x; any algorithm with one agent) with
+    one response per prompt (G = 1), or with greedy rollouts (``rollout.temperature=0``: an
+    agent's G responses are identical). With two agents or more, hacpo / naive groups hold
+    every agent's responses: greedy, they differ only between agents (said too). Also: a
+    pass@k (``eval_pass_k``) sampled at temperature 0 is k identical greedy responses, i.e.
+    avg@1. None when none of these applies."""
+    algo, ro = cfg.algorithm, cfg.rollout
+    G = ro.group_size * algo.samples_per_prompt_factor
+    greedy = ro.temperature == 0
+    own_only = not algo.shares_samples or len(cfg.agents) == 1
+    notes = []
+    if own_only and G == 1:
+        notes.append(f"rollout.group_size=1: each {algo.name} group holds one response, so "
+                     f"every advantage is 0 (no policy-gradient signal); use "
+                     f"rollout.group_size >= 2")
+    elif own_only and greedy:
+        notes.append(f"rollout.temperature=0 (greedy): each agent's {G} responses to a prompt "
+                     f"are identical, so every {algo.name} group has one reward and every "
+                     f"advantage is 0 (no policy-gradient signal); sample with "
+                     f"rollout.temperature > 0")
+    elif greedy and G > 1:
+        notes.append(f"rollout.temperature=0 (greedy): each agent's {G} responses to a prompt "
+                     f"are identical, so a group differs only between agents; sample with "
+                     f"rollout.temperature > 0 (or rollout.group_size=1)")
+    if greedy and cfg.eval_pass_k > 1:
+        notes.append(f"eval_pass_k={cfg.eval_pass_k} samples at the rollout temperature, 0: "
+                     f"{cfg.eval_pass_k} identical greedy responses, so pass@"
+                     f"{cfg.eval_pass_k} and avg@{cfg.eval_pass_k} equal greedy avg@1")
+    return "; ".join(notes) or None
+
+
+def check_prompt_lengths(cfg: TrainConfig, data, policies) -> None:
+    """Every templated prompt fits each agent's positions with the tokens it may generate:
+    a training prompt's tokens + ``rollout.max_new_tokens``, a held-out one's + the evaluation's
+    new tokens, at most the policy's ``max_len`` (the sampler refuses more). Checked before the
+    warm-up; otherwise the run would stop with a traceback at the first step (or evaluation)
+    that draws such a prompt, and a resume would draw it again. A ValueError naming the agent,
+    how many prompts are too long and the longest."""
+    max_new = cfg.rollout.max_new_tokens
+    files = cfg.data.task == "files"
+    splits = (("training" + (f" ({cfg.data.train_path})" if files else ""), data.train,
+               "rollout.max_new_tokens", max_new),
+              ("held-out" + (f" ({cfg.data.eval_path})" if files else ""), data.eval,
+               "eval_max_new_tokens" if cfg.eval_max_new_tokens else "rollout.max_new_tokens",
+               cfg.eval_max_new_tokens or max_new))
+    for k, p in enumerate(policies):
+        for split, examples, key, new in splits:
+            ids_of: dict[str, list[str]] = defaultdict(list)     # prompt text -> example ids
+            for e in examples:
+                ids_of[build.prompt_text(cfg, e)].append(e.id)
+            room = p.max_len - new
+            too_long = [(n, ids) for n, ids in ((len(p.tokenizer.prompt_ids(t)), ids)
+                                                for t, ids in ids_of.items()) if n > room]
+            if not too_long:
+                continue
+            count = sum(len(ids) for _, ids in too_long)
+            n, ids = max(too_long, key=lambda x: x[0])
+            fit = (f"at most {room} fit" if room > 0
+                   else f"{key}={new} alone leaves no room for a prompt")
+            raise ValueError(
+                f"agent {p.name!r} (agents.{k}): {count} of {len(examples)} {split} prompts do "
+                f"not fit its max_len={p.max_len} with {key}={new} new tokens (the longest, "
+                f"example {ids[0]!r}, has {n} prompt tokens; {fit}): give the policy a longer "
+                f"max_len, lower {key}, or remove those examples")
 
 
 def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:

@@ -330,3 +330,17 @@ def test_hf_config_keys_and_arch_are_checked_when_the_config_loads():
                                          "{hidden_size: 32, num_attention_heads: 2, "
                                          "rope_theta: 5000.0}"})
     assert ok.agents[0].policy.hf_config["rope_theta"] == 5000.0
+
+
+@pytest.mark.parametrize("name, why", [
+    ("", "needs a non-empty name"), ("a/b", "may not contain '/'"),
+    ("x/../../evil", "may not contain '/'"), ("..", "may not be '.' or '..'"),
+    ("a\\b", "may not contain '\\\\'"), ("a->b", "may not contain '->'"),
+    ("x y", "may not contain ' '"), ("t\tab", "may not contain '\\t'")])
+def test_agent_names_that_would_break_files_or_metric_keys_are_refused(name, why):
+    # names name the warm-start cache file and metric keys: '/' made subfolders (and could
+    # write outside cache_dir), '' gave 'train//loss', '->' broke 'omega/s->t'
+    from hacpo.engine.run_config import load_config
+    with pytest.raises(ValueError, match=r"agents\.0\.policy\.name=.*" + re.escape(why)):
+        load_config("tiny3", overrides={"agents.0.policy.name": name})
+    load_config("tiny3", overrides={"agents.0.policy.name": "qwen2.5-0.5b_v2"})

@@ -322,6 +322,96 @@ def test_bad_dataset_row_error_and_skip(tmp_path):
           echo=lambda *_: None)
 
 
+def test_prompt_too_long_for_a_policy_is_a_user_error_before_any_work(tmp_path):
+    """A training prompt that leaves no room for rollout.max_new_tokens in an agent's max_len
+    (here one long row of a file dataset; char: one token per character) stopped the run with
+    a traceback at the step that drew it, after the warm-up and the steps before (a resume
+    drew it again). Now: an error naming the agent, the example and the lengths, before the
+    warm-up."""
+    from hacpo.engine.errors import is_user_error
+    short = {"question": "What is 2+2?", "answer": "2+2=4 #### 4"}
+    train_f = tmp_path / "train.jsonl"
+    train_f.write_text("\n".join(json.dumps(r) for r in
+                                 [short, {**short, "question": "What is 2+2? " * 12}, short])
+                       + "\n")
+    eval_f = tmp_path / "eval.jsonl"
+    eval_f.write_text(json.dumps(short) + "\n")
+    over = {"data.task": "files", "data.train_path": str(train_f),
+            "data.eval_path": str(eval_f), "steps": "4", "prompts_per_step": "1",
+            "plots": "false", "tensorboard": "false"}
+    with pytest.raises(ValueError, match=r"agent 'char' \(agents\.0\): 1 of 3 training "
+                                         r"\(.*train\.jsonl\) prompts do not fit its "
+                                         r"max_len=128 with rollout\.max_new_tokens=12 "
+                                         r".*example 'train:2', has 163 prompt tokens") as e:
+        train(_cfg(tmp_path, **over), echo=lambda *_: None)
+    assert is_user_error(e.value)
+    assert not (tmp_path / "cache").exists()          # before the warm-up
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    # held-out prompts with the evaluation's own number of new tokens
+    with pytest.raises(ValueError, match=r"1 of 1 held-out \(.*eval\.jsonl\) prompts .*"
+                                         r"eval_max_new_tokens=120"):
+        train(_cfg(tmp_path, name="ev", **{**over, "data.train_path": str(eval_f),
+                                           "eval_max_new_tokens": "120"}),
+              echo=lambda *_: None)
+
+
+def test_fewer_prompts_than_minibatches_is_said_not_silent(tmp_path):
+    """Minibatches split by prompt: with fewer prompts per step than minibatches the empty ones
+    are no updates, e.g. tiny3 under gspo2x (4 prompts, 4 x 2 minibatches) made 4 updates of
+    one prompt each, as many and as large as gspo's, with nothing said. The run now says so
+    (before the warm-up); a config that makes its M updates says nothing."""
+    from hacpo.engine.algorithm import split_minibatches
+    from hacpo.engine.compare import with_algorithm
+    from hacpo.engine.trainer import minibatch_shortfall
+    cfg = with_algorithm(_cfg(tmp_path), "gspo2x", {})
+    M = cfg.algorithm.num_minibatches * cfg.algorithm.minibatch_factor
+    P = cfg.prompts_per_step
+    assert P < M
+    prompt = torch.arange(P).repeat_interleave(2 * cfg.rollout.group_size)
+    mbs = split_minibatches(prompt, torch.ones_like(prompt, dtype=torch.bool), M, "mixed",
+                            torch.Generator().manual_seed(0))
+    assert len(mbs) == P                      # what the note says happens
+    note = minibatch_shortfall(cfg)
+    assert note is not None and f"{M} minibatches per step" in note
+    assert f"at most {P} updates per step, not {M}" in note and "gspo2x" in note
+    assert minibatch_shortfall(_cfg(tmp_path)) is None        # hacpo: 4 prompts, 4 minibatches
+    assert minibatch_shortfall(_cfg(tmp_path, **{"algorithm.minibatch_order": "self_first",
+                                                 "algorithm.num_minibatches": "8"})) is None
+    lines = []
+    cfg = with_algorithm(_cfg(tmp_path, steps="0", plots="false", tensorboard="false",
+                              **{"data.eval_size": "0"}), "gspo2x", {})
+    train(cfg, echo=lines.append)
+    assert lines[0] == f"[warn] {note}"
+
+
+def test_groups_that_cannot_differ_are_said_to_give_no_signal(tmp_path):
+    """rollout.temperature=0 with G > 1 (an agent's G responses are identical) or G = 1: a
+    grpo / gspo group has one reward, zero advantages and zero gradients every step; the run
+    said nothing. Now it says so before the warm-up (hacpo / naive: that only agents differ;
+    a greedy pass@k: that it is avg@1)."""
+    from hacpo.engine.compare import with_algorithm
+    from hacpo.engine.trainer import no_signal_note
+    over = {"steps": "1", "plots": "false", "tensorboard": "false", "data.eval_size": "0",
+            "rollout.temperature": "0"}
+    cfg = with_algorithm(_cfg(tmp_path, **over), "grpo", {})
+    lines = []
+    train(cfg, echo=lines.append)
+    note = no_signal_note(cfg)
+    assert f"[warn] {note}" in lines and "every grpo group has one reward" in note
+    row = json.loads(open(tmp_path / "run" / "metrics.jsonl").readline())
+    for name in ("char", "qwen3", "llama"):         # what the note says: no gradient
+        assert row[f"train/{name}/grad_norm"] == 0.0 and row[f"train/{name}/loss"] == 0.0
+    sampled = {**over, "rollout.temperature": "0.7"}
+    assert "differs only between agents" in no_signal_note(_cfg(tmp_path, **over))
+    assert no_signal_note(_cfg(tmp_path, **{**over, "rollout.group_size": "1"})) is None
+    assert no_signal_note(_cfg(tmp_path, **sampled)) is None
+    g1 = with_algorithm(_cfg(tmp_path, **{**sampled, "rollout.group_size": "1"}), "gspo", {})
+    assert "each gspo group holds one response" in no_signal_note(g1)
+    assert no_signal_note(with_algorithm(_cfg(tmp_path, **sampled), "gspo", {})) is None
+    assert "equal greedy avg@1" in no_signal_note(_cfg(tmp_path, **{**over,
+                                                                     "eval_pass_k": "4"}))
+
+
 def test_unknown_tokenizer_path_is_clear_error(tmp_path):
     cfg = _cfg(tmp_path, **{"agents.1.policy.tokenizer": str(tmp_path / "nope")})
     with pytest.raises(FileNotFoundError, match="nope"):
