@@ -43,7 +43,8 @@ class KVCache:
 
     ``key_mask [B, S_max]`` marks which cache slots hold real tokens (False for left padding
     and for slots not written yet); ``length`` is the number of slots written so far (the same
-    for every row: rows are aligned by left padding).
+    for every row: rows are aligned by left padding). Only slots below ``length`` are ever
+    read (those past it may hold anything, see :meth:`repeat_interleave`).
     """
 
     def __init__(self, cfg: DecoderConfig, batch: int, max_len: int, *, dtype, device):
@@ -59,6 +60,25 @@ class KVCache:
         self.k = [k.index_select(0, index) for k in self.k]
         self.v = [v.index_select(0, index) for v in self.v]
         self.key_mask = self.key_mask.index_select(0, index)
+
+    def repeat_interleave(self, repeats: int) -> None:
+        """Each row ``repeats`` times in place of once (row b -> rows b*repeats ...
+        (b+1)*repeats - 1): ``reorder(arange(B).repeat_interleave(repeats))``, copying only
+        the ``length`` slots written so far (a slot past them is written before it is read,
+        so the new buffers leave them uninitialized)."""
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
+        n = self.length
+
+        def rep(buf):
+            B, *rest = buf.shape
+            out = buf.new_empty(B * repeats, *rest)
+            out.view(B, repeats, *rest)[:, :, :, :n].copy_(buf[:, None, :, :n])
+            return out
+
+        self.k = [rep(k) for k in self.k]
+        self.v = [rep(v) for v in self.v]
+        self.key_mask = self.key_mask.repeat_interleave(repeats, 0)
 
 
 class RMSNorm(nn.Module):
@@ -83,9 +103,81 @@ def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype)
 
 
 def apply_rope(x, cos, sin):
+    """The rotary embedding (rotate-half): x [..., Dh] -> x * cos + rotate_half(x) * sin.
+
+    The reference formula; :func:`qkv_rope` computes the same values (bit for bit) for the
+    attention's q and k with fewer passes over memory."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+def _rope_into(out, x, cos, sin):
+    """out = apply_rope(x, cos, sin), written into ``out`` (same shape as x), bit for bit:
+    the first half is x1 * c - x2 * s (== x1 * c + (-x2) * s: negation is exact and a - b is
+    a + (-b)), the second x2 * c + x1 * s."""
+    h = x.shape[-1] // 2
+    torch.mul(x, cos, out=out)
+    out[..., :h].sub_(x[..., h:] * sin[..., :h])
+    out[..., h:].add_(x[..., :h] * sin[..., h:])
+    return out
+
+
+def _rope_grad_into(out, g, cos, sin):
+    """out = the gradient of apply_rope(x, cos, sin) w.r.t. x for the upstream gradient g, as
+    autograd computes it for that formula (g * cos, plus the rotated half of g * sin: + its
+    second half on the first, - its first half on the second)."""
+    h = g.shape[-1] // 2
+    gs = g * sin
+    torch.mul(g, cos, out=out)
+    out[..., :h].add_(gs[..., h:])
+    out[..., h:].sub_(gs[..., :h])
+    return out
+
+
+class _QKVRope(torch.autograd.Function):
+    """y [B, L, 3 * H * Dh] (the qkv projection) -> q, k (rotary applied) [B, H, L, Dh] and v
+    (a view of y). The values and gradients of splitting y and applying :func:`apply_rope` to q
+    and k with autograd, without that graph's temporaries (the rotated copy, the zero-filled
+    gradients of the half slices, the stacked q/k/v gradient)."""
+
+    @staticmethod
+    def forward(ctx, y, cos, sin, n_heads, head_dim):
+        B, L, _ = y.shape
+        q, k, v = y.view(B, L, 3, n_heads, head_dim).permute(2, 0, 3, 1, 4)
+        # laid out as [B, L, H, Dh] in memory, as the autograd formula's outputs are
+        qr = _rope_into(y.new_empty(B, L, n_heads, head_dim).transpose(1, 2), q, cos, sin)
+        kr = _rope_into(y.new_empty(B, L, n_heads, head_dim).transpose(1, 2), k, cos, sin)
+        ctx.save_for_backward(cos, sin)
+        ctx.shape, ctx.dtype = (B, L, n_heads, head_dim), y.dtype
+        return qr, kr, v
+
+    @staticmethod
+    def backward(ctx, gq, gk, gv):
+        cos, sin = ctx.saved_tensors
+        B, L, H, Dh = ctx.shape
+        gy = torch.empty(B, L, 3, H, Dh, dtype=ctx.dtype, device=cos.device)
+        gq_, gk_, gv_ = gy.permute(2, 0, 3, 1, 4)
+        for out, g in ((gq_, gq), (gk_, gk)):
+            if g is None:
+                out.zero_()
+            else:
+                _rope_grad_into(out, g, cos, sin)
+        if gv is None:
+            gv_.zero_()
+        else:
+            gv_.copy_(gv)
+        return gy.view(B, L, 3 * H * Dh), None, None, None, None
+
+
+def qkv_rope(y, cos, sin, n_heads: int, head_dim: int):
+    """y [B, L, 3 * H * Dh] -> q, k, v [B, H, L, Dh] with the rotary embedding applied to q
+    and k; equal (values and gradients, bit for bit) to splitting y and :func:`apply_rope`."""
+    if cos.requires_grad or sin.requires_grad:     # never so here: positions are not trained
+        B, L, _ = y.shape
+        q, k, v = y.view(B, L, 3, n_heads, head_dim).permute(2, 0, 3, 1, 4)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    return _QKVRope.apply(y, cos, sin, n_heads, head_dim)
 
 
 class Attention(nn.Module):
@@ -97,9 +189,7 @@ class Attention(nn.Module):
 
     def project(self, x, cos, sin):
         """x [B, L, D] -> q, k, v [B, H, L, Dh] (rotary applied to q and k)."""
-        B, L, _ = x.shape
-        q, k, v = self.qkv(x).view(B, L, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        return qkv_rope(self.qkv(x), cos, sin, self.n_heads, self.head_dim)
 
     def attend(self, q, k, v, attn_mask):
         """q [B, H, L, Dh], k/v [B, H, S, Dh], attn_mask [B, 1, L, S] -> [B, L, D]."""
@@ -130,6 +220,80 @@ class MLP(nn.Module):
         return self.down(F.silu(gate) * up)
 
 
+class _RowsOfPrefixes:
+    """Where each of N rows takes its prefix from (``prefix_of_row [N]``, CPU): the runs of
+    consecutive rows with one prefix, and per occurrence k (a row is its prefix's k-th) the
+    rows, for prefixes ordered by their number of rows (most first; ``perm``, ``inverse``)."""
+
+    def __init__(self, prefix_of_row: torch.Tensor, n_prefixes: int):
+        rows = prefix_of_row.tolist()
+        if rows and not 0 <= min(rows) <= max(rows) < n_prefixes:
+            raise IndexError(f"prefix_of_row: a prefix index is out of range [0, {n_prefixes})")
+        self.P = n_prefixes
+        self.runs = []                                    # (prefix, first row, end row)
+        for r, p in enumerate(rows):
+            if self.runs and self.runs[-1][0] == p and self.runs[-1][2] == r:
+                self.runs[-1][2] = r + 1
+            else:
+                self.runs.append([p, r, r + 1])
+        of_prefix: list[list[int]] = [[] for _ in range(n_prefixes)]
+        for r, p in enumerate(rows):
+            of_prefix[p].append(r)
+        order = sorted(range(n_prefixes), key=lambda p: -len(of_prefix[p]))   # stable
+        self.perm = torch.tensor(order, dtype=torch.long)
+        self.inverse = torch.empty_like(self.perm)
+        self.inverse[self.perm] = torch.arange(n_prefixes)
+        most = len(of_prefix[order[0]]) if order else 0
+        self.by_occurrence = []      # k -> rows (long [n_k]) of prefixes perm[:n_k], in order
+        for k in range(most):
+            rk = [of_prefix[p][k] for p in order if len(of_prefix[p]) > k]
+            self.by_occurrence.append(torch.tensor(rk, dtype=torch.long))
+
+
+class _PrefixCat(torch.autograd.Function):
+    """kp [P, H, Lp, Dh], kr [N, H, Lr, Dh] -> [N, H, Lp + Lr, Dh]: each row's prefix keys (or
+    values) then its own, i.e. ``cat([kp.index_select(0, prefix_of_row), kr], dim=2)``, with
+    the same values and gradients bit for bit (float32 on CPU): the prefix part is copied once,
+    and its gradient sums each prefix's rows in row order from zero as that index_select's
+    backward (an index_add) does, with dense adds instead of a scatter."""
+
+    @staticmethod
+    def forward(ctx, kp, kr, plan: _RowsOfPrefixes):
+        P, H, Lp, Dh = kp.shape
+        N, _, Lr, _ = kr.shape
+        out = kr.new_empty(N, H, Lp + Lr, Dh)
+        for p, a, b in plan.runs:
+            out[a:b, :, :Lp].copy_(kp[p:p + 1].expand(b - a, H, Lp, Dh))
+        out[:, :, Lp:].copy_(kr)
+        ctx.plan, ctx.Lp = plan, Lp
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        plan, Lp = ctx.plan, ctx.Lp
+        gp = g[:, :, :Lp]
+        grad_kp = None
+        if ctx.needs_input_grad[0]:
+            acc = g.new_zeros((plan.P,) + gp.shape[1:])       # prefixes, most rows first
+            for rows in plan.by_occurrence:
+                acc[:rows.numel()].add_(gp.index_select(0, rows))
+            grad_kp = acc.index_select(0, plan.inverse)
+        return grad_kp, g[:, :, Lp:], None
+
+
+def prefix_cat(kp: torch.Tensor, kr: torch.Tensor, prefix_of_row: torch.Tensor,
+               plan: _RowsOfPrefixes | None = None) -> torch.Tensor:
+    """``cat([kp.index_select(0, prefix_of_row), kr], dim=2)`` (kp [P, H, Lp, Dh], kr [N, H,
+    Lr, Dh] -> [N, H, Lp + Lr, Dh]); float32 CPU tensors take :class:`_PrefixCat` (same bits,
+    less memory traffic), others the formula itself. ``plan``: ``_RowsOfPrefixes`` of
+    ``prefix_of_row`` (built once for all layers)."""
+    if kp.dtype != torch.float32 or kp.device.type != "cpu" or kr.dtype != torch.float32:
+        return torch.cat([kp.index_select(0, prefix_of_row), kr], dim=2)
+    if plan is None:
+        plan = _RowsOfPrefixes(prefix_of_row.cpu(), kp.shape[0])
+    return _PrefixCat.apply(kp, kr, plan)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
@@ -148,12 +312,13 @@ class Block(nn.Module):
         xp = xp + self.attn.attend(qp, kp, vp, mask_p)
         return xp + self.mlp(self.mlp_norm(xp)), kp, vp
 
-    def forward_continued(self, xr, rope_r, mask_r, kp, vp, prefix_of_row):
+    def forward_continued(self, xr, rope_r, mask_r, kp, vp, prefix_of_row, plan=None):
         """Rows xr [N, Lr, D] attend to their prefix's keys/values kp, vp [P, H, Lp, Dh]
-        (``prefix_of_row [N]``) and causally to their own -> xr'."""
+        (``prefix_of_row [N]``; ``plan``: its ``_RowsOfPrefixes``, or None) and causally to
+        their own -> xr'."""
         qr, kr, vr = self.attn.project(self.attn_norm(xr), *rope_r)
-        k = torch.cat([kp.index_select(0, prefix_of_row), kr], dim=2)
-        v = torch.cat([vp.index_select(0, prefix_of_row), vr], dim=2)
+        k = prefix_cat(kp, kr, prefix_of_row, plan)
+        v = prefix_cat(vp, vr, prefix_of_row, plan)
         xr = xr + self.attn.attend(qr, k, v, mask_r)
         return xr + self.mlp(self.mlp_norm(xr))
 
@@ -320,8 +485,10 @@ class Decoder(nn.Module):
         own = ((k <= q)[None] & attention_mask[:, None, :]) | (k == q)[None]      # [N, Lr, Lr]
         pre = states.mask.index_select(0, prefix_of_row)[:, None, :].expand(N, Lr, Lp)
         mask = torch.cat([pre, own], dim=-1)[:, None]
+        plan = (_RowsOfPrefixes(prefix_of_row.cpu(), states.mask.shape[0])
+                if dev.type == "cpu" and x.dtype == torch.float32 else None)
         for block, (kp, vp) in zip(self.blocks, states.kv):
-            x = block.forward_continued(x, rope, mask, kp, vp, prefix_of_row)
+            x = block.forward_continued(x, rope, mask, kp, vp, prefix_of_row, plan)
         return self.norm(x)
 
     def hidden_prefixed(self, prefix_ids: torch.Tensor, prefix_mask: torch.Tensor,

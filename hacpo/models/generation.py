@@ -147,8 +147,8 @@ class _DecoderStepper:
         h = self.model.hidden(ids, mask, pos, self.cache)
         return F.linear(h[:, -1], self.weight)
 
-    def repeat(self, index):
-        self.cache.reorder(index)
+    def repeat(self, index):    # index = arange(B).repeat_interleave(G) (generate's)
+        self.cache.repeat_interleave(int(index.numel() // self.cache.key_mask.shape[0]))
 
     def step(self, tokens, pos):
         ones = torch.ones_like(tokens, dtype=torch.bool)

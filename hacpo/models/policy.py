@@ -255,12 +255,13 @@ class Policy(nn.Module):
             raise ValueError(f"policy {self.name!r}: {what} id {bad} is outside the vocabulary "
                              f"of {V} ({self.tokenizer.name!r})")
 
-    def _scatter_logprobs(self, h: torch.Tensor, targets: list[int], mask: torch.Tensor,
-                          temperature: float):
-        """h [T, H] hidden states predicting the T response tokens (row-major) -> token_logp
-        [B, Tmax] float32 scattered into ``mask`` [B, Tmax]."""
+    def _scatter_logprobs(self, h: torch.Tensor, targets: list[int] | torch.Tensor,
+                          mask: torch.Tensor, temperature: float):
+        """h [T, H] hidden states predicting the T response tokens (row-major; ``targets``
+        [T], a list or a long tensor) -> token_logp [B, Tmax] float32 scattered into ``mask``
+        [B, Tmax]."""
         dev = h.device
-        tgt = torch.tensor(targets, dtype=torch.long, device=dev)
+        tgt = torch.as_tensor(targets, dtype=torch.long).to(dev)
         if self.lm_head == "fused":     # no [T, V] logits; padded embedding rows left out
             from hacpo.kernels import fused_linear_token_logprobs
             lp = fused_linear_token_logprobs(h, self.output_weight, tgt, temperature=temperature,
@@ -337,21 +338,22 @@ class Policy(nn.Module):
         P, B = states.last.shape[0], len(response_ids)
         if B and not all(0 <= int(i) < P for i in prompt_of_row):
             raise ValueError(f"continuation_logprobs: prompt index out of range [0, {P})")
-        Tmax = max((len(r) for r in response_ids), default=0)
-        mask = torch.zeros(B, Tmax, dtype=torch.bool)
+        lens = torch.tensor([len(r) for r in response_ids], dtype=torch.long)
+        Tmax = int(lens.max()) if B else 0
+        mask = torch.arange(Tmax)[None, :] < lens[:, None]                      # [B, Tmax]
         if Tmax == 0:
             return torch.zeros(B, 0, device=dev), mask.to(dev)
+        targets = torch.tensor([t for r in response_ids for t in r], dtype=torch.long)
         r_ids = torch.full((B, Tmax), self.tokenizer.pad_id, dtype=torch.long)
-        src, targets = [], []     # flat index into [prompts' last states (P); rows (B*Tmax)]
-        for b, r in enumerate(response_ids):
-            if r:
-                r_ids[b, :len(r)] = torch.tensor(list(r), dtype=torch.long)
-                mask[b, :len(r)] = True
-                src.append(int(prompt_of_row[b]))
-                src += [P + b * Tmax + j for j in range(len(r) - 1)]
-                targets += r
-        self._check_ids(r_ids[mask], "response")
-        pidx = torch.tensor([int(i) for i in prompt_of_row], dtype=torch.long, device=dev)
+        r_ids[mask] = targets                             # row-major: row b's tokens in order
+        self._check_ids(targets, "response")
+        pidx_cpu = torch.tensor([int(i) for i in prompt_of_row], dtype=torch.long)
+        # flat index into [prompts' last states (P); rows (B*Tmax)] of the state predicting each
+        # response token: its prompt's last state for a row's first token, else the row's
+        # previous position
+        b_of, j_of = mask.nonzero(as_tuple=True)
+        src = torch.where(j_of == 0, pidx_cpu[b_of], P + b_of * Tmax + j_of - 1)
+        pidx = pidx_cpu.to(dev)
         if self.kind == "decoder":    # checks max_len itself
             hr = self.model.hidden_continued(states, r_ids.to(dev), mask.to(dev), pidx)
         else:
@@ -367,7 +369,7 @@ class Policy(nn.Module):
             hr = hidden_continued(self.model, states, r_ids.to(dev), mask.to(dev), pidx,
                                   max_positions=self.max_len)
         h = torch.cat([states.last, hr.reshape(B * Tmax, hr.shape[-1])])
-        h = h.index_select(0, torch.tensor(src, dtype=torch.long, device=dev))
+        h = h.index_select(0, src.to(dev))
         return self._scatter_logprobs(h, targets, mask.to(dev), temperature)
 
 
