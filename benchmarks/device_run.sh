@@ -69,7 +69,9 @@ stage() {
   fi
   echo "== stage $name (limit ${lim}s)"
   local t=$SECONDS
-  timeout "$lim" "$@" 2>&1 | tee "$W/$name.log"
+  # the deadline reaches the scripts' own inner `timeout`s (each in a process group of its
+  # own, out of this one's reach: a hung step would hold the GPU into the next stage)
+  HACPO_DEADLINE=$(( $(date +%s) + lim )) timeout "$lim" "$@" 2>&1 | tee "$W/$name.log"
   local c=${PIPESTATUS[0]}
   if [ "$c" -ne 0 ]; then failed="$failed $name"; else passed=$(( passed + 1 )); fi
   local what="rc=$c"
@@ -83,13 +85,19 @@ stage() {
 cat "$W/env.txt" >> "$OUT/summary.txt"
 
 WHEEL_ARGS=()
+SITE_MADE=""
 if ! "$PY" -c "import megatron.core" 2>/dev/null; then
   tag="cp$("$PY" -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')"
   whl=$(ls "$ROOT"/.whl/megatron_core-0.16.1-"$tag"-*.whl 2>/dev/null | head -1)
   if [ -n "$whl" ]; then
     WHEEL_ARGS=(--megatron-wheel "$whl")
-    # a fresh install target per run (gpu_smoke.sh installs there when the python is no venv)
-    export MEGATRON_SITE="${MEGATRON_SITE:-$W/megatron-site}"
+    # a fresh install target per run (gpu_smoke.sh installs there when the python is no venv),
+    # outside $W: the results tarball holds results only
+    if [ -z "${MEGATRON_SITE:-}" ]; then
+      MEGATRON_SITE="$(mktemp -d "${TMPDIR:-/tmp}/hacpo-megatron-site.XXXXXX")"
+      SITE_MADE=1
+    fi
+    export MEGATRON_SITE
   else
     echo "device_run: no megatron-core for $PY and no .whl/megatron_core-0.16.1-$tag-*.whl" \
          "(carry .whl; see the header): the smoke stage will say so" | tee -a "$OUT/summary.txt"
@@ -106,9 +114,7 @@ for st in correctness smoke bench pytest; do
                    bash benchmarks/gpu_check.sh "$W/check" ;;
     smoke)       stage smoke 300 bash benchmarks/gpu_smoke.sh "$W/smoke" "${WHEEL_ARGS[@]}" \
                    ${DEVICE_RUN_SMOKE_ARGS:-} ;;
-    bench)       lim=$(( $(left) - 25 )); [ "$lim" -gt 270 ] && lim=270
-                 stage bench 280 env GPU_CHECK_STAGES=bench GPU_CHECK_BENCH_TIMEOUT="$lim" \
-                   bash benchmarks/gpu_check.sh "$W/check" ;;
+    bench)       stage bench 280 env GPU_CHECK_STAGES=bench bash benchmarks/gpu_check.sh "$W/check" ;;
     pytest)      if [ "$(left)" -ge 75 ]; then
                    stage pytest 130 env GPU_CHECK_STAGES=pytest bash benchmarks/gpu_check.sh "$W/check"
                  else
@@ -118,6 +124,7 @@ for st in correctness smoke bench pytest; do
 done
 pack
 rm -rf "$W"
+[ -n "${SITE_MADE:-}" ] && rm -rf "$MEGATRON_SITE"
 echo "device_run: done in $(( SECONDS - T0 ))s, $passed of $wanted stages passed${failed:+ (failed:$failed)}${skipped:+ (skipped:$skipped)}; results in $OUT" \
   | tee -a "$OUT/summary.txt"
 [ "$passed" -eq "$wanted" ]

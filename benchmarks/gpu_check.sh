@@ -19,6 +19,18 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET
 cd "$ROOT"
 rc=0
+# upto SECONDS: SECONDS, or less where HACPO_DEADLINE (epoch seconds; device_run.sh sets it per
+# stage) comes sooner: a limit of an outer `timeout` does not reach these inner ones (each
+# `timeout` runs its command in a process group of its own)
+upto() {
+  local d="$1"
+  if [ -n "${HACPO_DEADLINE:-}" ]; then
+    local r=$(( HACPO_DEADLINE - $(date +%s) - 5 ))
+    [ "$r" -lt "$d" ] && d=$r
+    [ "$d" -lt 1 ] && d=1
+  fi
+  echo "$d"
+}
 STAGES=" ${GPU_CHECK_STAGES:-correctness pytest bench} "
 for st in $STAGES; do
   case "$st" in correctness|pytest|bench) ;;
@@ -33,7 +45,7 @@ cat "$RESULTS_DIR/env.txt"
 
 if [[ "$STAGES" == *" correctness "* ]]; then
 echo "== 1/3 compiled Triton correctness"
-timeout 150 "$PY" benchmarks/gpu_correctness.py "$RESULTS_DIR" 2>&1 | tee "$RESULTS_DIR/correctness.log"
+timeout "$(upto 150)" "$PY" benchmarks/gpu_correctness.py "$RESULTS_DIR" 2>&1 | tee "$RESULTS_DIR/correctness.log"
 c=${PIPESTATUS[0]}; [ "$c" -ne 0 ] && rc=$c
 fi
 
@@ -41,7 +53,7 @@ if [[ "$STAGES" == *" pytest "* ]]; then
 echo "== 2/3 pytest tests/kernels (not multiprocess)"
 if "$PY" -c "import pytest" 2>/dev/null; then
   # -o addopts= : the repo's pytest.ini asks for pytest-timeout, which may be absent here
-  timeout 120 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -m "not multiprocess" \
+  timeout "$(upto 120)" "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -m "not multiprocess" \
     tests/kernels 2>&1 | tee "$RESULTS_DIR/pytest.log"
   c=${PIPESTATUS[0]}; [ "$c" -ne 0 ] && rc=$c
 else
@@ -52,7 +64,7 @@ fi
 if [[ "$STAGES" == *" bench "* ]]; then
 echo "== 3/3 benchmark"
 "$PY" -c "import liger_kernel" 2>/dev/null || echo "liger_kernel not installed: its columns are skipped"
-timeout "${GPU_CHECK_BENCH_TIMEOUT:-270}" "$PY" benchmarks/bench_logprobs.py --out "$RESULTS_DIR" \
+timeout "$(upto "${GPU_CHECK_BENCH_TIMEOUT:-270}")" "$PY" benchmarks/bench_logprobs.py --out "$RESULTS_DIR" \
   --reps 10 --case-timeout 60 ${GPU_CHECK_BENCH_ARGS:-} 2>&1 \
   | tee "$RESULTS_DIR/bench.log"
 c=${PIPESTATUS[0]}; [ "$c" -ne 0 ] && rc=$c

@@ -33,6 +33,18 @@ mkdir -p "$RESULTS_DIR"
 RESULTS_DIR="$(cd "$RESULTS_DIR" && pwd)"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 cd "$ROOT"
+# upto SECONDS: SECONDS, or less where HACPO_DEADLINE (epoch seconds; device_run.sh sets it per
+# stage) comes sooner: a limit of an outer `timeout` does not reach these inner ones (each
+# `timeout` runs its command in a process group of its own)
+upto() {
+  local d="$1"
+  if [ -n "${HACPO_DEADLINE:-}" ]; then
+    local r=$(( HACPO_DEADLINE - $(date +%s) - 5 ))
+    [ "$r" -lt "$d" ] && d=$r
+    [ "$d" -lt 1 ] && d=1
+  fi
+  echo "$d"
+}
 
 { nvidia-smi || true; "$PY" -c "import sys, torch, triton; print(sys.version); print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"; } \
   > "$RESULTS_DIR/env.txt" 2>&1
@@ -51,13 +63,13 @@ if ! "$PY" -c "import megatron.core" 2>/dev/null; then
   fi
   if "$PY" -c "import sys; sys.exit(0 if sys.prefix != sys.base_prefix else 1)"; then
     echo "== installing $WHEEL into the venv $("$PY" -c 'import sys; print(sys.prefix)')"
-    timeout 120 "$PY" -m pip install --no-deps --no-index "$WHEEL" 2>&1 | tee "$RESULTS_DIR/install.log"
+    timeout "$(upto 120)" "$PY" -m pip install --no-deps --no-index "$WHEEL" 2>&1 | tee "$RESULTS_DIR/install.log"
     c=${PIPESTATUS[0]}
   else
     SITE="${MEGATRON_SITE:-$HOME/.cache/hacpo/megatron-site-py$("$PY" -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')}"
     echo "== installing $WHEEL into $SITE (on PYTHONPATH)"
     if "$PY" -m pip --version >/dev/null 2>&1; then
-      timeout 120 "$PY" -m pip install --no-deps --no-index --upgrade --target "$SITE" "$WHEEL" 2>&1 \
+      timeout "$(upto 120)" "$PY" -m pip install --no-deps --no-index --upgrade --target "$SITE" "$WHEEL" 2>&1 \
         | tee "$RESULTS_DIR/install.log"
       c=${PIPESTATUS[0]}
     else
@@ -89,8 +101,9 @@ fi
   | tee -a "$RESULTS_DIR/env.txt"
 
 echo "== 2 HACPO steps (megatron-core TP=1, Triton log-probs)"
-timeout 420 "$PY" benchmarks/gpu_smoke.py "$RESULTS_DIR" "${PASS[@]}" 2>&1 | tee "$RESULTS_DIR/smoke.log"
+T_SMOKE="$(upto 420)"
+timeout "$T_SMOKE" "$PY" benchmarks/gpu_smoke.py "$RESULTS_DIR" "${PASS[@]}" 2>&1 | tee "$RESULTS_DIR/smoke.log"
 rc=${PIPESTATUS[0]}
-[ "$rc" -eq 124 ] && echo "gpu_smoke: timed out after 420 s" | tee -a "$RESULTS_DIR/summary.txt"
+[ "$rc" -eq 124 ] && echo "gpu_smoke: timed out after $T_SMOKE s" | tee -a "$RESULTS_DIR/summary.txt"
 echo "gpu_smoke done (rc=$rc); results in $RESULTS_DIR"
 exit $rc

@@ -134,8 +134,9 @@ def warm_start(cfg: TrainConfig, data: Data, policies: list[Policy], echo=print)
         key = config_hash({"policy": asdict(a.policy), "warmup": asdict(a.warmup), "seed": seed,
                            "init": _state_digest(pol), "tokenizer": tokenizer_digest(tok),
                            "examples": examples_digest,
-                           # 4: bf16 / fp16 warm-ups step fp32 master weights (fp32: unchanged)
-                           "v": 3 if a.policy.dtype == "float32" else 4})
+                           # 4: bf16 / fp16 warm-ups step fp32 master weights; 5: their grad
+                           # norm and clip in fp32 (fp32 warm-ups: unchanged, bit for bit)
+                           "v": 3 if a.policy.dtype == "float32" else 5})
         path = os.path.join(cfg.cache_dir, f"warmup-{a.policy.name}-{key}.pt")
         state = _cached_warm_start(path, pol)
         if state is not None:

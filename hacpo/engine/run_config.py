@@ -281,19 +281,28 @@ def _check_policy(p: PolicyConfig) -> None:
         raise ValueError(f"{where}: policy: {e}{sizes}") from None
 
 
-def _check_agent_name(i: int, name) -> None:
+def _check_agent_name(i: int, name, *, new_run: bool = False) -> None:
     """An agent's name names files (the warm-start cache, eval outputs) and metric keys
-    (``train/<name>/loss``, ``omega/<s>-><t>``): non-empty, no path separator, no '.' or '..',
-    no whitespace or control characters, no '->'."""
+    (``train/<name>/loss``, ``omega/<s>-><t>``): non-empty, no path separator, not '.' or '..'
+    (always: those break files). ``new_run``: also no whitespace or control characters and no
+    '->' (ambiguous metric keys; checked for new runs only, so a stored run with such a name
+    still resumes and evaluates)."""
     where = f"agents.{i}.policy.name={name!r}"
     if not isinstance(name, str) or not name:
         raise ValueError(f"{where}: an agent needs a non-empty name")
-    bad = [repr(c) for c in ("/", "\\", "->") if c in name]
-    bad += [repr(c) for c in sorted(set(name)) if c.isspace() or not c.isprintable()]
+    bad = [repr(c) for c in ("/", "\\") + (("->",) if new_run else ()) if c in name]
+    if new_run:
+        bad += [repr(c) for c in sorted(set(name)) if c.isspace() or not c.isprintable()]
     if name in (".", "..") or bad:
         why = f"may not contain {', '.join(bad)}" if bad else "may not be '.' or '..'"
         raise ValueError(f"{where}: an agent's name {why} (it names files and metric keys "
                          f"such as train/<name>/loss and omega/<source>-><learner>)")
+
+
+def check_new_run_names(cfg: "TrainConfig") -> None:
+    """The stricter agent-name rules for a run about to start (not a resume, not an eval)."""
+    for i, a in enumerate(cfg.agents):
+        _check_agent_name(i, a.policy.name, new_run=True)
 
 
 def _check_hf_arch_config(where: str, arch, hf_config: dict) -> None:

@@ -43,8 +43,8 @@ from .metrics import MetricsLogger
 from .pool import build_pool, learner_view
 from .rewards import RewardComputer
 from .rollout import generate_agents, sync_agents
-from .run_config import (TrainConfig, config_diff, config_hash, default_fingerprint,
-                         drop_unused_policy_settings, fingerprint_dict)
+from .run_config import (TrainConfig, check_new_run_names, config_diff, config_hash,
+                         default_fingerprint, drop_unused_policy_settings, fingerprint_dict)
 from .timing import Stopwatch, device_sync, null_timer
 
 CHECKPOINT = "checkpoint.pt"
@@ -227,10 +227,12 @@ def _prepare(cfg: TrainConfig, resume: bool, echo):
             raise ValueError(f"cannot resume {ck_path} at step {state['step']} with steps="
                              f"{cfg.steps}: the run is past it (its metrics and checkpoint "
                              f"hold {state['step']} steps); pass steps >= {state['step']}")
-    elif os.path.exists(ck_path) and not resume:
+    if state is None:
+        check_new_run_names(cfg)    # names a stored run may keep (spaces, '->') new runs may not
+    if os.path.exists(ck_path) and not resume:
         raise FileExistsError(f"{cfg.out_dir} already holds a run ({CHECKPOINT}); pass --resume "
                               f"to continue it or choose another out_dir")
-    elif resume:
+    elif resume and state is None:
         echo(f"[resume] no {CHECKPOINT} in {cfg.out_dir}: starting a new run there")
     ckpt.write_text_atomic(os.path.join(cfg.out_dir, "config.json"),
                            json.dumps(cfg.to_dict(), indent=2))

@@ -156,6 +156,15 @@ class _QKVRope(torch.autograd.Function):
     def backward(ctx, gq, gk, gv):
         cos, sin = ctx.saved_tensors
         B, L, H, Dh = ctx.shape
+        if torch.is_grad_enabled():     # create_graph=True: the gradient must be differentiable
+            def d(g):
+                if g is None:
+                    return torch.zeros(B, H, L, Dh, dtype=ctx.dtype, device=cos.device)
+                gs, h = g * sin, Dh // 2
+                return g * cos + torch.cat([gs[..., h:], -gs[..., :h]], dim=-1)
+            gy = torch.stack([d(gq), d(gk), gv if gv is not None else d(None)], dim=0)
+            return (gy.permute(1, 3, 0, 2, 4).reshape(B, L, 3 * H * Dh),
+                    None, None, None, None)
         gy = torch.empty(B, L, 3, H, Dh, dtype=ctx.dtype, device=cos.device)
         gq_, gk_, gv_ = gy.permute(2, 0, 3, 1, 4)
         for out, g in ((gq_, gq), (gk_, gk)):
@@ -173,7 +182,8 @@ class _QKVRope(torch.autograd.Function):
 def qkv_rope(y, cos, sin, n_heads: int, head_dim: int):
     """y [B, L, 3 * H * Dh] -> q, k, v [B, H, L, Dh] with the rotary embedding applied to q
     and k; equal (values and gradients, bit for bit) to splitting y and :func:`apply_rope`."""
-    if cos.requires_grad or sin.requires_grad:     # never so here: positions are not trained
+    if (cos.requires_grad or sin.requires_grad     # never so here: positions are not trained
+            or cos.dtype != y.dtype or sin.dtype != y.dtype):   # (autocast) type promotion
         B, L, _ = y.shape
         q, k, v = y.view(B, L, 3, n_heads, head_dim).permute(2, 0, 3, 1, 4)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v

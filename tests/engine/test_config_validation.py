@@ -332,15 +332,47 @@ def test_hf_config_keys_and_arch_are_checked_when_the_config_loads():
     assert ok.agents[0].policy.hf_config["rope_theta"] == 5000.0
 
 
-@pytest.mark.parametrize("name, why", [
-    ("", "needs a non-empty name"), ("a/b", "may not contain '/'"),
-    ("x/../../evil", "may not contain '/'"), ("..", "may not be '.' or '..'"),
-    ("a\\b", "may not contain '\\\\'"), ("a->b", "may not contain '->'"),
-    ("x y", "may not contain ' '"), ("t\tab", "may not contain '\\t'")])
-def test_agent_names_that_would_break_files_or_metric_keys_are_refused(name, why):
+@pytest.mark.parametrize("name, why, new_run_only", [
+    ("", "needs a non-empty name", False), ("a/b", "may not contain '/'", False),
+    ("x/../../evil", "may not contain '/'", False), ("..", "may not be '.' or '..'", False),
+    ("a\\b", "may not contain '\\\\'", False), ("a->b", "may not contain '->'", True),
+    ("x y", "may not contain ' '", True), ("t\tab", "may not contain '\\t'", True)])
+def test_agent_names_that_would_break_files_or_metric_keys_are_refused(name, why,
+                                                                      new_run_only):
     # names name the warm-start cache file and metric keys: '/' made subfolders (and could
-    # write outside cache_dir), '' gave 'train//loss', '->' broke 'omega/s->t'
+    # write outside cache_dir), '' gave 'train//loss', '->' broke 'omega/s->t'. Whitespace and
+    # '->' only for new runs: a stored run with such a name still resumes and evaluates
+    from hacpo.engine.run_config import check_new_run_names, load_config
+    pattern = r"agents\.0\.policy\.name=.*" + re.escape(why)
+    if new_run_only:
+        cfg = load_config("tiny3", overrides={"agents.0.policy.name": name})
+        with pytest.raises(ValueError, match=pattern):
+            check_new_run_names(cfg)
+    else:
+        with pytest.raises(ValueError, match=pattern):
+            load_config("tiny3", overrides={"agents.0.policy.name": name})
+    check_new_run_names(load_config("tiny3", overrides={"agents.0.policy.name": "qwen2.5_v2"}))
+
+
+def test_a_stored_run_with_a_name_new_runs_may_not_use_still_evaluates_and_resumes(
+        tmp_path, monkeypatch):
+    from hacpo.engine import checkpoint as ckpt
+    from hacpo.engine import trainer
+    from hacpo.engine.eval_harness import eval_config
     from hacpo.engine.run_config import load_config
-    with pytest.raises(ValueError, match=r"agents\.0\.policy\.name=.*" + re.escape(why)):
-        load_config("tiny3", overrides={"agents.0.policy.name": name})
-    load_config("tiny3", overrides={"agents.0.policy.name": "qwen2.5-0.5b_v2"})
+    cfg = load_config("tiny3", overrides={
+        "agents.0.policy.name": "my agent", "out_dir": str(tmp_path / "run"),
+        "cache_dir": str(tmp_path / "cache"), "threads": 1, "steps": 0, "plots": False,
+        "tensorboard": False})
+    with pytest.raises(ValueError, match=r"may not contain ' '"):
+        trainer.train(cfg, echo=lambda *_: None)
+    ck = tmp_path / "run" / "checkpoint.pt"
+    assert not ck.exists()
+    with monkeypatch.context() as m:         # a run an older version started
+        m.setattr(trainer, "check_new_run_names", lambda cfg: None)
+        trainer.train(cfg, echo=lambda *_: None)
+    assert ckpt.load(str(ck))["step"] == 0
+    trainer.train(cfg.override({"steps": 1}), resume=True, echo=lambda *_: None)
+    assert ckpt.load(str(ck))["step"] == 1
+    got, _ = eval_config(ckpt.load(str(ck))["config"])
+    assert got.agents[0].policy.name == "my agent"

@@ -188,3 +188,29 @@ def test_device_run_packs_every_stage_into_few_files(tmp_path):
         assert f"stage {st}: skipped, " in summary, summary
     assert "0 of 3 stages passed (skipped: correctness smoke bench)" in summary, summary
     assert (out2 / "gpu-results.tar.gz").is_file()
+
+
+@pytest.mark.parametrize("script, stuck, env", [
+    ("gpu_check.sh", "bench_logprobs.py", {"GPU_CHECK_STAGES": "bench"}),
+    ("gpu_smoke.sh", "gpu_smoke.py", {})])
+def test_inner_time_limits_follow_the_stage_deadline(tmp_path, script, stuck, env):
+    """device_run.sh bounds each stage with `timeout`, which cannot reach the scripts' own
+    inner `timeout`s (each runs its command in a process group of its own): a hung step
+    would hold the GPU into the next stage. The stage's deadline (HACPO_DEADLINE) lowers
+    them: a step stuck for 120 s ends ~5 s before a deadline 15 s away."""
+    import time
+
+    py = tmp_path / "python"
+    py.write_text("#!/bin/sh\n"
+                  f"case \"$*\" in *{stuck}*) exec sleep 120;; esac\n"
+                  f"exec {sys.executable} \"$@\"\n")
+    py.chmod(0o755)
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        ["bash", os.path.join(ROOT, "benchmarks", script), str(tmp_path / "r")],
+        capture_output=True, text=True, timeout=110,
+        env={**os.environ, "PYTHON": str(py), **env,
+             "HACPO_DEADLINE": str(int(time.time()) + 15)})
+    took = time.monotonic() - t0
+    assert proc.returncode == 124, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert took < 60, took            # the inner limit was 270 / 420 s without the deadline

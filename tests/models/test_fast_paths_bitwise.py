@@ -295,3 +295,34 @@ def test_prefix_cat_equals_index_select_and_cat(threads):
         prefix_cat(kp0, kr0[:2], torch.tensor([0, P]))
     with pytest.raises(IndexError, match="out of range"):
         prefix_cat(kp0, kr0[:1], torch.tensor([-1]))
+
+
+def test_qkv_rope_second_order_gradients_and_mixed_dtypes_follow_the_formula():
+    """Beyond the bitwise paths: create_graph=True gets a differentiable gradient (the fast
+    backward writes with out=, which autograd cannot record), and cos/sin of another dtype
+    than y (autocast) take the formula itself, whose result type promotes."""
+    from hacpo.models.decoder import apply_rope, qkv_rope, rope_cos_sin
+
+    B, L, H, Dh = 2, 5, 3, 8
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(B, L, 3 * H * Dh, dtype=torch.float64, generator=g, requires_grad=True)
+    cos, sin = rope_cos_sin(torch.arange(L).expand(B, L), Dh, 10000.0, torch.float64)
+
+    def ref(y):
+        q, k, v = y.view(B, L, 3, H, Dh).permute(2, 0, 3, 1, 4)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def grads(f):
+        q, k, v = f(y)
+        (g1,) = torch.autograd.grad((q ** 3).sum() + (k * q).sum() + (v ** 2).sum(), y,
+                                    create_graph=True)
+        (g2,) = torch.autograd.grad((g1 ** 2).sum(), y)
+        return g1.detach(), g2
+
+    for a, b in zip(grads(ref), grads(lambda y: qkv_rope(y, cos, sin, H, Dh))):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    yb = y.detach().to(torch.bfloat16)
+    q, k, v = qkv_rope(yb, cos.float(), sin.float(), H, Dh)
+    assert q.dtype == k.dtype == torch.float32 and v.dtype == torch.bfloat16
+    assert torch.equal(q, apply_rope(yb.view(B, L, 3, H, Dh).permute(2, 0, 3, 1, 4)[0],
+                                     cos.float(), sin.float()))

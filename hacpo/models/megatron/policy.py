@@ -730,8 +730,10 @@ class MegatronPolicy:
         the scale (halved after ``hysteresis`` = 2 overflows in a row, then at each one), as
         is normal for the first steps from the default 2^32.
 
-        Errors (a RuntimeError, the weights, the optimizer state and the loss scale unchanged):
-        a non-finite loss of any micro-batch on any rank (whatever the scaler); non-finite
+        Errors (a RuntimeError, the weights, the optimizer state and the loss scale unchanged),
+        when the gradients are non-finite: a non-finite loss of any micro-batch on any rank
+        behind them (whatever the scaler; a non-finite loss whose gradients are finite, e.g.
+        a NaN in a detached term, is not looked for: the step is taken); non-finite
         gradients without a dynamic scaler (fp32 / bf16, or a constant fp16 ``loss_scale``;
         megatron's fp32 / bf16 optimizers would step on NaN gradients and write NaN into every
         weight). Otherwise the gradients are clipped to the optimizer's ``clip_grad``
