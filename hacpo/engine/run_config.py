@@ -180,6 +180,11 @@ class AgentConfig:
         if self.trainer == "megatron" and self.policy.kind != "hf":   # the first thing to fix
             raise ValueError(f"agent {self.policy.name!r} (trainer=megatron): needs an HF "
                              f"policy (policy.kind='hf'), got kind={self.policy.kind!r}")
+        if (self.trainer == "megatron" and self.policy.path is None
+                and self.policy.arch not in ("llama", "qwen2")):   # before its hf_config keys
+            raise ValueError(f"agent {self.policy.name!r} (trainer=megatron): megatron-core "
+                             f"trains policy.arch 'llama' or 'qwen2' (ArchSpec), got "
+                             f"{self.policy.arch!r}")
         _check_policy(self.policy)
         if self.trainer == "megatron":
             _check_megatron_agent(self)
