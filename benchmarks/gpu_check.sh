@@ -19,18 +19,7 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET
 cd "$ROOT"
 rc=0
-# upto SECONDS: SECONDS, or less where HACPO_DEADLINE (epoch seconds; device_run.sh sets it per
-# stage) comes sooner: a limit of an outer `timeout` does not reach these inner ones (each
-# `timeout` runs its command in a process group of its own)
-upto() {
-  local d="$1"
-  if [ -n "${HACPO_DEADLINE:-}" ]; then
-    local r=$(( HACPO_DEADLINE - $(date +%s) - 5 ))
-    [ "$r" -lt "$d" ] && d=$r
-    [ "$d" -lt 1 ] && d=1
-  fi
-  echo "$d"
-}
+. "$ROOT/benchmarks/_deadline.sh"   # upto SECONDS: capped by HACPO_DEADLINE
 STAGES=" ${GPU_CHECK_STAGES:-correctness pytest bench} "
 for st in $STAGES; do
   case "$st" in correctness|pytest|bench) ;;

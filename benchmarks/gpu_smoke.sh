@@ -33,18 +33,7 @@ mkdir -p "$RESULTS_DIR"
 RESULTS_DIR="$(cd "$RESULTS_DIR" && pwd)"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 cd "$ROOT"
-# upto SECONDS: SECONDS, or less where HACPO_DEADLINE (epoch seconds; device_run.sh sets it per
-# stage) comes sooner: a limit of an outer `timeout` does not reach these inner ones (each
-# `timeout` runs its command in a process group of its own)
-upto() {
-  local d="$1"
-  if [ -n "${HACPO_DEADLINE:-}" ]; then
-    local r=$(( HACPO_DEADLINE - $(date +%s) - 5 ))
-    [ "$r" -lt "$d" ] && d=$r
-    [ "$d" -lt 1 ] && d=1
-  fi
-  echo "$d"
-}
+. "$ROOT/benchmarks/_deadline.sh"   # upto SECONDS: capped by HACPO_DEADLINE
 
 { nvidia-smi || true; "$PY" -c "import sys, torch, triton; print(sys.version); print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"; } \
   > "$RESULTS_DIR/env.txt" 2>&1
