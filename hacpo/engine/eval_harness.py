@@ -149,21 +149,23 @@ def _summary(per: list[dict], samples: int) -> dict:
 # --------------------------------------------------------------------------------------------
 
 # What `hacpo eval` reads of a run's stored config: every agent's policy, the data (a reduced
-# vocabulary is built from the run's corpus; the default template), the reward, and (where no
-# option replaces them) the rollout temperature and the response-length limits. The rest
-# (rollout engine, trainer, parallel layout, optimizer, timeouts, ...) builds no part of the
-# evaluated model: an old checkpoint whose stored values this version refuses there (or whose
-# keys it no longer knows) still evaluates.
+# vocabulary is built from the run's corpus; the default template), the reward, the torch
+# thread count, and (where no option replaces them) the rollout temperature and top-p (when
+# sampling) and the response-length limits. The rest (rollout engine, trainer, parallel
+# layout, optimizer, timeouts, ...) builds no part of the evaluated model: an old checkpoint
+# whose stored values this version refuses there (or whose keys it no longer knows) still
+# evaluates.
 _EVAL_TOP_KEYS = ("data", "reward", "threads")
 
 
 def eval_config(stored: dict, *, temperature: bool = True, max_new_tokens: bool = True,
-                where: str = "the run") -> tuple[TrainConfig, list[str]]:
+                top_p: bool = True, where: str = "the run") -> tuple[TrainConfig, list[str]]:
     """The TrainConfig `hacpo eval` rebuilds the run's policies from: ``stored`` (a
     checkpoint's config dict) cut to what evaluation reads (above), everything else at its
-    default. ``temperature`` / ``max_new_tokens``: whether the stored rollout temperature /
-    response-length limits are used (no option replaces them). Returns the config and the
-    stored policy settings left out because the run's build never used them (notes).
+    default. ``temperature`` / ``max_new_tokens`` / ``top_p``: whether the stored rollout
+    temperature / response-length limits / top-p are used (no option replaces them). Returns
+    the config and the stored policy settings left out because the run's build never used
+    them (notes).
 
     A value evaluation does read that this version refuses is a ValueError naming the key."""
     if not isinstance(stored, dict) or not isinstance(stored.get("agents"), list):
@@ -171,7 +173,7 @@ def eval_config(stored: dict, *, temperature: bool = True, max_new_tokens: bool 
     d = {k: stored[k] for k in _EVAL_TOP_KEYS if k in stored}
     roll = stored.get("rollout") if isinstance(stored.get("rollout"), dict) else {}
     keep = (["temperature"] if temperature else []) + (["max_new_tokens"] if max_new_tokens
-                                                       else [])
+                                                       else []) + (["top_p"] if top_p else [])
     d["rollout"] = {k: roll[k] for k in keep if k in roll}
     if max_new_tokens and "eval_max_new_tokens" in stored:
         d["eval_max_new_tokens"] = stored["eval_max_new_tokens"]
@@ -190,7 +192,8 @@ def eval_config(stored: dict, *, temperature: bool = True, max_new_tokens: bool 
         return TrainConfig.from_dict(d), notes
     except ValueError as e:
         hint = "".join(f" (or give {opt})" for key, opt in (
-            ("rollout.temperature", "--temperature"), ("max_new_tokens", "--max-new-tokens"))
+            ("rollout.temperature", "--temperature"), ("max_new_tokens", "--max-new-tokens"),
+            ("rollout.top_p", "--top-p"))
             if key in str(e))
         raise ValueError(f"cannot evaluate {where}: its stored config: {e}{hint}") from None
 
@@ -211,7 +214,7 @@ def _labels(run_dirs: list[str]) -> list[str]:
 
 def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
                          agents: Optional[Sequence[str]] = None, samples: int = 1,
-                         temperature: Optional[float] = None, top_p: float = 1.0,
+                         temperature: Optional[float] = None, top_p: Optional[float] = None,
                          max_new_tokens: Optional[int] = None, limit: Optional[int] = None,
                          template: Optional[str] = None, out_dir: Optional[str] = None,
                          batch: int = 64, seed: int = 0,
@@ -220,6 +223,7 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
     each benchmark (:class:`Benchmark` or ``NAME=PATH[:FIELDMAP]`` string).
 
     temperature: default 0 (greedy) when samples == 1, else the run's rollout temperature.
+    top_p: default the run's rollout top-p when sampling (as the run's own pass@k does), else 1.
     max_new_tokens: default the run's eval_max_new_tokens, else rollout.max_new_tokens.
     template: prompt template name; default the run's data.template.
     Writes ``<agent>__<benchmark>.json`` per agent and benchmark and ``eval.md``/``eval.json``
@@ -239,7 +243,7 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
-    if not 0 < top_p <= 1:
+    if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if temperature is not None and not 0 <= temperature < math.inf:
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
@@ -256,8 +260,10 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
     if template is not None:
         apply_prompt_template(template, "")   # KeyError listing the known templates
     # fail fast on a bad path or config before any work
+    sampled = temperature > 0 if temperature is not None else samples > 1
     runs = [_load_run(c, temperature=temperature is None and samples > 1,
-                      max_new_tokens=max_new_tokens is None) for c in checkpoints]
+                      max_new_tokens=max_new_tokens is None, top_p=top_p is None and sampled)
+            for c in checkpoints]
     for ck_path, _, state, _, notes in runs:
         for n in notes:
             echo(f"[eval] {ck_path}: ignoring {n} (the run's policy build never used it)")
@@ -290,6 +296,7 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
                    cfg.eval_max_new_tokens or cfg.rollout.max_new_tokens)
         temp = temperature if temperature is not None else \
             (0.0 if samples == 1 else cfg.rollout.temperature)
+        tp = top_p if top_p is not None else cfg.rollout.top_p   # 1.0 unless read (sampled)
         echo(f"[eval] {label}: rebuilding {len(cfg.agents)} policies from {ck_path}")
         data = build.load_data(cfg)
         policies = {p.name: p for p in build.build_policies(cfg, data)}
@@ -312,7 +319,7 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
                     qs = [apply_prompt_template(tmpl, e.prompt) for e in exs]
                     per, counts = _score_policy(
                         pol, qs, [e.answer for e in exs], rc, samples=samples,
-                        temperature=temp, top_p=top_p, max_new_tokens=max_new, batch=batch,
+                        temperature=temp, top_p=tp, max_new_tokens=max_new, batch=batch,
                         seed=seed + 1000 * bi, bench=b.name)
                     for e, p in zip(exs, per):
                         p["id"], p["gold"] = e.id, e.answer
@@ -320,7 +327,7 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
                            "step": state.get("step"), "agent": name,
                            "tokenizer": pol.tokenizer.name, "benchmark": b.name,
                            "path": b.path, "field_map": b.field_map, "samples": samples,
-                           "temperature": temp, "top_p": top_p, "max_new_tokens": max_new,
+                           "temperature": temp, "top_p": tp, "max_new_tokens": max_new,
                            "template": tmpl, "reward": cfg.reward.name, "limit": limit,
                            "seed": seed + 1000 * bi, **_summary(per, samples), **counts,
                            "problems": [{k: p[k] for k in ("id", "gold", "status", "rewards",

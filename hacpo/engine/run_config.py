@@ -859,7 +859,12 @@ def load_config(preset: str = "default", yaml_path: str | None = None,
     cfg = PRESETS[preset]()
     if yaml_path:
         import yaml
-        with open(yaml_path) as f:
+        try:
+            f = open(yaml_path)
+        except OSError as e:    # missing, a folder, unreadable: say it is the config file
+            raise ValueError(f"config file {yaml_path}: cannot read it: "
+                             f"{e.strerror or e}") from None
+        with f:
             data = yaml.safe_load(f)
         if data is None:        # an empty file: nothing to override
             data = {}

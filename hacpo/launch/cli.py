@@ -255,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--samples", type=int, default=1, help="k: avg@k and pass@k (default 1)")
     e.add_argument("--temperature", type=float, default=None,
                    help="default 0 (greedy) for --samples 1, else the run's rollout temperature")
-    e.add_argument("--top-p", type=float, default=1.0)
+    e.add_argument("--top-p", type=float, default=None,
+                   help="default: the run's rollout top-p")
     e.add_argument("--max-new-tokens", type=int, default=None,
                    help="default: the run's eval_max_new_tokens or rollout.max_new_tokens")
     e.add_argument("--limit", type=int, default=None, help="first N problems per benchmark")

@@ -194,6 +194,13 @@ def test_yaml_top_level_must_be_a_mapping(tmp_path, text, kind):
         load_config("tiny3", path)
 
 
+def test_unreadable_config_file_is_named(tmp_path):
+    """A --config path that is missing or a folder: an error saying it is the config file."""
+    for path in (tmp_path / "missing.yaml", tmp_path):
+        with pytest.raises(ValueError, match=rf"^config file {path}: cannot read it: "):
+            load_config("tiny3", str(path))
+
+
 # -- errors inside an agent name it ------------------------------------------------------------
 def test_errors_inside_an_agent_name_it(tmp_path):
     with pytest.raises(ValueError, match=r"^agent 'char' \(agents.0\): optim.lr must be a "

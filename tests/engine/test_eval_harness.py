@@ -327,3 +327,41 @@ def test_hf_config_key_an_old_run_ignored_does_not_block_it(run, tmp_path):
     got = evaluate_checkpoints([str(tmp_path / "typo")], run["benches"], echo=said.append, **kw)
     assert _means(got) == _means(want)
     assert any("ignoring agents.0 ('h'): policy.hf_config.hiden_size=999" in s for s in said)
+
+
+def test_sampled_eval_uses_the_runs_top_p(run, tmp_path, capsys, monkeypatch):
+    """`--samples k` samples as the run's own pass@k does: at its rollout temperature *and*
+    top-p (a run trained and evaluated with top_p 0.5 is not scored at top_p 1 unless
+    `--top-p` says so); greedy reads no top-p (a stored one this version refuses does not
+    block it), and a refused one is one line naming `--top-p`, which replaces it."""
+    nucleus = _with_config(run, tmp_path, "nucleus", lambda c: c["rollout"].update(top_p=0.5))
+    kw = dict(agents=["qwen3"], samples=3, limit=3, max_new_tokens=8, echo=lambda *_: None)
+    got = evaluate_checkpoints([nucleus], run["benches"], out_dir=str(tmp_path / "d"), **kw)
+    want = evaluate_checkpoints([str(run["dir"])], run["benches"], top_p=0.5,
+                                out_dir=str(tmp_path / "w"), **kw)
+    evaluate_checkpoints([nucleus], run["benches"], top_p=1.0, out_dir=str(tmp_path / "f"),
+                         **kw)
+    for bench in ("gsm", "math"):
+        d, w, f = (json.loads((tmp_path / o / f"qwen3__{bench}.json").read_text())
+                   for o in ("d", "w", "f"))
+        assert d["top_p"] == 0.5 and f["top_p"] == 1.0 and d["temperature"] == 1.0
+        assert d["problems"] == w["problems"]
+    assert _means(got) == _means(want)
+    def texts(o):
+        return [p["responses"] for b in ("gsm", "math")
+                for p in json.loads((tmp_path / o / f"qwen3__{b}.json").read_text())["problems"]]
+    assert texts("d") != texts("f")     # the nucleus cut something: top_p 1 samples others
+    bad = _with_config(run, tmp_path, "bad", lambda c: c["rollout"].update(top_p=0.0))
+    greedy = evaluate_checkpoints([bad], run["benches"], agents=["char"], limit=1,
+                                  out_dir=str(tmp_path / "g"), echo=lambda *_: None)
+    assert greedy["results"][0]["top_p"] == 1.0 and greedy["results"][0]["temperature"] == 0.0
+    monkeypatch.delenv("HACPO_TRACEBACK", raising=False)
+    assert cli.main(["eval", bad, "--bench", *run["benches"], "--samples", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "rollout.top_p must be in (0, 1]" in err \
+        and err.rstrip().endswith("(or give --top-p)"), err
+    assert cli.main(["eval", bad, "--bench", *run["benches"], "--samples", "2", "--top-p",
+                     "0.9", "--agents", "char", "--limit", "1", "--out-dir",
+                     str(tmp_path / "h")]) == 0
+    rec = json.loads((tmp_path / "h" / "char__gsm.json").read_text())
+    assert rec["top_p"] == 0.9
