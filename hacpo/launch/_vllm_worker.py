@@ -32,15 +32,30 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 
+class EngineDied(RuntimeError):
+    """This engine can serve nothing more although its actor is alive: one of vLLM's worker
+    processes (``tensor_parallel_size`` > 1: vLLM's multiprocessing executor) has died, and
+    vLLM has shut its executor down ("Executor failed.", "cancelled"). The driver restarts the
+    engine as it would a dead actor (:meth:`~hacpo.launch.vllm_rollout.VLLMRolloutEngine.
+    _run`)."""
+
+
 def _plain_errors(method):
-    """An exception of one of vLLM's own classes (e.g. ``VLLMValidationError``) re-raised as a
-    RuntimeError with its message: the driver's process has no vllm to unpickle vLLM's class
-    with, and Ray would hand it only an ``UnserializableException`` without the message."""
+    """A call that failed because the engine is dead (:class:`EngineDied`: a vLLM worker
+    process died) raises :class:`EngineDied` naming the dead process. Otherwise an exception
+    of one of vLLM's own classes (e.g. ``VLLMValidationError``) is re-raised as a RuntimeError
+    with its message: the driver's process has no vllm to unpickle vLLM's class with, and Ray
+    would hand it only an ``UnserializableException`` without the message."""
     @functools.wraps(method)
-    def wrapper(*args, **kwargs):
+    def wrapper(self, *args, **kwargs):
         try:
-            return method(*args, **kwargs)
+            return method(self, *args, **kwargs)
         except Exception as e:
+            dead = self.failed_workers()
+            if dead is not None:
+                raise EngineDied(f"vLLM's executor has failed: worker process(es) {dead} "
+                                 f"died, so the engine serves nothing more (the call failed "
+                                 f"with {type(e).__name__}: {e})") from None
             if type(e).__module__.partition(".")[0] != "vllm":
                 raise
             raise RuntimeError(f"vLLM {type(e).__name__}: {e}") from None
@@ -133,6 +148,19 @@ class VLLMWorker:
                           use_tqdm=False)
         self.load_weights(weights, version=version)   # also drops the warm-up's prefix cache
 
+    def failed_workers(self) -> str | None:
+        """None while vLLM's executor works; once it has failed (a worker process of a
+        ``tensor_parallel_size`` > 1 engine died, so vLLM shut the executor down), the dead
+        processes, e.g. ``"VllmWorker-1 (exit code -9)"`` ("unknown" if none is seen dead)."""
+        executor = getattr(getattr(getattr(self, "llm", None), "llm_engine", None),
+                           "model_executor", None)
+        if not getattr(executor, "is_failed", False):
+            return None
+        dead = [f"{w.proc.name} (exit code {w.proc.exitcode})"
+                for w in getattr(executor, "workers", None) or []
+                if getattr(w, "proc", None) is not None and not w.proc.is_alive()]
+        return ", ".join(dead) or "unknown"
+
     def info(self) -> dict:
         import torch
         import vllm
@@ -209,6 +237,7 @@ class VLLMWorker:
                                    f"fit: {why}")
             seen.add(name)
 
+    @_plain_errors
     def sleep(self) -> None:
         """Free this engine's GPU memory (vLLM's level-2 sleep: weights and KV cache are
         discarded) until the next :meth:`load_weights` or :meth:`generate`. Idempotent."""

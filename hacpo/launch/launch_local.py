@@ -6,12 +6,14 @@ token authentication with a fresh token: Ray listens on every interface) and
 (``--ray-timeout``), runs the driver ``hacpo train ... --set rollout.engine=ray
 rollout.ray_address=127.0.0.1:PORT`` as a child process, then tears the cluster down by
 signalling the processes it started (never ``ray stop``, which would stop every Ray on the
-machine) and removes the temp dir. Exits with the driver's exit code. With ``--wait-timeout
-S``, a launch not finished S seconds after it started (Ray bring-up included) kills the
-driver's process group (SIGTERM, SIGKILL after 10 s), tears the cluster down the same way and
-exits 124 naming the driver's process group, the elapsed time and where the logs are.
-SIGTERM to the launcher (or Ctrl-C) ends the driver's process group and the cluster the same
-way (exit 143 on SIGTERM).
+machine) and removes the temp dir. Exits with the driver's exit code (128 + N if a signal N
+killed it); a Ray node whose ``ray start`` exits while the driver runs (e.g. the head's GCS
+died: the driver then ends with exit 1 and no message of its own) is named on stderr with the
+tail of its log. With ``--wait-timeout S``, a launch not finished S seconds after it started
+(Ray bring-up included) kills the driver's process group (SIGTERM, SIGKILL after 10 s), tears
+the cluster down the same way and exits 124 naming the driver's process group, the elapsed
+time and where the logs are. SIGTERM to the launcher (or Ctrl-C) ends the driver's process
+group and the cluster the same way (exit 143 on SIGTERM).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import time
 from pathlib import Path
 
 from .ray_cluster import new_auth_env, use_auth_env
-from .ray_wait import ClusterTimeout, Node, wait_for_cluster
+from .ray_wait import ClusterTimeout, Node, log_tail, wait_for_cluster
 from .slurm import (LaunchError, WaitTimeout, check_resources, check_wait_timeout, driver_argv,
                     load_run)
 
@@ -77,6 +79,56 @@ def _kill_group(p: subprocess.Popen, grace_s: float = 10.0) -> None:
             continue
         except (ProcessLookupError, PermissionError):
             return
+
+
+# After a driver that failed: how long to watch for a Ray node's `ray start --block` exiting
+# too (the cause to report), before reporting the driver's failure alone.
+NODE_EXIT_GRACE_S = 5.0
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _wait_driver(driver: subprocess.Popen, procs: list[subprocess.Popen], nodes: list[Node],
+                 wall: float | None, poll_s: float = 1.0) -> tuple[int, list[str]]:
+    """Wait for the driver (until ``wall``, else ``subprocess.TimeoutExpired``) while watching
+    the Ray nodes' ``ray start --block`` processes: a node whose process exits meanwhile (its
+    Ray is gone: e.g. the head's GCS died, which ends the driver too, silently) is reported
+    at once on stderr, with the tail of its log. Returns the driver's exit status and the
+    nodes that stopped ("head node", "worker node worker1")."""
+    lost: list[str] = []
+
+    def check_nodes() -> None:
+        for p, node in zip(procs, nodes):
+            what = "head node" if node is nodes[0] else f"worker node {node.name}"
+            if what in lost or p.poll() is None:
+                continue
+            lost.append(what)
+            print(f"[hacpo launch] the Ray {what} stopped while the driver ran: its "
+                  f"`ray start --block` (pid {p.pid}) exited with {p.returncode}; last lines "
+                  f"of {node.log}:\n{log_tail(node.log)}", file=sys.stderr, flush=True)
+
+    while True:
+        step = poll_s if wall is None else min(poll_s, wall - time.time())
+        if step <= 0:
+            raise subprocess.TimeoutExpired(driver.args, 0)
+        try:
+            rc = driver.wait(timeout=step)
+        except subprocess.TimeoutExpired:
+            check_nodes()
+            continue
+        # a driver that failed because its cluster went away may end before the node's
+        # `ray start --block` notices (it polls its processes about once a second)
+        settle = time.time() + (NODE_EXIT_GRACE_S if rc != 0 else 0.0)
+        while True:
+            check_nodes()
+            if lost or time.time() >= settle:
+                return rc, lost
+            time.sleep(0.2)
 
 
 class _Terminated(BaseException):
@@ -175,14 +227,23 @@ def _launch_local(args) -> int:
         # process group is ended, whatever it started
         driver = subprocess.Popen(argv, env=env, start_new_session=True)
         try:
-            rc = driver.wait(timeout=None if wall is None else max(0.0, wall - time.time()))
+            rc, lost = _wait_driver(driver, procs, nodes, wall)
         except subprocess.TimeoutExpired:
             t_limit = time.time()
             print(f"[hacpo launch] --wait-timeout {args.wait_timeout:g}s passed: ending the "
                   f"driver (process group {driver.pid}) and the Ray cluster", flush=True)
             _kill_group(driver)
             raise timed_out("the driver was still running", t_limit) from None
-        print(f"[hacpo launch] driver exited with {rc}", flush=True)
+        if rc < 0:           # killed by a signal: exit as a shell reports it (128 + N)
+            print(f"[hacpo launch] driver was killed by {_signal_name(-rc)}", flush=True)
+            rc = 128 - rc
+        else:
+            print(f"[hacpo launch] driver exited with {rc}", flush=True)
+        if rc != 0 and lost:
+            print(f"[hacpo launch] error: the driver failed (exit {rc}) after the Ray "
+                  f"{' and '.join(lost)} stopped while it ran (see above): the run stops with "
+                  f"its cluster; `--resume` continues it from its last checkpoint in "
+                  f"{run_dir}", file=sys.stderr, flush=True)
         return rc
     except ClusterTimeout as e:
         if wall is not None and time.time() >= wall:

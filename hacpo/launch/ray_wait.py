@@ -76,7 +76,7 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
-def _tail(path: str | None, n: int = 15) -> str:
+def log_tail(path: str | None, n: int = 15) -> str:
     if not path:
         return ""
     try:
@@ -93,7 +93,7 @@ def _exited_message(node: Node, what: str) -> str:
     where = f"{node.name} ({node.ip})" if node.ip else node.name
     msg = f"Ray {what} on node {where} exited before the cluster was up (pid {node.pid})"
     if node.log:
-        msg += f"; last lines of {node.log}:\n{_tail(node.log)}"
+        msg += f"; last lines of {node.log}:\n{log_tail(node.log)}"
     return msg
 
 
@@ -150,7 +150,7 @@ def wait_for_cluster(address: str, nodes: list[Node], deadline: float, *, poll_s
                 f"Ray head on node {head.name} did not come up in time (waited "
                 f"{time.time() - t0:.0f}s, to the launch deadline): nothing listening on "
                 f"{address}"
-                + (f"; last lines of {head.log}:\n{_tail(head.log)}" if head.log else ""))
+                + (f"; last lines of {head.log}:\n{log_tail(head.log)}" if head.log else ""))
         time.sleep(poll_s)
     # 2. every node registered
     have: list[str] = []

@@ -213,6 +213,7 @@ mkdir -p "$LOG_DIR" "$RAY_TMP"
 T0=$(date +%s)
 DEADLINE=$((T0 + RAY_TIMEOUT))
 SRUN_PIDS=()
+STEP_NODES=()   # the node of each srun step in SRUN_PIDS
 
 say() {{ echo "[hacpo launch] $(date +%H:%M:%S) $*"; }}
 fail() {{ echo "[hacpo launch] ERROR: $*" >&2; exit 1; }}
@@ -234,6 +235,12 @@ cleanup() {{  # end our srun steps: SIGTERM, then SIGKILL after 30 s; then Ray's
 }}
 trap cleanup EXIT
 trap 'fail "job cancelled or timed out (signal)"' TERM INT
+stopped_nodes() {{  # the nodes whose Ray srun step has exited
+  local i
+  for i in "${{!SRUN_PIDS[@]}}"; do
+    kill -0 "${{SRUN_PIDS[$i]}}" 2>/dev/null || echo "${{STEP_NODES[$i]}}"
+  done
+}}
 node_ip() {{  # a node's NodeAddr, resolved to an IPv4 address
   local a
   a=$(scontrol show node "$1" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
@@ -255,6 +262,7 @@ srun --nodes=1 --ntasks=1 --overlap -w "$HEAD" ray start --head --node-ip-addres
   --port="$RAY_PORT" --temp-dir="$RAY_TMP" --include-dashboard=false "${{NODE_ARGS[@]}}" --block \
   >"$LOG_DIR/ray-$HEAD.log" 2>&1 &
 SRUN_PIDS+=($!)
+STEP_NODES+=("$HEAD")
 WAIT_NODES=(--node "$HEAD=$HEAD_IP:$!:$LOG_DIR/ray-$HEAD.log")
 "$PY" -m hacpo.launch.ray_wait --phase "ray head" --address "$ADDR" --deadline "$DEADLINE" \
   "${{WAIT_NODES[@]}}" ||
@@ -267,6 +275,7 @@ for NODE in "${{NODES[@]:1}}"; do
     --node-ip-address="$IP" --temp-dir="$RAY_TMP" "${{NODE_ARGS[@]}}" --block \
     >"$LOG_DIR/ray-$NODE.log" 2>&1 &
   SRUN_PIDS+=($!)
+  STEP_NODES+=("$NODE")
   WAIT_NODES+=(--node "$NODE=$IP:$!:$LOG_DIR/ray-$NODE.log")
 done
 "$PY" -m hacpo.launch.ray_wait --phase "ray cluster" --address "$ADDR" --deadline "$DEADLINE" \
@@ -284,6 +293,18 @@ say "driver: ${{DRIVER[*]}}"
 "${{DRIVER[@]}}"
 RC=$?
 say "driver exited with $RC"
+if ((RC != 0)); then  # did it fail because Ray went away (e.g. the head's GCS died: the driver
+  LOST=""             # then exits 1 without a message)? A step may end a moment after it
+  for _ in $(seq 10); do LOST=$(stopped_nodes); [ -n "$LOST" ] && break; sleep 0.5; done
+  for NODE in $LOST; do
+    echo "[hacpo launch] ERROR: the Ray node $NODE stopped while the driver ran (its srun" \
+      "step exited); last lines of $LOG_DIR/ray-$NODE.log:" >&2
+    tail -n 15 "$LOG_DIR/ray-$NODE.log" | sed 's/^/    | /' >&2
+  done
+  [ -z "$LOST" ] ||
+    echo "[hacpo launch] ERROR: the driver failed (exit $RC) after the Ray node(s)" $LOST \
+      "stopped; --resume continues the run from its last checkpoint" >&2
+fi
 exit $RC
 """
 

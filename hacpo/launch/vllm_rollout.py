@@ -58,7 +58,8 @@ in-process sampler returns.
   ``processed_logprobs`` (after temperature and top-p renormalization; the plain softmax for
   greedy). vLLM samples a temperature in (0, 0.01) at 0.01 and rejects one above 2, so those
   are a ValueError (``rollout.temperature`` at construction, any other at ``generate``).
-- **Faults.** An engine that dies (actor killed, process crash) is restarted with the last
+- **Faults.** An engine that dies (actor killed, process crash, or with ``engine_tp`` > 1 one
+  of its vLLM worker processes: vLLM then shuts the engine down) is restarted with the last
   synced weights and the failed call is re-sent with the same seeds, at most
   ``rollout.max_engine_restarts`` times per engine; past that, a ``RuntimeError`` names the
   agent and the engine. So does an engine that cannot fetch published weights lost with the
@@ -136,6 +137,27 @@ def check_hf_policies(policies: Sequence[Policy]) -> None:
     by hand are checked here)."""
     check_vllm_kinds([(getattr(p, "name", "?"), getattr(p, "kind", type(p).__name__))
                       for p in policies])
+
+
+def check_engine_tp(policies: Sequence[Policy], tp: int) -> None:
+    """A ValueError naming the agent unless vLLM can split its model over ``tp`` tensor-
+    parallel workers (``rollout.engine_tp``): the attention heads must divide by ``tp``, and
+    the KV heads too (or, fewer KV heads than workers, divide ``tp``: vLLM then replicates
+    them). Checked before any engine starts (vLLM's own error comes from inside the engine's
+    start-up, or as an assertion in a worker)."""
+    if tp == 1:
+        return
+    for k, p in enumerate(policies):
+        c = p.model.config
+        heads = c.num_attention_heads
+        kv = getattr(c, "num_key_value_heads", None) or heads
+        bad = (f"{heads} attention heads" if heads % tp else
+               f"{kv} KV heads" if (kv % tp if kv >= tp else tp % kv) else None)
+        if bad:
+            raise ValueError(f"rollout.engine_tp={tp}: agent {k} ({p.name!r}) has {bad}, which "
+                             f"vLLM cannot split over {tp} tensor-parallel workers (attention "
+                             f"heads must divide by engine_tp; KV heads too, or divide it); "
+                             f"choose an engine_tp that divides the heads")
 
 
 def hf_config_dict(policy: Policy) -> dict:
@@ -243,6 +265,7 @@ class VLLMRolloutEngine(GeneratorState):
         check_hf_policies(policies)
         ro = cfg.rollout
         check_vllm_temperature(ro.temperature, "rollout.temperature")
+        check_engine_tp(policies, ro.engine_tp)
         self.device, self.colocate, self.engine_tp = ro.device, ro.colocate, ro.engine_tp
         self.gpu_memory_utilization = ro.engine_memory_fraction()
         if self.colocate and (placement is None or len(placement) != len(policies) or any(
@@ -386,13 +409,16 @@ class VLLMRolloutEngine(GeneratorState):
 
     def _run(self, k: int, submit, on_result, shards: Sequence[int], what: str) -> None:
         """Call ``submit(j) -> ObjectRef`` on engines ``shards`` of agent k in parallel and pass
-        each result to ``on_result(j, value)``; a dead engine, or one that has not answered
-        within rollout.call_timeout_s, is restarted and its call re-sent (the same arguments,
-        so the same samples). An error the engine raised (bad weights, a wrong version) is a
-        RuntimeError naming the agent, the engine and the call (no restart: it would fail
-        again)."""
+        each result to ``on_result(j, value)``; a dead engine (its actor died, or one of its
+        vLLM worker processes did: :class:`~hacpo.launch._vllm_worker.EngineDied`), or one
+        that has not answered within rollout.call_timeout_s, is restarted and its call
+        re-sent (the same arguments, so the same samples). An error the engine raised (bad
+        weights, a wrong version) is a RuntimeError naming the agent, the engine and the call
+        (no restart: it would fail again)."""
         import ray
         from ray.exceptions import OwnerDiedError, RayActorError, RayTaskError
+
+        from ._vllm_worker import EngineDied
 
         pending: dict = {}          # ref -> engine index
         deadlines: dict = {}        # ref -> time.monotonic() deadline (None: no limit)
@@ -426,6 +452,10 @@ class VLLMRolloutEngine(GeneratorState):
                     f"--resume") from e
             except RayTaskError as e:
                 cause = e.cause if isinstance(e.cause, BaseException) else e
+                if isinstance(cause, EngineDied):   # a vLLM worker process died: the engine
+                    self._restart(k, j, cause)       # is dead, though its actor is alive
+                    send(j)
+                    continue
                 raise RuntimeError(f"{self._label(k, j)}: {what} failed: "
                                    f"{type(cause).__name__}: {cause}") from e
             on_result(j, value)

@@ -185,3 +185,78 @@ def test_launch_local_refuses_strangers_and_sigterm_stops_driver_and_cluster(tmp
     assert not Path(tmp).exists()
     assert not processes_mentioning(tmp), "Ray processes left running"
     assert not processes_mentioning(str(out)), "the driver was left running"
+
+
+def _launch_in_background(out: Path, tmp_path: Path, log: Path) -> subprocess.Popen:
+    """``hacpo launch local`` of a long tiny run (1000 steps), its output into ``log``."""
+    args = tiny_run_args(out, tmp_path)
+    args[args.index(f"steps={TINY_STEPS}")] = "steps=1000"
+    with open(log, "w") as f:
+        return subprocess.Popen([sys.executable, "-m", "hacpo.launch.cli", "launch", "local",
+                                 "--cpus-per-node", "3", "--ray-timeout", "240", *args],
+                                cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                                env={**os.environ, "OMP_NUM_THREADS": "1",
+                                     **INHERITED_RAY_ENV})
+
+
+def _wait_for(what: str, found, p: subprocess.Popen, log: Path, timeout_s: float = 300):
+    deadline = time.time() + timeout_s
+    while not (value := found()):
+        assert p.poll() is None and time.time() < deadline, (what, log.read_text()[-3000:])
+        time.sleep(0.2)
+    return value
+
+
+def _driver_pid(out: Path) -> int | None:
+    pids = [int(line.split(" ", 1)[0]) for line in processes_mentioning(str(out))
+            if " train " in line]
+    return pids[0] if pids else None
+
+
+@pytest.mark.slow
+def test_launch_local_names_a_dead_ray_head_and_a_killed_driver(tmp_path):
+    """The head's GCS dies mid-run (SIGKILL): the driver ends with exit 1 and no message of
+    its own, so the launcher names the cause: the Ray head node stopped (with its log's tail);
+    it exits with the driver's status and leaves nothing running. A driver killed by a
+    signal: the launcher exits 128 + N, as a shell reports it (before: the status -9 left it
+    as exit 247)."""
+    out, log = tmp_path / "run", tmp_path / "launch.log"
+    p = _launch_in_background(out, tmp_path, log)
+    try:
+        _wait_for("a step", lambda: (out / "metrics.jsonl").exists(), p, log)
+        tmp = _temp_dir(log.read_text())
+        gcs = [int(line.split(" ", 1)[0]) for line in processes_mentioning(tmp)
+               if "gcs_server" in line]
+        assert len(gcs) == 1, processes_mentioning(tmp)
+        os.kill(gcs[0], signal.SIGKILL)
+        assert p.wait(timeout=120) == 1, log.read_text()[-3000:]
+    finally:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            p.wait(timeout=120)
+    text = log.read_text()
+    assert "[hacpo launch] the Ray head node stopped while the driver ran: its `ray start " \
+           "--block`" in text, text[-3000:]
+    assert f"last lines of {out / 'launch-local' / 'ray-head.log'}:" in text
+    assert "gcs_server" in text.split("stopped while the driver ran")[1]   # the log's tail
+    assert "[hacpo launch] error: the driver failed (exit 1) after the Ray head node stopped" \
+        in text
+    assert not Path(tmp).exists() and not processes_mentioning(tmp)
+    assert not processes_mentioning(str(out)), "the driver was left running"
+
+    # a driver killed by a signal
+    out2, log2 = tmp_path / "run2", tmp_path / "launch2.log"
+    p = _launch_in_background(out2, tmp_path, log2)
+    try:
+        pid = _wait_for("the driver", lambda: _driver_pid(out2), p, log2)
+        os.kill(pid, signal.SIGKILL)
+        assert p.wait(timeout=120) == 128 + signal.SIGKILL, log2.read_text()[-3000:]
+    finally:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            p.wait(timeout=120)
+    text = log2.read_text()
+    assert "[hacpo launch] driver was killed by SIGKILL" in text, text[-3000:]
+    assert "stopped while the driver ran" not in text      # no node is blamed
+    tmp = _temp_dir(text)
+    assert not Path(tmp).exists() and not processes_mentioning(tmp)

@@ -7,7 +7,9 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -486,6 +488,49 @@ def test_slurm_job_whose_ray_head_exits_fails(local_slurm, tmp_path):
     assert re.search(r"ERROR \(ray head\): Ray head on node n1 \(127.0.0.2\) exited before the "
                      r"cluster was up", log), log
     assert "minimum allowed is 78643200 bytes" in log      # the tail of n1's Ray log
+
+
+@pytest.mark.slurm
+def test_slurm_job_whose_ray_head_dies_names_it(local_slurm, tmp_path):
+    """The head's GCS dies mid-run (SIGKILL): the driver ends with exit 1 and no message of
+    its own, so the job names the cause (n1's Ray stopped, with its log's tail) and ends
+    FAILED with the driver's status; nothing is left running. The run dir has a space in
+    its path (the script's quoting: #SBATCH lines, log dir, driver arguments)."""
+    out = tmp_path / "run dir"
+    args = tiny_run_args(out, tmp_path)
+    args[args.index("steps=2")] = "steps=1000"
+    launch_log = tmp_path / "launch.log"
+    with open(launch_log, "w") as f:
+        p = subprocess.Popen(
+            [sys.executable, "-m", "hacpo.launch.cli", "launch", "slurm", "--nodes", "2",
+             "--cpus-per-node", "2", "--object-store-mb", "200", "--ray-port",
+             str(free_port("127.0.0.2")), "--ray-timeout", "240", "--time", "00:10:00",
+             "--wait", "--poll", "1", *args], cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1", **local_slurm, **INHERITED_RAY_ENV})
+    try:
+        _wait_for("a step of the run", lambda: (out / "metrics.jsonl").exists(), 400)
+        job = _job_id(launch_log.read_text())
+        gcs = [int(line.split(" ", 1)[0])
+               for line in processes_mentioning(f"hacpo-slurm-ray-{job}")
+               if "gcs_server" in line]
+        assert len(gcs) == 1, processes_mentioning(f"hacpo-slurm-ray-{job}")
+        os.kill(gcs[0], signal.SIGKILL)
+        assert p.wait(timeout=300) == 1, launch_log.read_text()
+    finally:
+        if p.poll() is None:
+            p.kill()
+    text = launch_log.read_text()
+    assert f"job {job} finished: state FAILED, exit code 1:0" in text, text
+    log = (out / "slurm" / f"slurm-{job}.out").read_text()
+    assert "driver exited with 1" in log, log
+    assert (f"ERROR: the Ray node n1 stopped while the driver ran (its srun step exited); "
+            f"last lines of {out}/slurm/job-{job}/ray-n1.log:") in log, log
+    assert "gcs_server" in log.split("stopped while the driver ran")[1]   # the log's tail
+    assert "ERROR: the driver failed (exit 1) after the Ray node(s) n1 stopped" in log
+    assert "job exits with 1" in log
+    time.sleep(1)
+    assert not processes_mentioning(f"hacpo-slurm-ray-{job}")
+    assert not processes_mentioning(str(out)), "the driver was left running"
 
 
 def _failed_job(r, out):

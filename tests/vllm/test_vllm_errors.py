@@ -65,3 +65,45 @@ def test_temperature_vllm_cannot_serve_is_a_clear_error(temperature):
         vllm_config(configs, temperature=temperature).check_runnable()  # train, launchers
     for ok in (0.0, 0.01, 1.0, 2.0):
         vllm_rollout.check_vllm_temperature(ok)
+
+
+@pytest.mark.parametrize("engine_tp, heads, kv_heads, bad", [
+    (3, 2, 1, "2 attention heads"),           # tiny Qwen2: 2 heads, 1 KV head
+    (4, 12, 3, "3 KV heads"),                 # fewer KV heads than workers, not dividing 4
+    (2, 6, 3, "3 KV heads"),                  # more KV heads than workers, not divisible
+])
+def test_heads_engine_tp_cannot_split_is_a_clear_error(engine_tp, heads, kv_heads, bad):
+    """Heads that vLLM cannot split over rollout.engine_tp workers: refused naming the agent,
+    the heads and the key, before any engine or Ray cluster starts (vLLM's own error came
+    from inside the engine's start-up, after it had started, or as a worker's assertion)."""
+    import dataclasses
+
+    import ray
+
+    from .conftest import HF_TINY
+    from hacpo.models.policy import PolicyConfig
+
+    base = tiny_policy_configs()[1]
+    configs = [dataclasses.replace(base, hf_config={
+        **HF_TINY, "hidden_size": 64 * heads, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads})]
+    policies = build_policies(configs)
+    connected = ray.is_initialized()
+    with pytest.raises(ValueError, match=rf"rollout.engine_tp={engine_tp}: agent 0 "
+                                         rf"\('qwen2-bpe'\) has {bad}, which vLLM cannot split "
+                                         rf"over {engine_tp} tensor-parallel workers"):
+        VLLMRolloutEngine(policies, vllm_config(configs, engine_tp=engine_tp))
+    assert ray.is_initialized() == connected    # failed before touching Ray
+
+
+def test_heads_that_split_pass_the_engine_tp_check():
+    """The check refuses only what vLLM cannot split: KV heads fewer than the workers that
+    divide engine_tp are replicated, and engine_tp=1 splits nothing."""
+    from types import SimpleNamespace
+
+    def pol(heads, kv):
+        return SimpleNamespace(name="p", model=SimpleNamespace(config=SimpleNamespace(
+            num_attention_heads=heads, num_key_value_heads=kv)))
+
+    for tp, heads, kv in ((2, 2, 1), (4, 8, 2), (2, 4, 4), (4, 4, None), (1, 3, 3)):
+        vllm_rollout.check_engine_tp([pol(heads, kv)], tp)
