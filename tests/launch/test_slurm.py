@@ -494,9 +494,10 @@ def test_slurm_job_whose_ray_head_exits_fails(local_slurm, tmp_path):
 def test_slurm_job_whose_ray_head_dies_names_it(local_slurm, tmp_path):
     """The head's GCS dies mid-run (SIGKILL): the driver ends with exit 1 and no message of
     its own, so the job names the cause (n1's Ray stopped, with its log's tail) and ends
-    FAILED with the driver's status; nothing is left running. The run dir has a space in
-    its path (the script's quoting: #SBATCH lines, log dir, driver arguments)."""
-    out = tmp_path / "run dir"
+    FAILED with the driver's status; nothing is left running. The run dir has a space and a
+    '%x' in its path (the script's quoting: #SBATCH lines, log dir, driver arguments; the
+    job's output file, whose path Slurm expands %x in, lands in the run dir)."""
+    out = tmp_path / "run %x dir"
     args = tiny_run_args(out, tmp_path)
     args[args.index("steps=2")] = "steps=1000"
     launch_log = tmp_path / "launch.log"
