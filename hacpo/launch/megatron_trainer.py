@@ -99,7 +99,9 @@ checks that it sees every file with the size the rank wrote (out_dir must be on 
 shared by the nodes; otherwise a clear error, before the checkpoint is written). The
 checkpoint file is written after all shards, so a crash leaves the previous checkpoint whole
 with its shards; shard directories of other saves are deleted once a checkpoint naming newer
-ones is on disk. Checkpoints from before this layout (optimizer states inside the file) still
+ones is on disk, and those a resumed checkpoint does not name once it is loaded (a crash after
+a save's rename leaves the previous save's, which a resume that saves no more would keep).
+Checkpoints from before this layout (optimizer states inside the file) still
 resume.
 """
 from __future__ import annotations
@@ -1356,6 +1358,12 @@ class MegatronAgents:
                          for i, r in enumerate(g.ranks)])
         # the driver's policy and the ranks now hold the checkpoint's weights
         self._stale[k], self._published[k] = False, None
+        # shard directories the checkpoint does not name: a crash between a save's checkpoint
+        # rename and its checkpoint_saved() left the previous save's (a resume that trains no
+        # further step never saves again to drop them), or a crash mid-save left its own
+        named = [os.path.join(self.out_dir, f) for f in meg.get("optim_files", [])]
+        named += [os.path.join(self.out_dir, f["path"]) for f in meg.get("ref_files") or []]
+        self._prune_shard_dirs(k, {os.path.dirname(f) for f in named})
 
     def checkpoint_saved(self) -> None:
         """The trainer wrote a checkpoint naming the shards of the last :meth:`state_dict`
@@ -1368,11 +1376,16 @@ class MegatronAgents:
             if self._ref_files[k]:                 # the KL reference's shards (written once)
                 keep.add(os.path.dirname(os.path.join(self.out_dir,
                                                       self._ref_files[k][0]["path"])))
-            root = self.shard_root(k)
-            for other in os.listdir(root) if os.path.isdir(root) else ():
-                path = os.path.join(root, other)
-                if path not in keep and os.path.isdir(path):
-                    shutil.rmtree(path, ignore_errors=True)
+            self._prune_shard_dirs(k, keep)
+
+    def _prune_shard_dirs(self, k: int, keep: set[str]) -> None:
+        """Delete agent k's shard directories other than ``keep`` (absolute paths)."""
+        keep = {os.path.normpath(d) for d in keep}
+        root = self.shard_root(k)
+        for other in os.listdir(root) if os.path.isdir(root) else ():
+            path = os.path.join(root, other)
+            if os.path.normpath(path) not in keep and os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
 
     def evaluate(self, prompt_ids: list[list[list[int]]], golds: list[str], rc,
                  **kwargs) -> list[dict]:
