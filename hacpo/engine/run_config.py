@@ -6,6 +6,7 @@ import hashlib
 import json
 import math
 import numbers
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -241,6 +242,48 @@ def check_vllm_kinds(agents: list[tuple[str, str]]) -> None:
                 f"agent {k} ({name!r}) is kind {kind!r}: vLLM cannot serve hacpo's plain-torch "
                 f"decoder. Use rollout.engine='local' or 'ray' for it, or give the agent a "
                 f"kind='hf' policy.")
+
+
+def engine_tp_problem(heads: int, kv_heads: int | None, tp: int) -> str | None:
+    """Why vLLM cannot split a model with ``heads`` attention heads and ``kv_heads`` KV heads
+    (None: as many as attention heads) over ``tp`` tensor-parallel workers, or None: the
+    attention heads must divide by ``tp``, and the KV heads too (or, fewer KV heads than
+    workers, divide ``tp``: vLLM then replicates them)."""
+    kv = kv_heads or heads
+    if heads % tp:
+        return f"{heads} attention heads"
+    if (kv % tp) if kv >= tp else (tp % kv):
+        return f"{kv} KV heads"
+    return None
+
+
+def engine_tp_error(k: int, name: str, bad: str, tp: int) -> ValueError:
+    return ValueError(f"rollout.engine_tp={tp}: agent {k} ({name!r}) has {bad}, which vLLM "
+                      f"cannot split over {tp} tensor-parallel workers (attention heads must "
+                      f"divide by engine_tp; KV heads too, or divide it); choose an engine_tp "
+                      f"that divides the heads")
+
+
+def _hf_heads(p: PolicyConfig) -> tuple[int, int | None] | None:
+    """(attention heads, KV heads or None) of a kind="hf" policy from its config alone
+    (``policy.path``'s config.json, else ``policy.arch``'s defaults under ``hf_config``);
+    None where that is not known before the model is built (the engine pool checks it
+    then)."""
+    if p.path is None:
+        from hacpo.models.hf import TINY_DEFAULTS
+        d = {**TINY_DEFAULTS.get(p.arch, {}), **p.hf_config}
+    else:
+        try:
+            with open(os.path.join(p.path, "config.json")) as f:
+                d = json.load(f)
+        except (OSError, ValueError):
+            return None
+    heads = d.get("num_attention_heads", d.get("n_head")) if isinstance(d, dict) else None
+    kv = d.get("num_key_value_heads")
+    if not isinstance(heads, int) or heads < 1 or not (kv is None or isinstance(kv, int) and
+                                                       kv >= 1):
+        return None
+    return heads, kv
 
 
 # PolicyConfig fields only a kind="hf" policy uses (build_policy): a decoder would ignore them
@@ -617,10 +660,16 @@ class TrainConfig(ConfigMixin):
     def check_runnable(self) -> None:
         """What a run of this config needs beyond a valid config, checked before any work
         (``hacpo train``, the launchers' dry runs): vLLM engines serve HF policies only, and
-        sample with temperature 0 or in [0.01, 2]."""
+        sample with temperature 0 or in [0.01, 2], with the model's heads split over
+        ``rollout.engine_tp`` workers."""
         if self.rollout.engine == "vllm":
             check_vllm_kinds([(a.policy.name, a.policy.kind) for a in self.agents])
             check_vllm_temperature(self.rollout.temperature, "rollout.temperature")
+            tp = self.rollout.engine_tp
+            for k, a in enumerate(self.agents):
+                hh = _hf_heads(a.policy) if tp > 1 else None
+                if hh is not None and (bad := engine_tp_problem(*hh, tp)):
+                    raise engine_tp_error(k, a.policy.name, bad, tp)
 
     def __post_init__(self):
         if len(self.agents) < 1:

@@ -85,7 +85,8 @@ import torch
 from hacpo.models.buckets import bucket_bytes_of, weight_buckets
 from hacpo.models.generation import Rollout, check_generate_args, empty_rollout
 from hacpo.engine.rollout import GeneratorState, agent_generators
-from hacpo.engine.run_config import check_vllm_kinds, check_vllm_temperature, gpu_needs
+from hacpo.engine.run_config import (check_vllm_kinds, check_vllm_temperature, engine_tp_error,
+                                     engine_tp_problem, gpu_needs)
 from hacpo.models.policy import Policy
 
 # before any `import ray`: ray_cluster sets Ray's loopback-only env
@@ -141,23 +142,17 @@ def check_hf_policies(policies: Sequence[Policy]) -> None:
 
 def check_engine_tp(policies: Sequence[Policy], tp: int) -> None:
     """A ValueError naming the agent unless vLLM can split its model over ``tp`` tensor-
-    parallel workers (``rollout.engine_tp``): the attention heads must divide by ``tp``, and
-    the KV heads too (or, fewer KV heads than workers, divide ``tp``: vLLM then replicates
-    them). Checked before any engine starts (vLLM's own error comes from inside the engine's
-    start-up, or as an assertion in a worker)."""
+    parallel workers (``rollout.engine_tp``; :func:`~hacpo.engine.run_config.engine_tp_problem`).
+    Checked before any engine starts (vLLM's own error comes from inside the engine's
+    start-up, or as an assertion in a worker); ``check_runnable`` checks the config alike."""
     if tp == 1:
         return
     for k, p in enumerate(policies):
         c = p.model.config
-        heads = c.num_attention_heads
-        kv = getattr(c, "num_key_value_heads", None) or heads
-        bad = (f"{heads} attention heads" if heads % tp else
-               f"{kv} KV heads" if (kv % tp if kv >= tp else tp % kv) else None)
+        bad = engine_tp_problem(c.num_attention_heads, getattr(c, "num_key_value_heads", None),
+                                tp)
         if bad:
-            raise ValueError(f"rollout.engine_tp={tp}: agent {k} ({p.name!r}) has {bad}, which "
-                             f"vLLM cannot split over {tp} tensor-parallel workers (attention "
-                             f"heads must divide by engine_tp; KV heads too, or divide it); "
-                             f"choose an engine_tp that divides the heads")
+            raise engine_tp_error(k, p.name, bad, tp)
 
 
 def hf_config_dict(policy: Policy) -> dict:

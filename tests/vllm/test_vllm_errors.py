@@ -72,11 +72,15 @@ def test_temperature_vllm_cannot_serve_is_a_clear_error(temperature):
     (4, 12, 3, "3 KV heads"),                 # fewer KV heads than workers, not dividing 4
     (2, 6, 3, "3 KV heads"),                  # more KV heads than workers, not divisible
 ])
-def test_heads_engine_tp_cannot_split_is_a_clear_error(engine_tp, heads, kv_heads, bad):
+def test_heads_engine_tp_cannot_split_is_a_clear_error(engine_tp, heads, kv_heads, bad,
+                                                       tmp_path):
     """Heads that vLLM cannot split over rollout.engine_tp workers: refused naming the agent,
     the heads and the key, before any engine or Ray cluster starts (vLLM's own error came
-    from inside the engine's start-up, after it had started, or as a worker's assertion)."""
+    from inside the engine's start-up, after it had started, or as a worker's assertion);
+    from the config alone too (check_runnable: `hacpo train` and the launchers, before a job
+    is submitted), for hf_config sizes and for a checkpoint directory's config.json."""
     import dataclasses
+    import json
 
     import ray
 
@@ -94,6 +98,15 @@ def test_heads_engine_tp_cannot_split_is_a_clear_error(engine_tp, heads, kv_head
                                          rf"over {engine_tp} tensor-parallel workers"):
         VLLMRolloutEngine(policies, vllm_config(configs, engine_tp=engine_tp))
     assert ray.is_initialized() == connected    # failed before touching Ray
+    ckpt_dir = tmp_path / "model"
+    ckpt_dir.mkdir()
+    (ckpt_dir / "config.json").write_text(json.dumps(
+        {"model_type": "qwen2", "num_attention_heads": heads, "num_key_value_heads": kv_heads}))
+    for cfg in (configs[0], dataclasses.replace(base, path=str(ckpt_dir), hf_config={})):
+        with pytest.raises(ValueError, match=rf"rollout.engine_tp={engine_tp}: agent 0 "
+                                             rf"\('qwen2-bpe'\) has {bad}, which vLLM cannot "
+                                             rf"split"):
+            vllm_config([cfg], engine_tp=engine_tp).check_runnable()
 
 
 def test_heads_that_split_pass_the_engine_tp_check():
@@ -107,3 +120,5 @@ def test_heads_that_split_pass_the_engine_tp_check():
 
     for tp, heads, kv in ((2, 2, 1), (4, 8, 2), (2, 4, 4), (4, 4, None), (1, 3, 3)):
         vllm_rollout.check_engine_tp([pol(heads, kv)], tp)
+    # the config check passes them too (tiny Qwen2 of tiny_policy_configs: 2 heads, 1 KV head)
+    vllm_config(tiny_policy_configs(), engine_tp=2).check_runnable()
