@@ -234,9 +234,6 @@ def _prepare(cfg: TrainConfig, resume: bool, echo):
                               f"to continue it or choose another out_dir")
     elif resume and state is None:
         echo(f"[resume] no {CHECKPOINT} in {cfg.out_dir}: starting a new run there")
-    ckpt.write_text_atomic(os.path.join(cfg.out_dir, "config.json"),
-                           json.dumps(cfg.to_dict(), indent=2))
-
     data = build.load_data(cfg)
     if state is not None:       # the data cursor fits the examples (before any policy is built)
         try:
@@ -250,11 +247,20 @@ def _prepare(cfg: TrainConfig, resume: bool, echo):
     if state is not None and (bad := build.tokenizer_mismatch(state, policies, cfg)):
         raise ValueError(f"cannot resume {ck_path}: {bad}")
     check_prompt_lengths(cfg, data, policies)
+    if state is None:       # a resume writes it once the checkpoint is loaded (_run)
+        _write_config(cfg)
     for note in (minibatch_shortfall(cfg), no_signal_note(cfg)):
         if note:
             echo(f"[warn] {note}")
     warm = build.warm_start(cfg, data, policies, echo) if state is None else state["warmup"]
     return data, policies, state, warm, ck_path
+
+
+def _write_config(cfg: TrainConfig) -> None:
+    """``<out_dir>/config.json``, written once every check of the run's inputs passed: a run or
+    resume refused for its config, data or checkpoint leaves the run dir as it was."""
+    ckpt.write_text_atomic(os.path.join(cfg.out_dir, "config.json"),
+                           json.dumps(cfg.to_dict(), indent=2))
 
 
 def minibatch_shortfall(cfg: TrainConfig) -> str | None:
@@ -377,6 +383,7 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
         # the ratios logged up to the checkpoint (older checkpoints: none kept)
         ratio_log.update({key: [np.asarray(v)] for key, v in state.get("ratio_log", {}).items()})
         echo(f"[resume] {ck_path} at step {start}")
+        _write_config(cfg)
     # engines holding weight copies start from these weights (the pools: all agents at once)
     sync_agents(agents, engine, n, timer=null_timer, pull=False, at_once=cfg.agents_at_once)
     if not data.eval:

@@ -153,7 +153,8 @@ def test_resume_of_a_foreign_checkpoint_or_changed_data_is_clear_error(tmp_path)
     cache file copied there), and a resume over training data that changed since the
     checkpoint (another row count: the data cursor; the same rows with other words: reduced
     vocabularies of the same size that map ids to other tokens, which resumed silently), are
-    one-line errors naming the checkpoint, before any step; checkpoint and metrics are kept."""
+    one-line errors naming the checkpoint, before any step; checkpoint, metrics and config.json
+    (this resume asks for more steps) are kept."""
     from hacpo.engine import checkpoint as ckpt
     from hacpo.engine.errors import is_user_error
     run = tmp_path / "run"
@@ -178,7 +179,8 @@ def test_resume_of_a_foreign_checkpoint_or_changed_data_is_clear_error(tmp_path)
     def resume_fails(changed, msg):
         train_f.write_text("".join(json.dumps(r) + "\n" for r in changed))
         kept = {f: (tmp_path / "files" / f).read_bytes() for f in ("checkpoint.pt",
-                                                                   "metrics.jsonl")}
+                                                                   "metrics.jsonl",
+                                                                   "config.json")}
         with pytest.raises(ValueError, match=r"(?s)cannot resume .*files/checkpoint\.pt: "
                                              + msg) as e:
             train(_cfg(tmp_path, "files", steps="2", **over), resume=True, echo=lambda *_: None)
