@@ -211,8 +211,11 @@ def load_examples(path: Union[str, os.PathLike], field_map: Union[FieldMap, str]
             if fm is None:
                 fm = _detect_field_map(row)
                 if fm is None:
-                    raise DataError(f"{loc}: cannot detect the fields (keys {sorted(row)}); "
-                                    "pass a FieldMap")
+                    raise DataError(
+                        f"{loc}: cannot detect the fields (keys {sorted(row)}): auto-detection "
+                        f"knows question/answer (gsm8k), problem/answer (math_answer) and "
+                        f"problem/solution (math); name the layout (data.field_map, hacpo "
+                        f"eval's NAME=PATH:FIELDMAP) or pass a FieldMap")
             out.append(_to_example(row, fm, loc, source))
         except DataError as e:
             if not skip_bad_rows:

@@ -53,7 +53,10 @@ def test_field_mapping(tmp_path):
         {"q": "2+2?", "target": 4}, {"q": "Ten?", "target": "10"}])
     examples, _ = load_examples(path, FieldMap(prompt="q", answer="target", answer_format="raw"))
     assert [(e.prompt, e.answer) for e in examples] == [("2+2?", "4"), ("Ten?", "10")]
-    with pytest.raises(DataError, match=r"custom.jsonl:line 1: cannot detect"):
+    # the error names the layouts auto-detection knows and where to name one
+    with pytest.raises(DataError, match=r"custom.jsonl:line 1: cannot detect the fields \(keys "
+                                        r"\['q', 'target'\]\): auto-detection knows "
+                                        r"question/answer \(gsm8k\).*data.field_map"):
         load_examples(path)
 
 
