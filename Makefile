@@ -8,7 +8,7 @@ STAMP = $(VENV)/.installed
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP = $(VLLM_VENV)/.installed
 
-.PHONY: venv vllm-venv demo test bench clean
+.PHONY: venv vllm-venv demo test bench clean gpu-wheels
 
 $(STAMP): setup.py requirements/cpu.in requirements/constraints.txt requirements/nodeps.txt
 	$(PY) -m venv $(VENV)
@@ -44,3 +44,9 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV)
+
+# megatron-core's wheel for a lent GPU machine's Python 3.12 (benchmarks/device_run.sh; the
+# machine cannot download): into the git-ignored .whl/, carried along by the device call
+gpu-wheels:
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--platform manylinux_2_28_x86_64 megatron-core==0.16.1 -d .whl

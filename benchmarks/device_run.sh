@@ -2,9 +2,12 @@
 # Every GPU check of issues 3 and 5 in ONE call of the lent-GPU tool, inside its limits
 # (one command <= 600 s, 15 min of device time per session, at most 8 files back from $OUT):
 #
-#   device tool: run(command="bash benchmarks/device_run.sh $OUT", carry=[".whl"], timeout_s=600)
+#   device tool: run(command="bash benchmarks/device_run.sh $OUT", kind="nvidia-h200",
+#                    carry=[".whl"], timeout_s=600)
+# (kind: issue 3's targets are an H200's; a call naming no kind gets an H100 first.)
 #
-# .whl/ (git-ignored) holds megatron-core's wheel for the GPU machine's Python 3.12, fetched here:
+# .whl/ (git-ignored, so a fresh checkout lacks it) holds megatron-core's wheel for the GPU
+# machine's Python 3.12, fetched here first with `make gpu-wheels`, i.e.
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #       --platform manylinux_2_28_x86_64 megatron-core==0.16.1 -d .whl
 #
