@@ -85,7 +85,6 @@ def test_heads_engine_tp_cannot_split_is_a_clear_error(engine_tp, heads, kv_head
     import ray
 
     from .conftest import HF_TINY
-    from hacpo.models.policy import PolicyConfig
 
     base = tiny_policy_configs()[1]
     configs = [dataclasses.replace(base, hf_config={
