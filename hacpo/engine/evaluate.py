@@ -102,11 +102,16 @@ def evaluate_policy(policy, prompt_ids: list[list[int]], golds: list[str], rewar
         policy, prompt_ids, golds, reward_computer, max_new_tokens=max_new_tokens,
         samples=samples, temperature=temperature, top_p=top_p, batch=batch, seed=seed,
         where=lambda i: f"held-out prompt {i}", engine=engine, agent=agent)
-    per_prompt = torch.tensor(rewards).view(n, samples)
-    acc = float(per_prompt.mean())
+    if bad := [i for i, r in enumerate(rewards) if len(r) != samples]:
+        raise RuntimeError(f"evaluate_policy: {len(bad)} prompt(s) (first: {bad[0]}) got "
+                           f"{len(rewards[bad[0]])} responses, not {samples}")
+    # in float64, summed per problem then over problems (as `hacpo eval` does): a float32
+    # mean of n rewards is not k/n (0.372 read 0.37200000882), so the run's own accuracy and
+    # `hacpo eval` of its checkpoint on its held-out set would differ in the last digits
+    acc = sum(sum(r) / samples for r in rewards) / n
     out = {"accuracy": acc, "stderr": math.sqrt(max(acc * (1 - acc), 0.0) / n), "n": n,
            **stats}
     if samples > 1:
-        correct = (per_prompt > 0.5).sum(1).tolist()
+        correct = [sum(x > 0.5 for x in r) for r in rewards]
         out[f"pass@{samples}"] = sum(pass_at_k(samples, c, samples) for c in correct) / n
     return out

@@ -365,3 +365,84 @@ def test_sampled_eval_uses_the_runs_top_p(run, tmp_path, capsys, monkeypatch):
                      str(tmp_path / "h")]) == 0
     rec = json.loads((tmp_path / "h" / "char__gsm.json").read_text())
     assert rec["top_p"] == 0.9
+
+
+# --------------------------------------------------------------------------------------------
+# `hacpo eval` of a run's checkpoint on the run's own held-out set == the run's final eval
+# --------------------------------------------------------------------------------------------
+
+# a continuous verifier (exp(-|pred - gold| / |gold|)) on warm-started agents: every problem's
+# reward depends on the exact number each response ends with, and a mean of n = 20 of them is
+# no float32 number, so a response or a rounding that differs shows in the accuracy
+OWN_RUN = {"threads": 1, "plots": False, "tensorboard": False, "steps": 2,
+           "reward.name": "numeric_closeness", "data.eval_size": 20, "data.template": "short",
+           "eval_max_new_tokens": 24,
+           **{f"agents.{k}.{key}": v for k in range(3)
+              for key, v in (("warmup.steps", 150), ("optim.lr", 1e-4))}}
+
+
+def export_heldout(run_dir) -> str:
+    """The run's own held-out problems (``build.load_data`` of the config its checkpoint
+    holds) as a ``math_answer`` JSONL benchmark: the raw question (the template is the run's,
+    applied by `hacpo eval`) and the gold answer. Returns the file's path."""
+    from hacpo.engine import build, checkpoint as ckpt
+    from hacpo.engine.run_config import TrainConfig
+    cfg = TrainConfig.from_dict(ckpt.load(str(run_dir / "checkpoint.pt"))["config"])
+    path = run_dir / "own.jsonl"
+    path.write_text("".join(json.dumps({"problem": e.prompt, "answer": e.answer}) + "\n"
+                            for e in build.load_data(cfg).eval))
+    return str(path)
+
+
+def assert_eval_equals_run(run_dir, summary, out_dir, own_responses=None):
+    """`hacpo eval RUN --bench own=FILE:math_answer` (greedy, one sample) scores every agent
+    exactly as the run's final evaluation did (summary.json), problem by problem where the
+    run's own responses were recorded (``own_responses``: agent -> [[text]])."""
+    assert json.loads((run_dir / "summary.json").read_text())["after"] == summary["after"]
+    bench = export_heldout(run_dir)
+    assert cli.main(["eval", str(run_dir), "--bench", f"own={bench}:math_answer",
+                     "--out-dir", str(out_dir)]) == 0
+    for agent, want in summary["after"].items():
+        rec = json.loads((out_dir / f"{agent}__own.json").read_text())
+        assert rec["n"] == want["n"] and rec["ok"] == rec["n"], rec
+        assert rec["avg@1"] == want["accuracy"], (agent, rec["avg@1"], want["accuracy"])
+        if own_responses is not None:
+            assert [p["responses"] for p in rec["problems"]] == own_responses[agent], agent
+    # the check can fail: the answers are neither all right nor all wrong, nor all equal
+    rewards = {r for a in summary["after"]
+               for p in json.loads((out_dir / f"{a}__own.json").read_text())["problems"]
+               for r in p["rewards"]}
+    assert len(rewards) > 2, rewards
+
+
+def record_final_responses(monkeypatch) -> dict:
+    """agent -> the greedy responses of its last driver-side evaluation (in-process policies,
+    the driver's megatron copies, or a rollout engine with eval_engine=rollout): after the
+    run, its final evaluation's."""
+    from hacpo.engine import evaluate as ev
+    own: dict[str, list] = {}
+    real = ev.sample_and_score
+
+    def recording(policy, *a, **kw):
+        out = real(policy, *a, **kw)
+        if kw.get("samples", 1) == 1:
+            own[policy.name] = out[1]
+        return out
+    monkeypatch.setattr(ev, "sample_and_score", recording)
+    return own
+
+
+def test_eval_of_the_run_on_its_own_heldout_set_equals_its_final_eval(tmp_path, monkeypatch):
+    """The local trainer (tiny3: three tokenizers, two with reduced vocabularies; the run's
+    template and eval_max_new_tokens): `hacpo eval` of the checkpoint on the run's held-out
+    set gives each agent's final greedy accuracy to the last bit, with the same responses.
+    Before, the run's accuracy was a float32 mean (0.47984418 vs eval's 0.47984417)."""
+    own = record_final_responses(monkeypatch)
+    cfg = load_config("tiny3", overrides={"out_dir": str(tmp_path / "run"),
+                                          "cache_dir": str(tmp_path / "cache"), **OWN_RUN})
+    summary = train(cfg, echo=lambda *_: None)
+    own = dict(own)          # `hacpo eval` below samples through the same function
+    # RL moved the weights the checkpoint holds: the final accuracy is not the warm start's
+    assert any(summary["after"][a]["accuracy"] != summary["before"][a]["accuracy"]
+               for a in AGENTS), summary
+    assert_eval_equals_run(tmp_path / "run", summary, tmp_path / "ev", own)
