@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from hacpo.models.retokenize import RetokStats
+from hacpo.models.tokenizer import UnencodableTextError
 
 from . import build, checkpoint as ckpt
 from .agents import build_agents, score_temperature, update_agents
@@ -338,7 +339,17 @@ def check_prompt_lengths(cfg: TrainConfig, data, policies) -> None:
             for e in examples:
                 ids_of[build.prompt_text(cfg, e)].append(e.id)
             room = p.max_len - new
-            too_long = [(n, ids) for n, ids in ((len(p.tokenizer.prompt_ids(t)), ids)
+
+            def n_tokens(text: str, ids: list[str]) -> int:
+                try:
+                    return len(p.tokenizer.prompt_ids(text))
+                except UnencodableTextError as e:   # e.g. a template's characters
+                    raise ValueError(
+                        f"agent {p.name!r} (agents.{k}): the {split} prompt of example "
+                        f"{ids[0]!r} (data.template={cfg.data.template!r}) cannot be "
+                        f"tokenized: {e}") from None
+
+            too_long = [(n, ids) for n, ids in ((n_tokens(t, ids), ids)
                                                 for t, ids in ids_of.items()) if n > room]
             if not too_long:
                 continue

@@ -357,6 +357,21 @@ def test_prompt_too_long_for_a_policy_is_a_user_error_before_any_work(tmp_path):
               echo=lambda *_: None)
 
 
+def test_prompt_a_tokenizer_cannot_spell_names_agent_example_and_template(tmp_path):
+    """A template with characters outside a fixed character set (tiny3's char agent under
+    data.template=boxed: a backslash) stopped the run with the tokenizer's bare message; now
+    the error names the agent, the example and the template, before the warm-up and before
+    the run dir gets a config.json."""
+    from hacpo.engine.errors import is_user_error
+    with pytest.raises(ValueError, match=r"^agent 'char' \(agents\.0\): the training prompt of "
+                                         r"example '[^']+' \(data\.template='boxed'\) cannot be "
+                                         r"tokenized: tokenizer 'char': character '\\\\'") as e:
+        train(_cfg(tmp_path, **{"data.template": "boxed"}), echo=lambda *_: None)
+    assert is_user_error(e.value)
+    assert not (tmp_path / "cache").exists()          # before the warm-up
+    assert not (tmp_path / "run" / "config.json").exists()
+
+
 def test_fewer_prompts_than_minibatches_is_said_not_silent(tmp_path):
     """Minibatches split by prompt: with fewer prompts per step than minibatches the empty ones
     are no updates, e.g. tiny3 under gspo2x (4 prompts, 4 x 2 minibatches) made 4 updates of
