@@ -144,6 +144,74 @@ class RayCluster:
         self.connected_here = False
         if self.owned and self.temp_dir:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
+            _release_owner_lock(self.temp_dir)
+
+
+# A private cluster's temp dir (Ray's sockets, session logs: ~250 KB) is removed when the
+# cluster stops; a process killed with SIGKILL cannot. Its owner holds a POSIX lock on
+# OWNER_LOCK inside it for the cluster's life (released when the process ends, kill -9
+# included), so the next private cluster on this machine removes the dirs nobody holds.
+TEMP_PREFIX = "hacpo-ray-"
+OWNER_LOCK = ".hacpo-owner.lock"
+STALE_AFTER_S = 60.0     # a lock file younger than this may be its owner's, not yet locked
+_owner_fds: dict[str, int] = {}      # temp dir -> this process's fd holding its lock
+
+
+def _hold_owner_lock(temp_dir: str) -> None:
+    import fcntl
+    fd = os.open(os.path.join(temp_dir, OWNER_LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:          # a filesystem without locks: the dir is never swept
+        os.close(fd)
+        return
+    _owner_fds[temp_dir] = fd
+
+
+def _release_owner_lock(temp_dir: str) -> None:
+    fd = _owner_fds.pop(temp_dir, None)
+    if fd is not None:
+        os.close(fd)
+
+
+def sweep_dead_temp_dirs(root: str | None = None) -> list[str]:
+    """Remove the private clusters' temp dirs under ``root`` (the temp directory) whose owner
+    died without removing them (SIGKILL): their OWNER_LOCK exists, is older than
+    STALE_AFTER_S and no process holds its lock. A dir without the lock file, or one this
+    process owns, is left alone. Returns the dirs removed (logged)."""
+    import fcntl
+    root = root or tempfile.gettempdir()
+    removed = []
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(TEMP_PREFIX)]
+    except OSError:
+        return removed
+    for name in names:
+        d = os.path.join(root, name)
+        lock = os.path.join(d, OWNER_LOCK)
+        if d in _owner_fds:    # ours: opening and closing its lock file would release it
+            continue
+        try:
+            if time.time() - os.stat(lock).st_mtime < STALE_AFTER_S:
+                continue
+            fd = os.open(lock, os.O_RDWR)
+        except OSError:        # no lock file (not ours to judge), or gone meanwhile
+            continue
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:        # held: its cluster's owner is alive
+            os.close(fd)
+            continue
+        try:
+            shutil.rmtree(d, ignore_errors=True)
+        finally:
+            os.close(fd)
+        if not os.path.exists(d):
+            removed.append(d)
+    if removed:
+        log.info("removed %d temp dir(s) of private Ray clusters whose process died: %s",
+                 len(removed), ", ".join(removed))
+    return removed
 
 
 def call_deadline(timeout_s: float) -> float | None:
@@ -318,7 +386,9 @@ def _connect(address: str = "", *, num_cpus: int | None = None,
                         "MiB (30%% of this machine's memory), so syncs will spill to disk",
                         weights / 2**20, _OBJECT_STORE_COPIES * weights / 2**20,
                         store / 2**20)
-        temp_dir = tempfile.mkdtemp(prefix="hacpo-ray-")   # short: Ray's socket paths live here
+        sweep_dead_temp_dirs()
+        temp_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX)   # short: Ray's socket paths live here
+        _hold_owner_lock(temp_dir)
         try:
             ctx = ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1,
                            include_dashboard=False, _node_ip_address="127.0.0.1",
@@ -326,6 +396,7 @@ def _connect(address: str = "", *, num_cpus: int | None = None,
                            log_to_driver=True, configure_logging=False)
         except Exception:
             shutil.rmtree(temp_dir, ignore_errors=True)
+            _release_owner_lock(temp_dir)
             raise
         log.info("started a private Ray cluster at %s (temp dir %s, object store %.0f MiB)",
                  ctx.address_info["address"], temp_dir, store / 2**20)

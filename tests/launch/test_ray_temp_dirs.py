@@ -1,0 +1,80 @@
+"""A private Ray cluster's temp dir (sockets, session logs) is removed when the cluster stops;
+a process killed with SIGKILL left it in the temp directory for good. Its owner now holds a
+lock on a file inside it, and the next private cluster removes the dirs whose owner died."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+from hacpo.launch import ray_cluster  # first: its environment must precede `import ray`
+from hacpo.launch.ray_cluster import OWNER_LOCK, STALE_AFTER_S, TEMP_PREFIX, sweep_dead_temp_dirs
+
+HOLD = textwrap.dedent("""
+    import fcntl, os, sys, time
+    fd = os.open(sys.argv[1], os.O_RDWR)
+    fcntl.lockf(fd, fcntl.LOCK_EX)
+    print("held", flush=True)
+    time.sleep(600)
+""")
+
+
+def _dir(root, name, *, lock=True, age_s=2 * STALE_AFTER_S):
+    d = root / name
+    d.mkdir()
+    (d / "session.log").write_text("ray logs")
+    if lock:
+        (d / OWNER_LOCK).write_text("")
+        old = time.time() - age_s
+        os.utime(d / OWNER_LOCK, (old, old))
+    return d
+
+
+def test_sweep_removes_only_dirs_whose_owner_died(tmp_path):
+    dead = _dir(tmp_path, TEMP_PREFIX + "dead")
+    live = _dir(tmp_path, TEMP_PREFIX + "live")
+    fresh = _dir(tmp_path, TEMP_PREFIX + "fresh", age_s=0)      # maybe not locked yet
+    unknown = _dir(tmp_path, TEMP_PREFIX + "nolock", lock=False)   # not ours to judge
+    other = _dir(tmp_path, "other-dead")                          # another prefix
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(live / OWNER_LOCK)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert sweep_dead_temp_dirs(str(tmp_path)) == [str(dead)]
+        assert not dead.exists()
+        assert all(d.exists() for d in (live, fresh, unknown, other))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert sweep_dead_temp_dirs(str(tmp_path)) == [str(live)]     # its holder is gone now
+
+
+def test_a_killed_drivers_cluster_dir_is_removed_by_the_next_cluster(tmp_path):
+    """A real private cluster whose process is SIGKILLed leaves its temp dir, with the lock
+    file; the sweep a new private cluster runs first removes it, while this process's own
+    live cluster dir (and its lock) would be kept."""
+    code = textwrap.dedent("""
+        import time
+        from hacpo.launch import ray_cluster
+        c = ray_cluster.connect("", num_cpus=1)
+        print(c.temp_dir, flush=True)
+        time.sleep(600)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                         start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        temp_dir = p.stdout.readline().strip()
+        assert os.path.basename(temp_dir).startswith(TEMP_PREFIX), temp_dir
+        assert os.path.exists(os.path.join(temp_dir, OWNER_LOCK))
+        assert temp_dir not in sweep_dead_temp_dirs()     # held while its owner lives
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    time.sleep(1)
+    assert os.path.isdir(temp_dir)                        # left behind by the kill
+    assert temp_dir not in sweep_dead_temp_dirs()         # too fresh to judge
+    old = time.time() - 2 * STALE_AFTER_S
+    os.utime(os.path.join(temp_dir, OWNER_LOCK), (old, old))
+    assert temp_dir in sweep_dead_temp_dirs()
+    assert not os.path.exists(temp_dir)
