@@ -13,12 +13,17 @@ Status flags (:class:`RetokStatus`, combinable):
   (so a truncated response loses its EOS).
 - ``UNENCODABLE``: the text has pieces outside the learner's vocabulary; ``ids`` come from
   the tokenizer's deterministic fallback (byte tokens or ``<unk>``), or are ``[]`` where there
-  is none. The trainer decides whether to keep or drop such samples.
+  is none. Also where the learner's encoding does not decode to the text (a tokenizer whose
+  normalizer rewrites it, e.g. lowercasing); ``ids`` are that encoding. The trainer decides
+  whether to keep or drop such samples.
 - ``INVALID_UTF8``: the source ids are not valid text (byte pieces that do not form whole
   characters, e.g. a multi-byte character cut at ``max_new_tokens``), so the decoded text has
   U+FFFD where the source had those bytes; ``ids`` encode that text. No tokenization of the
   learner's spells the generator's response: the trainer treats these samples as
   ``UNENCODABLE`` ones (``drop_unencodable``), whatever the learner's vocabulary.
+
+Without ``UNENCODABLE`` (and before ``TRUNCATED`` cuts them), the ids decode with the learner's
+tokenizer to exactly the text the source ids decode to.
 
 Special-token strings in the decoded text (e.g. a Llama response that writes out
 ``"<|im_end|>"``) are encoded as text by the learner (:meth:`Tokenizer.encode`), never as the
@@ -72,6 +77,8 @@ def retokenize(response_ids: Sequence[int], source_tok: Tokenizer, learner_tok: 
         status |= RetokStatus.INVALID_UTF8
     try:
         out = learner_tok.response_ids(text, add_eos=ended_eos)
+        if learner_tok.decode(out) != text:         # a normalizer changed the text
+            status |= RetokStatus.UNENCODABLE
     except UnencodableTextError:
         status |= RetokStatus.UNENCODABLE
         try:

@@ -7,7 +7,8 @@ Every tokenizer answers the same small interface (:class:`Tokenizer`):
   and the response are tokenized separately, so both sides of the boundary are stable).
 - ``encode(text, errors=...)`` / ``decode(ids)``: ``encode`` reads text as text (a special
   token's string, e.g. ``"<|im_end|>"`` written out in a response, is spelled with ordinary
-  tokens, never turned into the special token); ``decode`` drops special tokens.
+  tokens, never turned into the special token; no Unicode normalization: "e" + U+0301 stays two
+  characters); ``decode`` drops special tokens.
 - ``valid_text(ids)``: whether the ids spell valid UTF-8, i.e. ``decode`` is exact.
 
 Two implementations:
@@ -187,15 +188,36 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
+_UNICODE_FORMS = frozenset({"NFC", "NFD", "NFKC", "NFKD"})
+
+
+def _without_unicode_forms(normalizer: dict | None) -> dict | None:
+    """``normalizer`` (tokenizer.json form) less its Unicode normalization forms (NFC, ...)."""
+    if normalizer is None or normalizer.get("type") in _UNICODE_FORMS:
+        return None
+    if normalizer.get("type") == "Sequence":
+        rest = [n for n in (_without_unicode_forms(m) for m in normalizer["normalizers"])
+                if n is not None]
+        return {**normalizer, "normalizers": rest} if rest else None
+    return normalizer
+
+
 @functools.lru_cache(maxsize=8)
 def _text_backend(hf):
     """A copy of ``hf``'s backend tokenizer that reads special tokens' strings as text
     (``encode_special_tokens``): what :meth:`HFTokenizer.encode` uses, so a response that
     writes out ``"<|im_end|>"`` is not encoded as the EOS (the shared backend keeps parsing
-    them, as the chat template's prompts need)."""
+    them, as the chat template's prompts need).
+
+    It also drops Unicode normalization (Qwen's NFC): ``encode`` spells the text as it is
+    ("e" + U+0301 stays two characters instead of becoming U+00E9), so a re-tokenized response
+    decodes to the text the generator wrote. Other normalizers are kept;
+    :func:`hacpo.models.retokenize.retokenize` flags text they change."""
     from tokenizers import Tokenizer as Backend
 
-    backend = Backend.from_str(hf.backend_tokenizer.to_str())
+    spec = json.loads(hf.backend_tokenizer.to_str())
+    spec["normalizer"] = _without_unicode_forms(spec.get("normalizer"))
+    backend = Backend.from_str(json.dumps(spec))
     backend.encode_special_tokens = True
     backend.no_truncation()         # whatever a call of ``hf`` left set on its backend
     backend.no_padding()
@@ -258,8 +280,8 @@ class HFTokenizer(Tokenizer):
             for text in corpus:
                 ids = self._backend.encode(text, add_special_tokens=False).ids
                 keep.update(ids)
-                if not self._orig_specials.isdisjoint(ids):  # as encode() spells them
-                    keep.update(_text_backend(hf).encode(text, add_special_tokens=False).ids)
+                # as encode() spells them: special tokens' strings as text, not normalized
+                keep.update(_text_backend(hf).encode(text, add_special_tokens=False).ids)
             # The template's own tokens (rendered with an empty question) must be in the vocab.
             keep.update(self._backend.encode(self.prompt_text(""), add_special_tokens=False).ids)
             self._to_orig = sorted(keep)

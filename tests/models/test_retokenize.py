@@ -154,3 +154,32 @@ def test_learner_view_fits_cross_samples_in_the_learners_positions(qwen3_reduced
     assert len(prompts[0][0]) + len(view.response_ids[1]) == char.max_len
     tl, mask = char.response_logprobs(view.prompt_ids, view.response_ids)
     assert torch.isfinite(tl).all() and mask.sum() == 1 + char.max_len - len(prompts[0][0])
+
+
+def test_status_ok_means_the_learner_spells_the_same_text(qwen3, llama32, qwen3_reduced):
+    """Fuzzing found Llama text with a decomposed accent ("e" + U+0301) re-tokenized for Qwen3
+    with status OK but decoding to "é" (U+00E9): Qwen3's NFC normalizer changed the text the
+    learner scores. Text must come back exactly, for a reduced learner too (byte fallback)."""
+    for text in ("cafe\u0301", "\u212b ok"):
+        src = llama32.encode(text) + [llama32.eos_id]
+        ids, status = retokenize(src, llama32, qwen3, 512)
+        assert status == RetokStatus.OK and ids[-1] == qwen3.eos_id
+        assert qwen3.decode(ids) == text
+        ids, _ = retokenize(src, llama32, qwen3_reduced, 512)
+        assert qwen3_reduced.decode(ids) == text
+
+
+def test_a_learner_normalizer_that_changes_text_is_flagged(llama32, tmp_path):
+    """A local tokenizer.json whose normalizer rewrites text (here: lowercasing) cannot spell
+    the response: flagged UNENCODABLE instead of OK with other text."""
+    import json
+
+    spec = json.loads(llama32.hf.backend_tokenizer.to_str())
+    spec["normalizer"] = {"type": "Lowercase"}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    lower = load_tokenizer(str(tmp_path / "tokenizer.json"), eos_token="<|eot_id|>")
+    src = llama32.encode("The Answer is 5") + [llama32.eos_id]
+    ids, status = retokenize(src, llama32, lower, 512)
+    assert status == RetokStatus.UNENCODABLE and ids[-1] == lower.eos_id
+    ids, status = retokenize(llama32.encode("the answer is 5"), llama32, lower, 512)
+    assert status == RetokStatus.OK and lower.decode(ids) == "the answer is 5"

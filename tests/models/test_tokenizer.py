@@ -131,3 +131,17 @@ def test_valid_text_detects_cut_multibyte_characters(qwen3, llama32, qwen3_reduc
     assert red.valid_text(ids) and not red.valid_text(ids[:-1])
     char = load_tokenizer("char")
     assert char.valid_text(char.encode("Tom has 3 apples."))
+
+
+def test_encode_keeps_the_text_unnormalized(qwen3, llama32, qwen3_reduced):
+    """Qwen3's tokenizer.json has an NFC normalizer: encode("cafe\u0301") spelled "café" with
+    U+00E9, so a re-tokenized response silently changed text (and ids) although byte-level
+    tokens spell every string. encode reads the text as it is; prompts keep the normalizer."""
+    for text in ("cafe\u0301", "\u212b", "\ufb01 \uff21"):       # NFC and NFKC would change
+        for tok in (qwen3, llama32):
+            assert tok.decode(tok.encode(text)) == text, (tok.name, text)
+        assert qwen3_reduced.decode(qwen3_reduced.encode(text, errors="fallback")) == text
+    assert qwen3.prompt_ids("cafe\u0301") == qwen3.prompt_ids("caf\u00e9")
+    # a reduced vocabulary keeps the pieces of its corpus as encode spells them
+    red = load_tokenizer("qwen3", corpus=["cafe\u0301 au lait"])
+    assert red.decode(red.encode("cafe\u0301 au lait")) == "cafe\u0301 au lait"
