@@ -48,7 +48,7 @@ def _lock_temp(fd: int) -> None:
             raise
 
 
-def _writer_dead(path: str, pid_host: tuple[str, int] | None) -> bool:
+def writer_dead(path: str, pid_host: tuple[str, int] | None = None) -> bool:
     """Whether the temp file at ``path`` was left by a writer that died: nobody holds its lock
     (a live writer holds it until its rename). Where the filesystem cannot lock, only a file
     of this host whose pid no longer runs counts as dead."""
@@ -97,7 +97,7 @@ def remove_stale_temps(path: str) -> list[str]:
                 continue             # maybe just created, its writer not yet holding the lock
         except FileNotFoundError:
             continue
-        if _writer_dead(full, owner):
+        if writer_dead(full, owner):
             try:
                 os.unlink(full)
                 removed.append(full)

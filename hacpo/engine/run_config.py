@@ -472,10 +472,7 @@ def _check_megatron_agent(a: AgentConfig) -> None:
     p, par = a.policy, a.parallel
     where = f"agent {p.name!r} (trainer=megatron)"
     if p.path is None:
-        from hacpo.models.hf import TINY_DEFAULTS
-        if p.arch not in ("llama", "qwen2"):
-            raise ValueError(f"{where}: megatron-core trains policy.arch 'llama' or 'qwen2' "
-                             f"(ArchSpec), got {p.arch!r}")
+        from hacpo.models.hf import TINY_DEFAULTS   # arch: checked first (AgentConfig)
         hf = {**TINY_DEFAULTS[p.arch], **p.hf_config, "model_type": p.arch,
               "vocab_size": par.tp}    # placeholder (see the docstring)
         try:

@@ -179,7 +179,7 @@ def sweep_dead_temp_dirs(root: str | None = None) -> list[str]:
     died without removing them (SIGKILL): their OWNER_LOCK exists, is older than
     STALE_AFTER_S and no process holds its lock. A dir without the lock file, or one this
     process owns, is left alone. Returns the dirs removed (logged)."""
-    import fcntl
+    from hacpo.engine.checkpoint import writer_dead
     root = root or tempfile.gettempdir()
     removed = []
     try:
@@ -192,20 +192,12 @@ def sweep_dead_temp_dirs(root: str | None = None) -> list[str]:
         if d in _owner_fds:    # ours: opening and closing its lock file would release it
             continue
         try:
-            if time.time() - os.stat(lock).st_mtime < STALE_AFTER_S:
+            if (time.time() - os.stat(lock).st_mtime < STALE_AFTER_S
+                    or not writer_dead(lock)):    # a live owner holds it (or cannot lock)
                 continue
-            fd = os.open(lock, os.O_RDWR)
-        except OSError:        # no lock file (not ours to judge), or gone meanwhile
+        except OSError:        # no lock file (not ours to judge), gone meanwhile, odd lock error
             continue
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:        # held: its cluster's owner is alive
-            os.close(fd)
-            continue
-        try:
-            shutil.rmtree(d, ignore_errors=True)
-        finally:
-            os.close(fd)
+        shutil.rmtree(d, ignore_errors=True)
         if not os.path.exists(d):
             removed.append(d)
     if removed:
