@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import contextlib
 import dataclasses
 import logging
 import math
@@ -442,6 +443,13 @@ def _call_guarded(fn: RewardFn, response: str, gold: str, timeout_s: Optional[fl
 
 
 def _worker_init() -> None:
+    # Ctrl-C in a terminal signals the whole process group: the trainer unwinds and stops its
+    # workers, which must not print a KeyboardInterrupt traceback of their own. SIGINT was
+    # blocked since the worker's birth (_launching_workers), so one sent while it started is
+    # dropped here.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     # Warm the heavy import once per worker so the first item's timeout is not spent on it.
     try:
         import math_verify  # noqa: F401
@@ -451,6 +459,42 @@ def _worker_init() -> None:
 
 def _ping() -> int:
     return 0
+
+
+@contextlib.contextmanager
+def _launching_workers():
+    """Spawn worker processes inside this: a Ctrl-C or SIGTERM arriving meanwhile is raised
+    once the spawns are done, not halfway through one (the child would then read a truncated
+    start-up message and print an EOFError traceback), and the children are born with SIGINT
+    blocked, so a terminal's Ctrl-C reaching them before their initializer runs is dropped
+    there instead of raising in the middle of their start-up.
+
+    Main thread only (where Python runs signal handlers); elsewhere it does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list = []
+    handlers = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(sig)
+        if callable(handler):
+            handlers[sig] = handler
+            signal.signal(sig, lambda signum, frame: caught.append((signum, frame)))
+    # Starting multiprocessing's resource tracker unblocks SIGINT in this thread (its own
+    # block/unblock around the spawn): start it first, so the mask holds for the workers.
+    from multiprocessing import resource_tracker
+    resource_tracker.ensure_running()
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)   # a pending SIGINT is handled now
+        if caught:
+            signum, frame = caught[0]
+            handlers[signum](signum, frame)     # raises KeyboardInterrupt / the CLI's SIGTERM
 
 
 # --------------------------------------------------------------------------------------------
@@ -540,13 +584,21 @@ class RewardComputer:
         if self._closed:
             raise RuntimeError("RewardComputer is closed")
         if self._pool is None:
-            pool = cf.ProcessPoolExecutor(
-                max_workers=self.num_workers,
-                mp_context=multiprocessing.get_context(self.mp_context),
-                initializer=_worker_init)
-            # Start every worker now so that start-up is not charged to an item's deadline.
-            pings = [pool.submit(_ping) for _ in range(self.num_workers)]
-            done, not_done = cf.wait(pings, timeout=self.startup_timeout_s)
+            pool = None
+            try:
+                # Start every worker now so that start-up is not charged to an item's
+                # deadline (the spawns happen in submit()).
+                with _launching_workers():
+                    pool = cf.ProcessPoolExecutor(
+                        max_workers=self.num_workers,
+                        mp_context=multiprocessing.get_context(self.mp_context),
+                        initializer=_worker_init)
+                    pings = [pool.submit(_ping) for _ in range(self.num_workers)]
+                done, not_done = cf.wait(pings, timeout=self.startup_timeout_s)
+            except BaseException:       # interrupted: no half-started worker left behind
+                if pool is not None:
+                    self._kill(pool)
+                raise
             errors = [f.exception() for f in done if f.exception() is not None]
             if not_done or errors:
                 self._kill(pool)

@@ -250,3 +250,64 @@ def test_pool_math_timeouts_errors_and_hang():
     assert rc._pool is None
     assert not any(p.is_alive() for p in procs)
     assert not multiprocessing.active_children()
+
+
+# A child script: a 2-worker pool started with a signal sent at the worst moment, right after
+# a worker process is spawned and before the pool has sent it its start-up message.
+_SIGNALLED_START = r'''
+import multiprocessing, multiprocessing.util as util, os, signal, sys, time
+from hacpo.engine.rewards import RewardComputer
+target = sys.argv[1]
+spawn = util.spawnv_passfds
+def spawn_then_signal(path, args, fds):
+    pid = spawn(path, args, fds)
+    # the first worker (not the resource tracker, also spawned here)
+    if "--multiprocessing-fork" in args and not getattr(spawn_then_signal, "done", False):
+        spawn_then_signal.done = True
+        os.kill(os.getpid() if target == "parent" else pid, signal.SIGINT)
+        time.sleep(0.5)         # the parent runs its SIGINT handler here, before pid is returned
+    return pid
+util.spawnv_passfds = spawn_then_signal
+rc = RewardComputer("math", num_workers=2)
+args = ([r"\boxed{x+1}", r"\boxed{\frac{\sqrt{2}}{2}}"], ["x+2", r"\sqrt{2}/2"])
+try:
+    print("rewards", rc.score(*args)[0], flush=True)
+except KeyboardInterrupt:
+    def alive_workers():
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                state_ppid = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[:2]
+                cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+            except OSError:
+                continue
+            if state_ppid[0] != "Z" and int(state_ppid[1]) == os.getpid() \
+                    and b"--multiprocessing-fork" in cmdline:
+                found.append(pid)
+        return found
+    print("interrupted; workers left:", alive_workers(), rc._pool, flush=True)
+    sys.exit(0)
+# a terminal's Ctrl-C reaches the running workers too: they ignore it, the pool stays usable
+for p in rc._pool._processes.values():
+    os.kill(p.pid, signal.SIGINT)
+print("rewards", rc.score(*args)[0], flush=True)
+rc.close()
+'''
+
+
+@pytest.mark.parametrize("target", ["parent", "worker"])
+def test_ctrl_c_while_the_pool_starts_leaves_no_traceback(target):
+    """Ctrl-C while reward workers are being spawned: the parent's KeyboardInterrupt waits
+    until the spawn is done (a child fed half a start-up message printed an EOFError traceback)
+    and the half-started pool is killed; a Ctrl-C reaching a worker while it starts, or once it
+    runs (a terminal signals the whole process group), is ignored by it, with no traceback."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", _SIGNALLED_START, target],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    if target == "parent":
+        assert done.stdout == "interrupted; workers left: [] None\n", done.stdout
+    else:
+        assert done.stdout == "rewards [0.0, 1.0]\n" * 2, done.stdout
