@@ -10,6 +10,8 @@ import os
 import statistics
 
 from .config import preset, preset_settings
+from .checkpoint import write_text_atomic
+from .plots import save_figure
 from .run_config import TrainConfig, config_hash
 
 # two-sided 95% Student-t quantiles by degrees of freedom
@@ -76,10 +78,8 @@ def run_compare(base: TrainConfig, algorithms: list[str], seeds: list[int], root
                 results.setdefault(algo, {}).setdefault(agent, []).append(
                     {"seed": seed, **r, "before": summary["before"][agent]["accuracy"]})
     table = render_table(results, pass_k)
-    with open(os.path.join(root, "compare.json"), "w") as f:
-        json.dump(results, f, indent=2)
-    with open(os.path.join(root, "compare.md"), "w") as f:
-        f.write(table)
+    write_text_atomic(os.path.join(root, "compare.json"), json.dumps(results, indent=2))
+    write_text_atomic(os.path.join(root, "compare.md"), table)
     plot_compare(results, os.path.join(root, "compare.png"))
     echo(table)
     return results
@@ -178,4 +178,4 @@ def plot_compare(results: dict, path: str) -> None:
     ax.set_xticks(np.arange(len(algos)) + width * (len(agents) - 1) / 2, algos)
     ax.set_ylabel("held-out greedy accuracy (%)"), ax.legend()
     ax.set_title("hacpo compare: mean ± 95% CI over seeds")
-    fig.tight_layout(), fig.savefig(path, dpi=110), plt.close(fig)
+    save_figure(fig, path)

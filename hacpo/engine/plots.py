@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 
+from .checkpoint import _write_atomic
 from .metrics import read_metrics
 
 
@@ -14,6 +15,16 @@ def _plt():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
+
+
+def save_figure(fig, path: str) -> None:
+    """Lay out ``fig``, write it to ``path`` as a PNG atomically (a crash or a reader never
+    sees half a file; the old one stays until the new one is whole) and close it."""
+    fig.tight_layout()
+    try:
+        _write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110))
+    finally:
+        _plt().close(fig)
 
 
 def plot_run(out_dir: str, agent_names: list[str]) -> list[str]:
@@ -33,7 +44,7 @@ def plot_run(out_dir: str, agent_names: list[str]) -> list[str]:
         ax.set_xlabel("step"), ax.set_ylabel("mean training reward"), ax.legend()
         ax.set_title("Per-agent training reward")
         p = os.path.join(out_dir, "reward_curves.png")
-        fig.tight_layout(), fig.savefig(p, dpi=110), plt.close(fig)
+        save_figure(fig, p)
         written.append(p)
 
         keys = sorted(k for k in rows[-1] if k.startswith("omega/"))
@@ -44,7 +55,7 @@ def plot_run(out_dir: str, agent_names: list[str]) -> list[str]:
             ax.set_yscale("log"), ax.set_xlabel("step"), ax.set_ylabel("omega[source, learner]")
             ax.set_title("Capability ratios"), ax.legend(fontsize=8)
             p = os.path.join(out_dir, "capability_ratios.png")
-            fig.tight_layout(), fig.savefig(p, dpi=110), plt.close(fig)
+            save_figure(fig, p)
             written.append(p)
 
     rpath = os.path.join(out_dir, "log_ratios.npz")
@@ -62,6 +73,6 @@ def plot_run(out_dir: str, agent_names: list[str]) -> list[str]:
             ax.set_title(f"learner {name}: sequence ratio s"), ax.set_xlabel("s (clipped to 2.5)")
             ax.legend()
         p = os.path.join(out_dir, "ratio_histograms.png")
-        fig.tight_layout(), fig.savefig(p, dpi=110), plt.close(fig)
+        save_figure(fig, p)
         written.append(p)
     return written

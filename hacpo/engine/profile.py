@@ -53,6 +53,8 @@ import os
 import statistics
 from dataclasses import dataclass
 
+from .checkpoint import write_text_atomic
+from .plots import save_figure
 from .run_config import TrainConfig
 
 DEFAULT_ALGORITHMS = ("gspo", "gspo2x", "hacpo")
@@ -116,11 +118,9 @@ def run_profile(base: TrainConfig, out_dir: str, *, algorithms=DEFAULT_ALGORITHM
                        "prompts_per_step": base.prompts_per_step,
                        "group_size": base.rollout.group_size, "agents": names,
                        "threads": base.threads, "machine": _machine()}
-    with open(os.path.join(out_dir, "profile.json"), "w") as f:
-        json.dump(report, f, indent=2)
+    write_text_atomic(os.path.join(out_dir, "profile.json"), json.dumps(report, indent=2))
     md = render_report(report)
-    with open(os.path.join(out_dir, "profile.md"), "w") as f:
-        f.write(md)
+    write_text_atomic(os.path.join(out_dir, "profile.md"), md)
     plot_profile(report, os.path.join(out_dir, "profile.png"))
     echo(md)
     return report
@@ -445,9 +445,7 @@ def plot_profile(rep: dict, path: str) -> None:
         axes[1].axvline(1.0, color="black", lw=0.8)
         axes[1].set_title("cost model: vs decode cost")
         axes[2].set_title("cost model: vs response length")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _machine() -> dict:
