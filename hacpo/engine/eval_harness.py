@@ -150,12 +150,13 @@ def _summary(per: list[dict], samples: int) -> dict:
 
 # What `hacpo eval` reads of a run's stored config: every agent's policy, the data (a reduced
 # vocabulary is built from the run's corpus; the default template), the reward, the torch
-# thread count, and (where no option replaces them) the rollout temperature and top-p (when
-# sampling) and the response-length limits. The rest (rollout engine, trainer, parallel
+# thread count, the run's seed (its evaluation's sampling seed: the default of --seed), and
+# (where no option replaces them) the rollout temperature and top-p (when sampling) and the
+# response-length limits. The rest (rollout engine, trainer, parallel
 # layout, optimizer, timeouts, ...) builds no part of the evaluated model: an old checkpoint
 # whose stored values this version refuses there (or whose keys it no longer knows) still
 # evaluates.
-_EVAL_TOP_KEYS = ("data", "reward", "threads")
+_EVAL_TOP_KEYS = ("data", "reward", "threads", "seed")
 
 
 def eval_config(stored: dict, *, temperature: bool = True, max_new_tokens: bool = True,
@@ -217,7 +218,7 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
                          temperature: Optional[float] = None, top_p: Optional[float] = None,
                          max_new_tokens: Optional[int] = None, limit: Optional[int] = None,
                          template: Optional[str] = None, out_dir: Optional[str] = None,
-                         batch: int = 64, seed: int = 0,
+                         batch: int = 128, seed: Optional[int] = None,
                          echo: Callable[[str], None] = print) -> dict:
     """Evaluate ``agents`` (default: all) of each checkpoint (run dir or ``checkpoint.pt``) on
     each benchmark (:class:`Benchmark` or ``NAME=PATH[:FIELDMAP]`` string).
@@ -226,6 +227,10 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
     top_p: default the run's rollout top-p when sampling (as the run's own pass@k does), else 1.
     max_new_tokens: default the run's eval_max_new_tokens, else rollout.max_new_tokens.
     template: prompt template name; default the run's data.template.
+    batch, seed: prompts per generation batch (default 128) and the sampling seed of the first
+    benchmark (the i-th gets seed + 1000 i); the seed defaults to the one the run's own
+    evaluation used (its seed, and seed + 1 for its sampled pass@k), so the defaults draw the
+    very samples of the run's eval_pass_k on its own held-out set.
     Writes ``<agent>__<benchmark>.json`` per agent and benchmark and ``eval.md``/``eval.json``
     (the table) to ``out_dir`` (default ``<run dir>/eval``; with several runs and an explicit
     out_dir, per-run files go to ``out_dir/<run>``). Returns the ``eval.json`` content plus
@@ -297,6 +302,7 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
         temp = temperature if temperature is not None else \
             (0.0 if samples == 1 else cfg.rollout.temperature)
         tp = top_p if top_p is not None else cfg.rollout.top_p   # 1.0 unless read (sampled)
+        seed0 = seed if seed is not None else cfg.seed + (1 if temp > 0 else 0)
         echo(f"[eval] {label}: rebuilding {len(cfg.agents)} policies from {ck_path}")
         data = build.load_data(cfg)
         policies = {p.name: p for p in build.build_policies(cfg, data)}
@@ -320,7 +326,7 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
                     per, counts = _score_policy(
                         pol, qs, [e.answer for e in exs], rc, samples=samples,
                         temperature=temp, top_p=tp, max_new_tokens=max_new, batch=batch,
-                        seed=seed + 1000 * bi, bench=b.name)
+                        seed=seed0 + 1000 * bi, bench=b.name)
                     for e, p in zip(exs, per):
                         p["id"], p["gold"] = e.id, e.answer
                     rec = {"run": label, "run_dir": run_dir, "checkpoint": ck_path,
@@ -329,7 +335,7 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
                            "path": b.path, "field_map": b.field_map, "samples": samples,
                            "temperature": temp, "top_p": tp, "max_new_tokens": max_new,
                            "template": tmpl, "reward": cfg.reward.name, "limit": limit,
-                           "seed": seed + 1000 * bi, **_summary(per, samples), **counts,
+                           "seed": seed0 + 1000 * bi, **_summary(per, samples), **counts,
                            "problems": [{k: p[k] for k in ("id", "gold", "status", "rewards",
                                                           "responses")} for p in per]}
                     ckpt.write_text_atomic(os.path.join(rdir, f"{name}__{b.name}.json"),

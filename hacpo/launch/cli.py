@@ -262,8 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--limit", type=int, default=None, help="first N problems per benchmark")
     e.add_argument("--template", default=None, help="prompt template (default: the run's)")
     e.add_argument("--out-dir", default=None, help="default: <run dir>/eval")
-    e.add_argument("--batch", type=int, default=64, help="prompts per generation batch")
-    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--batch", type=int, default=128,
+                   help="prompts per generation batch (default 128, as the run's evaluation)")
+    e.add_argument("--seed", type=int, default=None,
+                   help="sampling seed (default: the run's evaluation seed, so --samples k on "
+                        "its held-out set draws the samples of its eval_pass_k)")
     e.set_defaults(func=_eval)
     from .slurm import add_launch_parser
     add_launch_parser(sub)

@@ -413,6 +413,19 @@ def assert_eval_equals_run(run_dir, summary, out_dir, own_responses=None):
                for p in json.loads((out_dir / f"{a}__own.json").read_text())["problems"]
                for r in p["rewards"]}
     assert len(rewards) > 2, rewards
+    # the run's sampled pass@k (eval_pass_k): `--samples k` with no other option draws the
+    # very samples (the run's seed + 1, batch 128, its rollout temperature and top-p)
+    ks = {int(key[5:]) for a in summary["after"].values() for key in a if key.startswith("pass@")}
+    for k in ks:
+        assert cli.main(["eval", str(run_dir), "--bench", f"own={bench}:math_answer",
+                         "--out-dir", str(out_dir / "sampled"), "--samples", str(k)]) == 0
+        for agent, want in summary["after"].items():
+            rec = json.loads((out_dir / "sampled" / f"{agent}__own.json").read_text())
+            assert (rec[f"avg@{k}"], rec[f"pass@{k}"]) == (want[f"avg@{k}"], want[f"pass@{k}"]), \
+                (agent, rec[f"avg@{k}"], rec[f"pass@{k}"], want)
+        # can fail: sampling gave some problems answers of differing rewards
+        assert any(len(set(p["rewards"])) > 1 for a in summary["after"] for p in json.loads(
+            (out_dir / "sampled" / f"{a}__own.json").read_text())["problems"])
 
 
 def record_final_responses(monkeypatch) -> dict:
@@ -435,11 +448,14 @@ def record_final_responses(monkeypatch) -> dict:
 def test_eval_of_the_run_on_its_own_heldout_set_equals_its_final_eval(tmp_path, monkeypatch):
     """The local trainer (tiny3: three tokenizers, two with reduced vocabularies; the run's
     template and eval_max_new_tokens): `hacpo eval` of the checkpoint on the run's held-out
-    set gives each agent's final greedy accuracy to the last bit, with the same responses.
+    set gives each agent's final greedy accuracy to the last bit, with the same responses,
+    and `--samples 2` its eval_pass_k=2 avg@2 and pass@2 with no other option (the seed used
+    to default to 0, not the run's, and the batch to 64, not the run's 128).
     Before, the run's accuracy was a float32 mean (0.47984418 vs eval's 0.47984417)."""
     own = record_final_responses(monkeypatch)
     cfg = load_config("tiny3", overrides={"out_dir": str(tmp_path / "run"),
-                                          "cache_dir": str(tmp_path / "cache"), **OWN_RUN})
+                                          "cache_dir": str(tmp_path / "cache"), **OWN_RUN,
+                                          "eval_pass_k": 2, "seed": 3, "data.eval_size": 70})
     summary = train(cfg, echo=lambda *_: None)
     own = dict(own)          # `hacpo eval` below samples through the same function
     # RL moved the weights the checkpoint holds: the final accuracy is not the warm start's
