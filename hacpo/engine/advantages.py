@@ -53,6 +53,15 @@ def _group_stats(r: torch.Tensor, g: torch.Tensor, num_groups: int, eps: float):
     return cnt, mean, sigma, uniform
 
 
+def _check_ratios(ratios: torch.Tensor) -> None:
+    """Capability ratios must be finite and > 0 (the baseline weights are 1 / omega)."""
+    bad = ~(torch.isfinite(ratios) & (ratios > 0))
+    if bool(bad.any()):
+        s, t = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(f"ratios[{s}, {t}] is {float(ratios[s, t])}: capability ratios must be "
+                         f"finite and > 0 ({int(bad.sum())} bad of {ratios.numel()})")
+
+
 def group_advantages(rewards: torch.Tensor, prompt: torch.Tensor, *, eps: float = D.ADV_EPS,
                      validate: bool = True) -> torch.Tensor:
     """Plain group-normalized advantages (GRPO, GSPO, naive).
@@ -98,6 +107,7 @@ def hacpo_advantages(rewards: torch.Tensor, prompt: torch.Tensor, agent: torch.T
     if validate:
         check_rewards(rewards, agent=agent, prompt=prompt)
         check_agents(agent, n)
+        _check_ratios(ratios)
     agent = agent.long()
     r = rewards
     g, num_groups = _groups(prompt)

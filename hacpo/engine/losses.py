@@ -13,6 +13,10 @@ from . import defaults as D
 from .validation import check_same_length, check_same_shape
 
 
+# GRPO's token log-ratio clamp [ours; verl's value]: SPEC's +-10 is for the sequence ratio
+GRPO_MAX_ABS_LOG_RATIO = 20.0
+
+
 def sequence_mean_logprob(token_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean log-prob over each row's response tokens.
 
@@ -164,10 +168,14 @@ def hacpo_policy_loss(new_lp: torch.Tensor, old_lp: torch.Tensor, advantages: to
 
 def grpo_policy_loss(token_logp: torch.Tensor, old_token_logp: torch.Tensor, mask: torch.Tensor,
                      advantages: torch.Tensor, *, clip_low: float = D.GRPO_CLIP_LOW,
-                     clip_high: float = D.GRPO_CLIP_HIGH, divisor=None):
+                     clip_high: float = D.GRPO_CLIP_HIGH,
+                     max_abs_log_ratio: float = GRPO_MAX_ABS_LOG_RATIO, divisor=None):
     """GRPO: token-level ratio, clip [1-clip_low, 1+clip_high], token-mean over the mask.
 
     token_logp, old_token_logp, mask: [B, T]; advantages: [B] (broadcast over tokens).
+    ratio = exp(clamp(token_logp - old_token_logp, -max, max)): without the clamp a log-ratio
+    past ~88 overflows float32 and one token makes the loss NaN (inf * A with A = 0) or its
+    gradient NaN (0 * inf in the clipped branch); outside the clamp a token has no gradient.
     loss = -sum_{masked tokens} obj / divisor (default: number of masked tokens here).
     """
     check_same_shape(token_logp=token_logp, old_token_logp=old_token_logp, mask=mask)
@@ -175,11 +183,11 @@ def grpo_policy_loss(token_logp: torch.Tensor, old_token_logp: torch.Tensor, mas
         raise ValueError(f"expected token_logp [B, T] and advantages [B], got "
                          f"{tuple(token_logp.shape)} and {tuple(advantages.shape)}")
     m = mask.to(token_logp.dtype)
-    ratio = torch.exp(token_logp - old_token_logp)
+    ratio = sequence_ratio(token_logp, old_token_logp, max_abs_log_ratio)   # per token here
     a = advantages[:, None].to(token_logp.dtype)
     obj = torch.minimum(ratio * a, ratio.clamp(1 - clip_low, 1 + clip_high) * a)
     count = m.sum()
-    loss = -(obj * m).sum() / (count.clamp_min(1) if divisor is None else divisor)
+    loss = -_divide((obj * m).sum(), divisor, count.clamp_min(1))
     with torch.no_grad():
         rd = ratio.detach()
         clipped = ((rd < 1 - clip_low) | (rd > 1 + clip_high)).to(rd.dtype)

@@ -198,6 +198,19 @@ def test_validation_errors():
         hacpo_advantages(r, p, a, learner=0, ratios=OMEGA2, cross_baseline="mean")
 
 
+@pytest.mark.parametrize("bad", [0.0, -2.0, float("nan"), float("inf")])
+def test_bad_capability_ratios_are_an_error(bad):
+    # ratios feed w = 1 / omega: a zero, negative, NaN or infinite entry gave NaN or garbage
+    # advantages silently (e.g. ratios[1, 0] = 0 -> A = [nan, nan, nan, nan]).
+    r, p, a = _group4()
+    om = OMEGA2.clone()
+    om[1, 0] = bad
+    with pytest.raises(ValueError, match=r"ratios\[1, 0\]"):
+        hacpo_advantages(r, p, a, learner=0, ratios=om)
+    # validate=False skips the host sync (and the check) for callers that trust their ratios
+    hacpo_advantages(r, p, a, learner=0, ratios=om, validate=False)
+
+
 def test_sparse_and_dense_prompt_ids_agree():
     g = torch.Generator().manual_seed(5)
     r = (torch.rand(48, generator=g) < 0.5).double()

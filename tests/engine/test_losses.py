@@ -82,6 +82,41 @@ def test_grpo_by_hand():
     assert met["token_clip_frac"].item() == pytest.approx(2 / 5)
 
 
+def test_grpo_extreme_token_log_ratio_is_finite():
+    # A token whose log-ratio overflows exp (> 88 in float32: old log-prob -100, e.g. a token
+    # the generator sampled at ~0 probability) made the GRPO loss NaN (inf * A=0, a uniform
+    # group) or its gradient NaN (the clipped branch's 0 * inf), so the whole update was skipped.
+    # The token log-ratio is clamped like the sequence ratio (verl's +-20 for token ratios):
+    # outside it the gradient is zero, and the value is the clamped ratio's.
+    old = torch.tensor([[-100.0, -1.0], [-1.0, 100.0]])
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    lim = 20.0
+    for A in (0.0, 1.0, -1.0):
+        tl = torch.tensor([[0.0, -1.0], [-1.0, 0.0]], requires_grad=True)
+        loss, met = grpo_policy_loss(tl, old, mask, torch.tensor([A, A]))
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(tl.grad).all(), (A, loss, tl.grad)
+        assert all(torch.isfinite(v) for v in met.values())
+        r_hi, r_lo = math.exp(lim), math.exp(-lim)
+        # tokens: ratio e^20 (clamped), 1, 1, e^-20 (clamped); min(r*A, clip(r)*A) each
+        objs = [min(r * A, min(max(r, 0.8), 1.28) * A) for r in (r_hi, 1.0, 1.0, r_lo)]
+        assert loss.item() == pytest.approx(-sum(objs) / 4, rel=1e-6, abs=1e-6)
+        # clamped tokens have no gradient; the ratio-1 tokens have d obj/d logp = A
+        assert tl.grad.flatten().tolist() == pytest.approx([0.0, -A / 4, -A / 4, 0.0], abs=1e-7)
+    # inside the clamp nothing changes: log-ratio 19 with A = -1 keeps PPO's unclipped gradient
+    tl = torch.tensor([[19.0]], dtype=F64, requires_grad=True)
+    loss, _ = grpo_policy_loss(tl, torch.zeros(1, 1, dtype=F64), torch.ones(1, 1, dtype=torch.bool),
+                               _t([-1.0]))
+    loss.backward()
+    assert tl.grad.item() == pytest.approx(math.exp(19.0), rel=1e-12)
+
+
+def test_grpo_explicit_zero_divisor_is_an_error():
+    z = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match="divisor"):
+        grpo_policy_loss(z, z, torch.ones(1, 2, dtype=torch.bool), torch.ones(1), divisor=0)
+
+
 def test_sequence_mean_logprob():
     tl = _t([[-1.0, -2.0, -9.0], [-0.5, -0.5, -2.0]])
     m = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
