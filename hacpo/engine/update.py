@@ -378,7 +378,8 @@ def update_learner(algo: AlgorithmConfig, policy, optimizer, view: LearnerView, 
                 if algo.token_level:
                     tl_of[j] = tl[r, :len(view.response_ids[j])].detach()
             if ratio_log is not None:
-                lr_ = (new_lp.detach() - lp_old[pool_idx]).clamp(-10, 10)
+                m_ = algo.loss.max_abs_log_ratio     # the log_s the loss used (SPEC: +-10)
+                lr_ = (new_lp.detach() - lp_old[pool_idx]).clamp(-m_, m_)
                 ratio_log.setdefault(part, []).append(lr_)
 
         def full_sequences(prompts, resps):
