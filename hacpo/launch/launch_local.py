@@ -12,8 +12,12 @@ died: the driver then ends with exit 1 and no message of its own) is named on st
 tail of its log. With ``--wait-timeout S``, a launch not finished S seconds after it started
 (Ray bring-up included) kills the driver's process group (SIGTERM, SIGKILL after 10 s), tears
 the cluster down the same way and exits 124 naming the driver's process group, the elapsed
-time and where the logs are. SIGTERM to the launcher (or Ctrl-C) ends the driver's process
-group and the cluster the same way (exit 143 on SIGTERM).
+time and where the logs are. SIGTERM to the launcher ends the driver's process group and the
+cluster the same way (exit 143). Ctrl-C in the terminal (SIGINT to
+the launcher's process group: the driver and the Ray nodes run in sessions of their own and do
+not see it) is passed on to the driver's process group as SIGINT, so the run stops as an
+interrupted ``hacpo train`` does; then the cluster is torn down and the launcher prints one
+line and exits 130, also while Ray is still coming up.
 """
 from __future__ import annotations
 
@@ -62,17 +66,18 @@ def _stop(procs: list[subprocess.Popen], grace_s: float = 30.0) -> None:
             p.wait()
 
 
-def _kill_group(p: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """SIGTERM the process group of ``p`` (started in its own session), SIGKILL it after
-    ``grace_s``, and reap ``p``."""
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, None)):
+def _kill_group(p: subprocess.Popen, grace_s: float = 10.0,
+                first: signal.Signals = signal.SIGTERM) -> None:
+    """Send ``first`` (SIGTERM; SIGINT passes a Ctrl-C on) to the process group of ``p``
+    (started in its own session), SIGKILL it after ``grace_s``, and reap ``p``."""
+    for sig, wait_s in ((first, grace_s), (signal.SIGKILL, None)):
         try:
             os.killpg(p.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
         try:
             p.wait(timeout=wait_s)
-            if sig == signal.SIGTERM:   # the leader is gone; end the rest of its group too
+            if sig == first:            # the leader is gone; end the rest of its group too
                 os.killpg(p.pid, signal.SIGKILL)
             return
         except subprocess.TimeoutExpired:
@@ -150,6 +155,10 @@ def launch_local(args) -> int:
         print("[hacpo launch] terminated (SIGTERM): the driver and the Ray cluster were "
               "stopped", file=sys.stderr, flush=True)
         return 128 + signal.SIGTERM
+    except KeyboardInterrupt:    # a traceback before
+        print("[hacpo launch] interrupted (Ctrl-C): the driver and the Ray cluster were "
+              "stopped", file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -249,6 +258,10 @@ def _launch_local(args) -> int:
         if wall is not None and time.time() >= wall:
             raise timed_out(f"Ray was still coming up: {e}") from None
         raise LaunchError(str(e)) from None
+    except KeyboardInterrupt:    # the terminal's Ctrl-C: the driver (own session) gets it too
+        if driver is not None and driver.poll() is None:
+            _kill_group(driver, first=signal.SIGINT)
+        raise
     finally:
         if driver is not None and driver.poll() is None:   # interrupted: end it too
             _kill_group(driver)

@@ -11,6 +11,7 @@ already connected (a test fixture, an outer driver), that connection is reused a
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -234,6 +235,40 @@ def next_ready(refs, deadlines: dict) -> tuple[object, bool]:
                 return r, True
 
 
+@contextlib.contextmanager
+def _ctrl_c_deferred():
+    """Run the body with a Ctrl-C (SIGINT) that arrives meanwhile raised as KeyboardInterrupt
+    once the body is done (or has failed), not in its middle: a ``ray.init`` interrupted after
+    it made the driver's core worker but before it counts as connected leaves that core
+    worker running, which ``ray.shutdown`` no longer stops, and the process then dies with
+    SIGSEGV at exit (Ray's metrics thread against its exit handlers). A private cluster's
+    ``ray.init`` takes seconds. Main thread only (where Python runs signal handlers)."""
+    import signal
+    import threading
+    handler = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(handler):
+        yield
+        return
+    caught: list = []
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        if caught:
+            handler(signal.SIGINT, caught[0])      # KeyboardInterrupt, past the body
+
+
+def _stop_half_started() -> None:
+    """Stop what an interrupted or failed ``ray.init`` of a private cluster started (its GCS,
+    raylet and other processes, which write into the temp dir), before the dir is removed."""
+    import ray
+    try:
+        ray.shutdown()
+    except Exception as e:     # nothing started, or already gone
+        log.debug("ray.shutdown after a failed start: %s", e)
+
+
 def _host_port(address: str) -> tuple[str, int] | None:
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or "/" in host:
@@ -325,13 +360,19 @@ def connect(address: str = "", *, num_cpus: int | None = None,
     """Connect this process to Ray (:func:`_connect`), keeping this process's Python SIGTERM
     handler: ``ray.init`` installs its own fatal-signal handler, which aborts the driver on
     SIGTERM (exit 134) instead of letting ``hacpo``'s handler unwind the run (closing reward
-    workers, engines and the cluster)."""
+    workers, engines and the cluster). A SIGTERM that arrives while ``ray.init`` runs meets
+    the handler ``ray.init`` sets first (``sys.exit(15)``: exit status 15, no message): that
+    exit is handed to this process's own handler (``hacpo``'s: exit 143 with its line)."""
     import signal
     import threading
     main = threading.current_thread() is threading.main_thread()
     handler = signal.getsignal(signal.SIGTERM) if main else None
     try:
         return _connect(address, num_cpus=num_cpus, timeout_s=timeout_s, weights=weights)
+    except SystemExit as e:
+        if e.code == signal.SIGTERM and callable(handler):
+            handler(signal.SIGTERM, None)       # raises hacpo's SystemExit(143)
+        raise
     finally:
         if callable(handler):
             signal.signal(signal.SIGTERM, handler)
@@ -382,18 +423,20 @@ def _connect(address: str = "", *, num_cpus: int | None = None,
         temp_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX)   # short: Ray's socket paths live here
         _hold_owner_lock(temp_dir)
         try:
-            ctx = ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1,
-                           include_dashboard=False, _node_ip_address="127.0.0.1",
-                           _temp_dir=temp_dir, object_store_memory=store,
-                           log_to_driver=True, configure_logging=False)
-        except Exception:
+            with _ctrl_c_deferred():    # ray.init cannot be interrupted halfway (see there)
+                ctx = ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1,
+                               include_dashboard=False, _node_ip_address="127.0.0.1",
+                               _temp_dir=temp_dir, object_store_memory=store,
+                               log_to_driver=True, configure_logging=False)
+            log.info("started a private Ray cluster at %s (temp dir %s, object store %.0f "
+                     "MiB)", ctx.address_info["address"], temp_dir, store / 2**20)
+            return RayCluster(ctx.address_info["address"], owned=True, connected_here=True,
+                              temp_dir=temp_dir)
+        except BaseException:    # Ctrl-C / SIGTERM while Ray starts too: no cluster, no dir
+            _stop_half_started()
             shutil.rmtree(temp_dir, ignore_errors=True)
             _release_owner_lock(temp_dir)
             raise
-        log.info("started a private Ray cluster at %s (temp dir %s, object store %.0f MiB)",
-                 ctx.address_info["address"], temp_dir, store / 2**20)
-        return RayCluster(ctx.address_info["address"], owned=True, connected_here=True,
-                          temp_dir=temp_dir)
     if address != "auto":
         from hacpo.engine.errors import user_errors
         with user_errors(ConnectionError, ValueError):   # the address, the token: the user's

@@ -187,6 +187,45 @@ def test_launch_local_refuses_strangers_and_sigterm_stops_driver_and_cluster(tmp
     assert not processes_mentioning(str(out)), "the driver was left running"
 
 
+@pytest.mark.slow
+def test_launch_local_ctrl_c_stops_driver_and_cluster(tmp_path):
+    """Ctrl-C in the terminal (SIGINT to the launcher's process group) mid-run: the driver and
+    the Ray nodes run in sessions of their own, so the launcher passes it on to the driver,
+    which stops as an interrupted ``hacpo train`` does; then the cluster goes, one line each,
+    no traceback, exit 130 (before: a KeyboardInterrupt traceback from the launcher, whose
+    driver was stopped with SIGTERM and said so). (A launch's --resume: the test above.)"""
+    out = tmp_path / "run"
+    args = tiny_run_args(out, tmp_path)
+    args[args.index(f"steps={TINY_STEPS}")] = "steps=1000"
+    launch = [sys.executable, "-m", "hacpo.launch.cli", "launch", "local", "--cpus-per-node",
+              "3", "--ray-timeout", "240"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **INHERITED_RAY_ENV}
+    # its own session, SIGINT's default restored (a background job inherits it ignored)
+    p = subprocess.Popen(launch + args, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.time() + 300
+        while not (out / "metrics.jsonl").exists():
+            assert p.poll() is None and time.time() < deadline, "the driver never trained"
+            time.sleep(0.2)
+        os.killpg(p.pid, signal.SIGINT)
+        stdout, stderr = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == 130, stdout + stderr
+    assert "hacpo train: interrupted (Ctrl-C); continue it with --resume" in stderr, stderr
+    assert "[hacpo launch] interrupted (Ctrl-C): the driver and the Ray cluster were " \
+           "stopped" in stderr, stderr
+    assert "Traceback" not in stderr and "SIGTERM" not in stderr, stderr
+    tmp = _temp_dir(stdout)
+    assert not Path(tmp).exists()
+    assert not processes_mentioning(tmp), "Ray processes left running"
+    assert not processes_mentioning(str(out)), "the driver was left running"
+
+
 def _launch_in_background(out: Path, tmp_path: Path, log: Path) -> subprocess.Popen:
     """``hacpo launch local`` of a long tiny run (1000 steps), its output into ``log``."""
     args = tiny_run_args(out, tmp_path)

@@ -8,6 +8,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from hacpo.launch import ray_cluster  # first: its environment must precede `import ray`
 from hacpo.launch.ray_cluster import OWNER_LOCK, STALE_AFTER_S, TEMP_PREFIX, sweep_dead_temp_dirs
 
@@ -77,4 +79,49 @@ def test_a_killed_drivers_cluster_dir_is_removed_by_the_next_cluster(tmp_path):
     old = time.time() - 2 * STALE_AFTER_S
     os.utime(os.path.join(temp_dir, OWNER_LOCK), (old, old))
     assert temp_dir in sweep_dead_temp_dirs()
+    assert not os.path.exists(temp_dir)
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_while_the_private_cluster_starts_leaves_no_cluster_or_dir(sig):
+    """Ctrl-C while ``ray.init`` starts a private cluster is held until it is up (interrupted
+    halfway, its driver's core worker was left running and the process could die with SIGSEGV
+    at exit), then the cluster is stopped and its temp dir removed before KeyboardInterrupt
+    goes on. A SIGTERM meets Ray's own handler while ``ray.init`` runs (``sys.exit(15)``):
+    the cluster and its dir go too, and ``hacpo``'s handler turns it into exit 143. (Both
+    used to leave the temp dir until a later cluster's sweep, the SIGTERM exit status 15.)"""
+    code = textwrap.dedent("""
+        import os, signal, sys
+        from hacpo.launch import ray_cluster
+        from hacpo.launch.cli import _raise_terminated
+        import ray
+        signal.signal(signal.SIGTERM, _raise_terminated)
+        sig, real, up = sys.argv[1], ray.init, []
+
+        def init(*args, **kwargs):
+            print(kwargs["_temp_dir"], flush=True)
+            if sig == "SIGINT":               # a terminal's Ctrl-C as the cluster starts
+                os.kill(os.getpid(), signal.SIGINT)
+            ctx = real(*args, **kwargs)
+            up.append(True)
+            if sig == "SIGTERM":              # Ray's handler is in place until connect returns
+                os.kill(os.getpid(), signal.SIGTERM)
+            return ctx
+        ray.init = init
+        try:
+            ray_cluster.connect("", num_cpus=1)
+        except BaseException as e:
+            print(type(e).__name__, getattr(e, "code", None), bool(up), ray.is_initialized(),
+                  flush=True)
+    """)
+    p = subprocess.run([sys.executable, "-c", code, sig], capture_output=True, text=True,
+                       timeout=120, start_new_session=True,
+                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr
+    temp_dir, result = p.stdout.split("\n")[:2]
+    assert os.path.basename(temp_dir).startswith(TEMP_PREFIX), p.stdout
+    # Ctrl-C: raised once ray.init returned; SIGTERM: hacpo's exit status; no Ray left either way
+    assert result == ("KeyboardInterrupt None True False" if sig == "SIGINT"
+                      else "SystemExit 143 True False"), p.stdout + p.stderr
     assert not os.path.exists(temp_dir)
