@@ -6,7 +6,9 @@ A reward function maps ``(response: str, gold: str) -> float`` in ``[0, 1]``. Bu
   "the answer is x", else the last number) and compare it with the gold answer. When both sides
   are plain numbers (integers with or without thousands commas, decimals, ``a/b``, mixed
   numbers ``2 3/4``, ``\\frac{a}{b}``) they are compared *exactly* as rationals, in the calling
-  process, without math-verify (the fast path). Everything else goes to
+  process, without math-verify (the fast path), except two unequal numbers within 1e-6 of each
+  other with a decimal on one side, which math-verify may call equal (it rounds floats to 6
+  decimals: ``0.333333`` is ``1/3``) and so decides. Everything else goes to
   ``math_verify.verify(parse(gold), parse(pred))`` (the slow path).
 - ``exact``: string equality of the normalized final answer and the normalized gold.
 - ``numeric_closeness``: ``exp(-|pred - gold| / max(|gold|, 1))``, a continuous reward.
@@ -60,12 +62,23 @@ __all__ = [
 _BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*")
 _GSM8K_RE = re.compile(r"####\s*([^\n]*)")
 _ANSWER_IS_RE = re.compile(r"answer\s*(?:is|:|=)\s*:?\s*([^\n]*)", re.IGNORECASE)
+# The end of a sentence: ".", "!" or "?" before a space (not a decimal point: "3.5").
+_SENTENCE_END_RE = re.compile(r"[.!?](?=\s)")
 # A number: \frac{a}{b}, 1,234.5, 12.5, 3/4, .5 -- with an optional leading minus.
 _NUMBER_RE = re.compile(
     r"-?\\[dt]?frac\{\d+\}\{\d+\}"
     r"|-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+(?!\.\d))?"
     r"|-?\.\d+"
 )
+
+
+# Minus signs that are not ASCII: U+2212 (the minus sign, common in LLM output and copied text),
+# U+2013 (an en dash typeset as a minus). Read as "-" everywhere: U+2212 then 7 is -7, not 7.
+_MINUS_TRANS = str.maketrans({"\u2212": "-", "\u2013": "-"})
+
+
+def _ascii_minus(text: str) -> str:
+    return text.translate(_MINUS_TRANS)
 
 
 _BRACE_RE = re.compile(r"[{}]")
@@ -108,10 +121,28 @@ def extract_boxed(text: str) -> Optional[str]:
     return None
 
 
+def _unclosed_box_start(text: str) -> Optional[int]:
+    """Start of the first ``\\boxed{`` / ``\\fbox{`` whose brace never closes, or None. All
+    text after it lies inside that box: a response truncated mid-box (``\\boxed{\\frac{1}{2``)."""
+    closing: Optional[dict[int, int]] = None
+    for m in _BOXED_RE.finditer(text):
+        i = m.end()
+        if i < len(text) and text[i] == "{":
+            if closing is None:
+                closing = _closing_braces(text)
+            if i not in closing:
+                return m.start()
+    return None
+
+
 def _last_number(text: str) -> Optional[str]:
     last = None
     for m in _NUMBER_RE.finditer(text):
         s = m.group(0)
+        # An exponent ("12 cm^2", "m^{3}") is not a final answer on its own.
+        before = text[max(0, m.start() - 2):m.start()]
+        if before.endswith("^") or before == "^{":
+            continue
         # A minus right after a word character or a closing bracket is subtraction, not a sign.
         if s.startswith("-") and m.start() > 0 and (text[m.start() - 1].isalnum()
                                                      or text[m.start() - 1] in ")]}"):
@@ -120,13 +151,17 @@ def _last_number(text: str) -> Optional[str]:
     return last
 
 
+_CURRENCY_RE = re.compile(r"^(-?)\\\$\s*(?=\.?\d)")
+
+
 def _clean(ans: str) -> str:
     """Strip whitespace, surrounding ``$``, markdown emphasis (``**42**``) and trailing periods
-    (repeatedly); a ``$`` after a leading minus goes too (``-$5`` -> ``-5``)."""
+    (repeatedly); a ``$`` after a leading minus goes too (``-$5`` -> ``-5``), and so does a
+    LaTeX dollar sign before a number (``\\$40``, ``-\\$5``: currency, as in ``$40``)."""
     prev = None
     while ans != prev:
         prev = ans
-        ans = ans.strip().strip("$*").rstrip(".")
+        ans = _CURRENCY_RE.sub(r"\1", ans.strip().strip("$*").rstrip("."))
         if ans.startswith("-$"):
             ans = "-" + ans[2:]
     return ans
@@ -165,18 +200,31 @@ def extract_answer(response: str) -> Optional[str]:
     ...`` is a markdown heading); text after the last "answer is"; the last number in the
     response. A trailing period, surrounding ``$`` and markdown ``**`` are stripped. After
     ``####`` or "answer is", text with words ("5 dollars", "120 minutes, or 2 hours") gives its
-    leading number, or its last one when it does not start with one.
+    leading number, or its last one when it does not start with one; "answer is" reads only
+    its own sentence ("The answer is 7. Check: 7 + 3 = 10" is 7). Text inside a box that never
+    closes (a response truncated mid-box) is no answer. A unicode minus is a minus.
     """
+    response = _ascii_minus(response)
     boxed = extract_boxed(response)
     if boxed is not None:
         return _clean(boxed) or None
+    cut = _unclosed_box_start(response)
+    if cut is not None:  # truncated inside a box: its partial content is not an answer
+        response = response[:cut]
     for frag in reversed(_GSM8K_RE.findall(response)):
         ans = _clean(frag)
         if ans and (_VALUE_START_RE.match(ans) or (len(ans) <= 3 and " " not in ans)):
             return _fragment_answer(ans) or ans
     said = _ANSWER_IS_RE.findall(response)
     if said:
-        frag = _clean(said[-1].rsplit("=", 1)[-1])
+        frag = said[-1]
+        inner = _ANSWER_IS_RE.search(frag)  # "Final Answer: The final answer is $x$."
+        while inner is not None:
+            frag = inner.group(1)
+            inner = _ANSWER_IS_RE.search(frag)
+        # Its first sentence: "The answer is 7. Check: 7 + 3 = 10" is 7, not 10.
+        frag = _SENTENCE_END_RE.split(frag, 1)[0]
+        frag = _clean(frag.rsplit("=", 1)[-1])
         num = _fragment_answer(frag) if frag else None
         if num is not None:
             return num
@@ -186,6 +234,7 @@ def extract_answer(response: str) -> Optional[str]:
 
 def gold_answer(gold: str) -> str:
     """Normalize a gold answer: a boxed or ``####`` gold is reduced to its final answer."""
+    gold = _ascii_minus(gold)
     boxed = extract_boxed(gold)
     if boxed is not None:
         return _clean(boxed)
@@ -211,7 +260,7 @@ def parse_number(text: str) -> Optional[Fraction]:
     Returns None for anything else (units, expressions, percent, intervals, digits apart that
     are not thousands groups such as ``3 4``, numbers too long for ``int``, ...).
     """
-    s = _clean(text).replace("\\!", "").replace("\\,", "")
+    s = _clean(_ascii_minus(text)).replace("\\!", "").replace("\\,", "").replace("{,}", ",")
     if not s:
         return None
     try:
@@ -248,8 +297,9 @@ def parse_number(text: str) -> Optional[Fraction]:
 
 def normalize_answer(text: str) -> str:
     """Normalization for string matching: trimmed, lower case, single spaces, no ``$``,
-    no trailing period, thousands commas removed, ``\\text{x}`` -> ``x``."""
-    s = _clean(text)
+    no trailing period, thousands commas (also LaTeX ``1{,}000``, ``1,\\!000``) removed,
+    ``\\text{x}`` -> ``x``, a unicode minus read as ``-``."""
+    s = _clean(_ascii_minus(text)).replace("{,}", ",").replace(",\\!", ",")
     s = re.sub(r"\\text\{([^{}]*)\}", r"\1", s)
     if _INT_COMMAS_RE.match(s.replace(" ", "")):
         s = s.replace(",", "")
@@ -286,14 +336,27 @@ def _math_verify_timeouts() -> Optional[int]:
     return None  # signals only work in the main thread; the caller must bound the time
 
 
+# Two numbers this close may be equal to math-verify (verify's float_rounding=6: both sides
+# rounded to 6 decimals when either is a float); farther apart, they never are.
+_MV_FLOAT_BAND = Fraction(1, 10**6)
+
+
 def math_fast_path(response: str, gold: str) -> Optional[float]:
     """The ``math`` reward when it can be decided without math-verify, else None."""
     pred = extract_answer(response)
     if pred is None:
         return 0.0
-    g, p = parse_number(gold_answer(gold)), parse_number(pred)
+    g_text = gold_answer(gold)
+    g, p = parse_number(g_text), parse_number(pred)
     if g is not None and p is not None:
-        return 1.0 if g == p else 0.0
+        if g == p:
+            return 1.0
+        if abs(g - p) <= _MV_FLOAT_BAND and ("." in g_text or "." in pred):
+            # math-verify rounds to 6 decimals when either side is a decimal (0.333333 == 1/3):
+            # leave such near misses to it, so the reward does not depend on whether the gold
+            # is written as a plain number (\frac{1}{3}) or not (\frac13).
+            return None
+        return 0.0
     return None
 
 

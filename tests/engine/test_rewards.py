@@ -218,13 +218,16 @@ def test_unpicklable_reward_rejected_for_pool():
 
 def test_pool_math_timeouts_errors_and_hang():
     """One pool through every path: math slow path, soft timeout, raising fn, hung worker."""
-    rc = RewardComputer("math", num_workers=1, timeout_s=0.5, hard_timeout_s=1.5)
+    # math-verify's first calls (sympy) may take seconds on a loaded machine: generous limits
+    # for them, short ones for the test rewards below
+    rc = RewardComputer("math", num_workers=1, timeout_s=30, hard_timeout_s=60)
     try:
         rewards, stats = rc.score([r"\boxed{\frac{\sqrt{2}}{2}}", "#### 3", r"\boxed{x+1}"],
                                   [r"\sqrt{2}/2", "3", "x+2"])
         assert rewards == [1.0, 1.0, 0.0]
         assert stats.slow_path == 2 and stats.errors == stats.timeouts == 0
         pool = rc._pool
+        rc.timeout_s, rc.hard_timeout_s = 0.5, 1.5
         # Reuse the same warm pool for test rewards (swap the spec: avoids a second spawn).
         from hacpo.engine.rewards import get_reward_spec
         rc.spec = get_reward_spec("test_sleep")
