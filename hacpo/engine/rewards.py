@@ -42,6 +42,8 @@ import time
 from fractions import Fraction
 from typing import Callable, Optional, Sequence
 
+from .signals import signals_deferred
+
 logger = logging.getLogger(__name__)
 
 RewardFn = Callable[[str, str], float]
@@ -537,27 +539,16 @@ def _launching_workers():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    caught: list = []
-    handlers = {}
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        handler = signal.getsignal(sig)
-        if callable(handler):
-            handlers[sig] = handler
-            signal.signal(sig, lambda signum, frame: caught.append((signum, frame)))
-    # Starting multiprocessing's resource tracker unblocks SIGINT in this thread (its own
-    # block/unblock around the spawn): start it first, so the mask holds for the workers.
-    from multiprocessing import resource_tracker
-    resource_tracker.ensure_running()
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)   # a pending SIGINT is handled now
-        if caught:
-            signum, frame = caught[0]
-            handlers[signum](signum, frame)     # raises KeyboardInterrupt / the CLI's SIGTERM
+    with signals_deferred(signal.SIGINT, signal.SIGTERM):
+        # Starting multiprocessing's resource tracker unblocks SIGINT in this thread (its own
+        # block/unblock around the spawn): start it first, so the mask holds for the workers.
+        from multiprocessing import resource_tracker
+        resource_tracker.ensure_running()
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            yield
+        finally:      # a SIGINT pending meanwhile is caught now, and raised past the spawns
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 # --------------------------------------------------------------------------------------------

@@ -11,12 +11,12 @@ already connected (a test fixture, an outer driver), that connection is reused a
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
 import secrets
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -235,30 +235,6 @@ def next_ready(refs, deadlines: dict) -> tuple[object, bool]:
                 return r, True
 
 
-@contextlib.contextmanager
-def _ctrl_c_deferred():
-    """Run the body with a Ctrl-C (SIGINT) that arrives meanwhile raised as KeyboardInterrupt
-    once the body is done (or has failed), not in its middle: a ``ray.init`` interrupted after
-    it made the driver's core worker but before it counts as connected leaves that core
-    worker running, which ``ray.shutdown`` no longer stops, and the process then dies with
-    SIGSEGV at exit (Ray's metrics thread against its exit handlers). A private cluster's
-    ``ray.init`` takes seconds. Main thread only (where Python runs signal handlers)."""
-    import signal
-    import threading
-    handler = signal.getsignal(signal.SIGINT)
-    if threading.current_thread() is not threading.main_thread() or not callable(handler):
-        yield
-        return
-    caught: list = []
-    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, handler)
-        if caught:
-            handler(signal.SIGINT, caught[0])      # KeyboardInterrupt, past the body
-
-
 def _stop_half_started() -> None:
     """Stop what an interrupted or failed ``ray.init`` of a private cluster started (its GCS,
     raylet and other processes, which write into the temp dir), before the dir is removed."""
@@ -363,7 +339,6 @@ def connect(address: str = "", *, num_cpus: int | None = None,
     workers, engines and the cluster). A SIGTERM that arrives while ``ray.init`` runs meets
     the handler ``ray.init`` sets first (``sys.exit(15)``: exit status 15, no message): that
     exit is handed to this process's own handler (``hacpo``'s: exit 143 with its line)."""
-    import signal
     import threading
     main = threading.current_thread() is threading.main_thread()
     handler = signal.getsignal(signal.SIGTERM) if main else None
@@ -423,7 +398,12 @@ def _connect(address: str = "", *, num_cpus: int | None = None,
         temp_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX)   # short: Ray's socket paths live here
         _hold_owner_lock(temp_dir)
         try:
-            with _ctrl_c_deferred():    # ray.init cannot be interrupted halfway (see there)
+            # Ctrl-C held until ray.init returns (seconds): interrupted after it made the
+            # driver's core worker but before it counts as connected, that core worker is left
+            # running, ray.shutdown no longer stops it, and the process dies with SIGSEGV at
+            # exit (Ray's metrics thread against its exit handlers)
+            from hacpo.engine.signals import signals_deferred
+            with signals_deferred(signal.SIGINT):
                 ctx = ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1,
                                include_dashboard=False, _node_ip_address="127.0.0.1",
                                _temp_dir=temp_dir, object_store_memory=store,
