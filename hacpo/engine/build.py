@@ -131,12 +131,17 @@ def warm_start(cfg: TrainConfig, data: Data, policies: list[Policy], echo=print)
                                             for e in data.train)
         tok = pol.tokenizer
         seed = a.policy.seed + 101 * k
-        key = config_hash({"policy": asdict(a.policy), "warmup": asdict(a.warmup), "seed": seed,
-                           "init": _state_digest(pol), "tokenizer": tokenizer_digest(tok),
-                           "examples": examples_digest,
-                           # 4: bf16 / fp16 warm-ups step fp32 master weights; 5: their grad
-                           # norm and clip in fp32 (fp32 warm-ups: unchanged, bit for bit)
-                           "v": 3 if a.policy.dtype == "float32" else 5})
+        keyed = {"policy": asdict(a.policy), "warmup": asdict(a.warmup), "seed": seed,
+                 "init": _state_digest(pol), "tokenizer": tokenizer_digest(tok),
+                 "examples": examples_digest,
+                 # 4: bf16 / fp16 warm-ups step fp32 master weights; 5: their grad
+                 # norm and clip in fp32 (fp32 warm-ups: unchanged, bit for bit)
+                 "v": 3 if a.policy.dtype == "float32" else 5}
+        if cfg.micro_batch < a.warmup.batch_size:
+            # a batch cut into micro-batches sums its gradient in another order: other bits
+            # (a batch in one piece, whatever micro_batch, keeps the key it always had)
+            keyed["micro_batch"] = cfg.micro_batch
+        key = config_hash(keyed)
         path = os.path.join(cfg.cache_dir, f"warmup-{a.policy.name}-{key}.pt")
         state = _cached_warm_start(path, pol)
         if state is not None:

@@ -302,6 +302,11 @@ def _check_policy(p: PolicyConfig) -> None:
     _check_choice(f"{where}: policy.kind", p.kind, ("decoder", "hf"))
     _check_choice(f"{where}: policy.lm_head", p.lm_head, LM_HEADS)
     _check_choice(f"{where}: policy.dtype", p.dtype, DTYPES)
+    if p.reduce_vocab and p.tokenizer == "char":    # build_policy would fail after the data
+        raise ValueError(f"{where}: policy.reduce_vocab=True reduces a Hugging Face "
+                         f"tokenizer's vocabulary to the data, but policy.tokenizer='char' has "
+                         f"a fixed character set: set policy.reduce_vocab=false (or choose "
+                         f"an HF tokenizer)")
     if p.kind == "hf":
         if p.path is not None and p.hf_config:
             raise ValueError(f"{where}: policy.hf_config={p.hf_config!r} only applies to a "
@@ -465,7 +470,8 @@ def _check_given_policy_fields(cfg: TrainConfig, overrides: dict[str, Any]) -> N
 
 def _check_megatron_agent(a: AgentConfig) -> None:
     """What can be checked before the policy is built: an HF Llama/Qwen2 policy whose heads,
-    kv heads, FFN size and layers split over tp/pp. The vocabulary size is the tokenizer's, not
+    kv heads, FFN size and layers split over tp/pp (``policy.arch`` and ``hf_config``, or the
+    config.json of the model at ``policy.path``). The vocabulary size is the tokenizer's, not
     known here: the placeholder below always pads to full shards; the real one is checked
     (padded, every TP shard holding a real token id) when the trainer group starts."""
     from hacpo.models.megatron.build import ArchSpec
@@ -473,12 +479,24 @@ def _check_megatron_agent(a: AgentConfig) -> None:
     where = f"agent {p.name!r} (trainer=megatron)"
     if p.path is None:
         from hacpo.models.hf import TINY_DEFAULTS   # arch: checked first (AgentConfig)
-        hf = {**TINY_DEFAULTS[p.arch], **p.hf_config, "model_type": p.arch,
-              "vocab_size": par.tp}    # placeholder (see the docstring)
+        hf = {**TINY_DEFAULTS[p.arch], **p.hf_config, "model_type": p.arch}
+    else:       # the model's own config.json (not readable here: its load names the problem)
         try:
-            ArchSpec.from_hf(hf).check_parallel(par.tp, par.pp)
-        except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
+            with open(os.path.join(p.path, "config.json")) as f:
+                hf = json.load(f)
+        except (OSError, ValueError):
+            return
+        if not isinstance(hf, dict):
+            return
+    hf = {**hf, "vocab_size": par.tp}    # placeholder (see the docstring)
+    try:
+        ArchSpec.from_hf(hf).check_parallel(par.tp, par.pp)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    except (KeyError, TypeError):
+        if p.path is None:
+            raise
+        # an incomplete config.json at policy.path: loading the model names the problem
 
 
 ROLLOUT_ENGINES = ("local", "ray", "vllm")
@@ -658,7 +676,12 @@ class TrainConfig(ConfigMixin):
         """What a run of this config needs beyond a valid config, checked before any work
         (``hacpo train``, the launchers' dry runs): vLLM engines serve HF policies only, and
         sample with temperature 0 or in [0.01, 2], with the model's heads split over
-        ``rollout.engine_tp`` workers."""
+        ``rollout.engine_tp`` workers; ``reward.name`` is a registered reward (rewards
+        registered by the caller's own code count: this runs in the driver's process)."""
+        from .rewards import list_rewards
+        if self.reward.name not in list_rewards():
+            raise ValueError(f"unknown reward.name {self.reward.name!r}; registered rewards: "
+                             f"{', '.join(list_rewards())}")
         if self.rollout.engine == "vllm":
             check_vllm_kinds([(a.policy.name, a.policy.kind) for a in self.agents])
             check_vllm_temperature(self.rollout.temperature, "rollout.temperature")

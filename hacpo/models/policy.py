@@ -402,6 +402,17 @@ def build_policy(config: PolicyConfig, *, corpus: Iterable[str] | None = None,
 
         if config.path is not None:
             model = load_hf_model(config.path, dtype=dtype)
+            rows = model.get_input_embeddings().weight.shape[0]
+            reduced = config.reduce_vocab or getattr(tokenizer, "reduced", False)
+            if reduced and rows != tokenizer.vocab_size:
+                # the reduced ids 0..V-1 would index the saved model's rows of other tokens
+                raise ValueError(
+                    f"policy {config.name!r}: policy.reduce_vocab=True renumbers the tokens of "
+                    f"tokenizer {tokenizer.name!r} that the data uses as ids "
+                    f"0..{tokenizer.vocab_size - 1}, but the model loaded from policy.path="
+                    f"{config.path!r} has an embedding table of {rows} rows, trained for "
+                    f"other ids: each reduced id would read another token's embedding. Set "
+                    f"policy.reduce_vocab=false to use the model's own vocabulary")
         else:
             model = build_hf_model({"arch": config.arch, **config.hf_config},
                                    vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
