@@ -32,6 +32,16 @@ def mean_ci(xs: list[float]) -> tuple[float, float]:
     return m, t95(len(xs) - 1) * statistics.stdev(xs) / math.sqrt(len(xs))
 
 
+def warnings_only(echo, prefix: str):
+    """An ``echo`` for a run inside `hacpo compare` / `hacpo profile`: its progress lines are
+    dropped, its ``[warn]`` lines (e.g. fewer prompts than minibatches) are passed on, after
+    ``prefix`` naming the run."""
+    def passed(line="", *_):
+        if isinstance(line, str) and line.startswith("[warn]"):
+            echo(prefix + line)
+    return passed
+
+
 def run_compare(base: TrainConfig, algorithms: list[str], seeds: list[int], root: str, *,
                 pass_k: int = 4, keep: dict | None = None, echo=print) -> dict:
     """Train ``base`` under every algorithm preset x seed (``with_algorithm``, ``keep``: its
@@ -73,7 +83,8 @@ def run_compare(base: TrainConfig, algorithms: list[str], seeds: list[int], root
                 echo(f"[compare] {algo} seed {seed}: reusing the finished run in {out}")
             else:
                 echo(f"[compare] {algo} seed {seed} -> {out}")
-                summary = train(cfg, resume=True, echo=lambda *_: None)
+                summary = train(cfg, resume=True,
+                                echo=warnings_only(echo, f"[compare] {algo} seed {seed}: "))
             for agent, r in summary["after"].items():
                 results.setdefault(algo, {}).setdefault(agent, []).append(
                     {"seed": seed, **r, "before": summary["before"][agent]["accuracy"]})

@@ -208,6 +208,20 @@ def _load_run(path: str, **need):
     return ck_path, run_dir, state, cfg, notes
 
 
+def _sampled_elsewhere(stored: dict) -> Optional[str]:
+    """The rollout engine a run's own sampled evaluation (eval_pass_k) drew its samples with
+    when `hacpo eval` cannot draw the same ones in-process (eval_engine=rollout with vLLM, or
+    with several engines per agent, each with its own generator); else None."""
+    roll = stored.get("rollout") if isinstance(stored.get("rollout"), dict) else {}
+    if stored.get("eval_engine") != "rollout":
+        return None
+    if roll.get("engine") == "vllm":
+        return "its vLLM engines"
+    if roll.get("engine") == "ray" and (roll.get("engines_per_agent") or 1) > 1:
+        return f"{roll['engines_per_agent']} Ray rollout engines per agent"
+    return None
+
+
 def _labels(run_dirs: list[str]) -> list[str]:
     base = [os.path.basename(d.rstrip(os.sep)) or "run" for d in run_dirs]
     return [b if base.count(b) == 1 else f"{b}#{i}" for i, b in enumerate(base)]
@@ -230,7 +244,9 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
     batch, seed: prompts per generation batch (default 128) and the sampling seed of the first
     benchmark (the i-th gets seed + 1000 i); the seed defaults to the one the run's own
     evaluation used (its seed, and seed + 1 for its sampled pass@k), so the defaults draw the
-    very samples of the run's eval_pass_k on its own held-out set.
+    very samples of the run's eval_pass_k on its own held-out set (where the run sampled them
+    in-process too: not with eval_engine=rollout on vLLM or several engines per agent, which
+    a note then says).
     Writes ``<agent>__<benchmark>.json`` per agent and benchmark and ``eval.md``/``eval.json``
     (the table) to ``out_dir`` (default ``<run dir>/eval``; with several runs and an explicit
     out_dir, per-run files go to ``out_dir/<run>``). Returns the ``eval.json`` content plus
@@ -272,6 +288,9 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
     for ck_path, _, state, _, notes in runs:
         for n in notes:
             echo(f"[eval] {ck_path}: ignoring {n} (the run's policy build never used it)")
+        if sampled and (engine := _sampled_elsewhere(state["config"])):
+            echo(f"[eval] {ck_path}: note: the run sampled its own evaluation with {engine}; "
+                 f"hacpo eval samples in-process: the same distribution, not the same samples")
         have = [a["name"] for a in state["agents"]]
         missing = [a for a in (agents or []) if a not in have]
         if missing:

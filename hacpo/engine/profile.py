@@ -54,6 +54,7 @@ import statistics
 from dataclasses import dataclass
 
 from .checkpoint import write_text_atomic
+from .compare import warnings_only
 from .plots import save_figure
 from .run_config import TrainConfig
 
@@ -108,7 +109,7 @@ def run_profile(base: TrainConfig, out_dir: str, *, algorithms=DEFAULT_ALGORITHM
         for algo in order[shift:] + order[:shift]:
             echo(f"[profile] round {r}/{rounds}: {algo} to step {r * steps_per_round}")
             train(runs[algo].override({"steps": r * steps_per_round}), resume=True,
-                  echo=lambda *_: None)
+                  echo=warnings_only(echo, f"[profile] {algo}: "))
     names = [a.policy.name for a in base.agents]
     measured = {algo: summarize_run(_read_metrics(cfg.out_dir), names, skip_steps)
                 for algo, cfg in runs.items()}

@@ -462,3 +462,29 @@ def test_eval_of_the_run_on_its_own_heldout_set_equals_its_final_eval(tmp_path, 
     assert any(summary["after"][a]["accuracy"] != summary["before"][a]["accuracy"]
                for a in AGENTS), summary
     assert_eval_equals_run(tmp_path / "run", summary, tmp_path / "ev", own)
+
+
+def test_a_run_that_sampled_its_eval_on_another_engine_gets_a_note(run, tmp_path):
+    """--samples k draws the run's own eval_pass_k samples only where the run drew them
+    in-process too: a run that sampled them on vLLM, or on several Ray engines per agent (each
+    its own generator), gets one note saying so; greedy evaluation and the in-process cases
+    none."""
+    cases = {"vllm": ({"engine": "vllm"}, "with its vLLM engines"),
+             "ray2": ({"engine": "ray", "engines_per_agent": 2},
+                      "with 2 Ray rollout engines per agent"),
+             "ray1": ({"engine": "ray", "engines_per_agent": 1}, None)}
+    for name, (roll, want) in cases.items():
+        def edit(c, roll=roll):
+            c["eval_engine"] = "rollout"
+            c["rollout"].update(roll)
+        ck = _with_config(run, tmp_path, name, edit)
+        for samples in (1, 2):
+            said = []
+            evaluate_checkpoints([ck], run["benches"], agents=["char"], limit=1,
+                                 samples=samples, out_dir=str(tmp_path / "e" / name),
+                                 echo=said.append)
+            notes = [s for s in said if "note: the run sampled its own evaluation" in s]
+            if want is None or samples == 1:
+                assert notes == [], said
+            else:
+                assert len(notes) == 1 and want in notes[0], said

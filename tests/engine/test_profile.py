@@ -130,8 +130,13 @@ def test_summarize_skips_first_steps():
 
 def test_profile_end_to_end_tiny(tmp_path):
     cfg = load_config("tiny3", overrides={"cache_dir": str(tmp_path / "cache"), "threads": 1})
+    said = []
     rep = run_profile(cfg, str(tmp_path / "prof"), rounds=2, steps_per_round=1, skip_steps=1,
-                      echo=lambda *_: None)
+                      echo=said.append)
+    # a run's warnings reach the user (gspo2x: fewer prompts than minibatches), its progress not
+    warned = [s for s in said if s.startswith("[profile] gspo2x: [warn]")]
+    assert len(warned) == 2 and "minibatch" in warned[0], said     # once per round (a resume)
+    assert not any(s.startswith("[eval]") or s.startswith("[warm-up]") for s in said), said
     for f in ("profile.json", "profile.md", "profile.png"):
         assert (tmp_path / "prof" / f).exists()
     assert set(rep["measured"]) == {"gspo", "gspo2x", "hacpo"}
