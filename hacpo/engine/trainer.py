@@ -248,6 +248,10 @@ def _prepare(cfg: TrainConfig, resume: bool, echo):
     if state is not None and (bad := build.tokenizer_mismatch(state, policies, cfg)):
         raise ValueError(f"cannot resume {ck_path}: {bad}")
     check_prompt_lengths(cfg, data, policies)
+    for a, p in zip(cfg.agents, policies):     # what needs the real vocabulary: not the warm-up
+        if a.trainer == "megatron":            # first, then a traceback from the trainer group
+            from hacpo.models.megatron.build import check_megatron_policy
+            check_megatron_policy(p, a.parallel)
     if state is None:       # a resume writes it once the checkpoint is loaded (_run)
         _write_config(cfg)
     for note in (minibatch_shortfall(cfg), no_signal_note(cfg)):

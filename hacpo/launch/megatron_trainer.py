@@ -714,7 +714,7 @@ class MegatronAgents:
 
     def __init__(self, cfg, policies: list[Policy], *, timeout_s: float = 60.0,
                  start_timeout_s: float = 300.0):
-        from hacpo.models.megatron.build import ArchSpec, recompute_fields
+        from hacpo.models.megatron.build import check_megatron_policy
 
         self.cfg = cfg
         # absolute: the rank actors' working directory is not the driver's
@@ -733,15 +733,7 @@ class MegatronAgents:
                 raise ValueError(f"agent {pol.name!r} (trainer=megatron) needs an HF policy "
                                  f"held on the driver's CPU, got kind={pol.kind!r} on "
                                  f"{pol.output_weight.device}")
-            try:
-                arch = ArchSpec.from_hf(pol.model.config, make_vocab_size_divisible_by=a.parallel
-                                        .make_vocab_size_divisible_by)
-                arch.check_parallel(a.parallel.tp, a.parallel.pp)
-                recompute_fields(**a.parallel.recompute_kwargs(),
-                                 layers_per_stage=len(arch.layers_of_stage(a.parallel.pp, 0)))
-            except ValueError as e:
-                raise ValueError(f"agent {pol.name!r} (trainer=megatron, tokenizer "
-                                 f"{pol.tokenizer.name!r}): {e}") from None
+            check_megatron_policy(pol, a.parallel)    # checked before the warm-up too
         self._groups: list[_Group] = []
         self._closed = False
         # the KL term: each group holds a frozen reference shard; its token log-probs of the

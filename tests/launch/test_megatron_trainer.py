@@ -603,20 +603,25 @@ def test_config_errors(cluster, tmp):
         megatron_cfg(tmp, "bad", "megatron").override(
             {"agents.1.parallel.make_vocab_size_divisible_by": 0})
     # the vocabulary is the tokenizer's (91 ids): padded to 2*128 = 256 rows, TP rank 1's 128
-    # rows would all be padding; checked when the group starts, before any actor
+    # rows would all be padding; checked once the policies are built, before the warm-up (it
+    # was checked after it, when the group started, as a traceback) and any actor
+    from hacpo.engine.errors import is_user_error
     pad = megatron_cfg(tmp, "bad", "megatron").override(
         {"agents.1.parallel.tp": 2, "agents.1.parallel.pp": 1,
          "agents.1.parallel.make_vocab_size_divisible_by": 128})
+    said = []
     with pytest.raises(ValueError, match=r"agent 'char-pp2'.*tokenizer 'char'.*vocab_size=91 "
-                                         r"padded to 256.*rank 1 .*would hold only padding"):
-        train(pad, echo=lambda *_: None)
+                                         r"padded to 256.*rank 1 .*would hold only padding") as e:
+        train(pad, echo=said.append)
+    assert is_user_error(e.value) and not any("warm-up" in s for s in said), said
     free_cpus_back()
     # full recomputation in chunks of 2 layers, where a stage holds 1 (2 layers at PP=2)
     deep = megatron_cfg(tmp, "bad", "megatron").override(
         {"agents.1.parallel.recompute": "full", "agents.1.parallel.recompute_num_layers": 2})
     with pytest.raises(ValueError, match=r"agent 'char-pp2'.*recompute_num_layers=2 does not "
-                                         r"divide a pipeline stage's 1 layer\(s\)"):
-        train(deep, echo=lambda *_: None)
+                                         r"divide a pipeline stage's 1 layer\(s\)") as e:
+        train(deep, echo=said.append)
+    assert is_user_error(e.value) and not any("warm-up" in s for s in said), said
     free_cpus_back()
 
 

@@ -203,6 +203,24 @@ class Parallel:
         return self.pp_rank == self.pp - 1
 
 
+def check_megatron_policy(policy, parallel) -> ArchSpec:
+    """A built (HF) policy and its agent's ``parallel`` settings (``tp``, ``pp``,
+    ``make_vocab_size_divisible_by``, recompute): the :class:`ArchSpec` its megatron shards
+    will have, after the checks that need the real vocabulary (every TP shard keeping a real
+    token id) and the layers of a stage. Pure Python (no megatron import): the trainer runs it
+    before the warm-up. A ValueError names the agent and its tokenizer."""
+    try:
+        arch = ArchSpec.from_hf(policy.model.config, make_vocab_size_divisible_by=parallel
+                                .make_vocab_size_divisible_by)
+        arch.check_parallel(parallel.tp, parallel.pp)
+        recompute_fields(**parallel.recompute_kwargs(),
+                         layers_per_stage=len(arch.layers_of_stage(parallel.pp, 0)))
+    except ValueError as e:
+        raise ValueError(f"agent {policy.name!r} (trainer=megatron, tokenizer "
+                         f"{policy.tokenizer.name!r}): {e}") from None
+    return arch
+
+
 def check_world(tp: int, pp: int, dp: int | None, world_size: int) -> int:
     """Return dp (inferred if None); raise if tp * pp * dp != world_size."""
     for name, v in (("tp", tp), ("pp", pp)):
