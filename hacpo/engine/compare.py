@@ -9,8 +9,8 @@ import math
 import os
 import statistics
 
-from .config import preset, preset_settings
 from .checkpoint import write_text_atomic
+from .config import preset, preset_settings
 from .plots import save_figure
 from .run_config import TrainConfig, config_hash
 

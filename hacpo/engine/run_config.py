@@ -473,7 +473,8 @@ def _check_megatron_agent(a: AgentConfig) -> None:
     kv heads, FFN size and layers split over tp/pp (``policy.arch`` and ``hf_config``, or the
     config.json of the model at ``policy.path``). The vocabulary size is the tokenizer's, not
     known here: the placeholder below always pads to full shards; the real one is checked
-    (padded, every TP shard holding a real token id) when the trainer group starts."""
+    (padded, every TP shard holding a real token id) once the policies are built, before the
+    warm-up (:func:`hacpo.models.megatron.build.check_megatron_policy`)."""
     from hacpo.models.megatron.build import ArchSpec
     p, par = a.policy, a.parallel
     where = f"agent {p.name!r} (trainer=megatron)"
