@@ -22,8 +22,10 @@ version.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import logging
 import os
 import shutil
 import sys
@@ -125,14 +127,24 @@ class VLLMWorker:
                if device == "cuda" else {})
         if tensor_parallel_size > 1:
             gpu["distributed_executor_backend"] = "mp"
-        self.model_dir = tempfile.mkdtemp(prefix="hacpo-vllm-model-")
-        with open(os.path.join(self.model_dir, "config.json"), "w") as f:
-            json.dump(hf_config, f)
-        self.llm = LLM(model=self.model_dir, skip_tokenizer_init=True, load_format="dummy",
-                       dtype=dtype, max_model_len=max_model_len, seed=seed,
-                       logprobs_mode="processed_logprobs", generation_config="vllm",
-                       enable_prefix_caching=True, max_num_seqs=max_num_seqs,
-                       enforce_eager=True, tensor_parallel_size=tensor_parallel_size, **gpu)
+        # vLLM reads the model dir (config.json only: dummy weights, no tokenizer, generation
+        # config "vllm") while LLM() starts, and never again: its TP worker processes are
+        # started and their models built inside LLM(); weight loads, sleep and wake work on
+        # the model in memory. So the dir goes as soon as LLM() returns or fails: a later
+        # kill of this actor (a restart, a hung call, the end of a run) leaves nothing behind.
+        model_dir = tempfile.mkdtemp(prefix="hacpo-vllm-model-")
+        try:
+            with open(os.path.join(model_dir, "config.json"), "w") as f:
+                json.dump(hf_config, f)
+            with _benign_vllm_records():
+                self.llm = LLM(model=model_dir, skip_tokenizer_init=True, load_format="dummy",
+                               dtype=dtype, max_model_len=max_model_len, seed=seed,
+                               logprobs_mode="processed_logprobs", generation_config="vllm",
+                               enable_prefix_caching=True, max_num_seqs=max_num_seqs,
+                               enforce_eager=True, tensor_parallel_size=tensor_parallel_size,
+                               **gpu)
+        finally:
+            shutil.rmtree(model_dir, ignore_errors=True)
         self.tp = tensor_parallel_size
         self.shapes = None if shapes is None else {n: tuple(s) for n, s in shapes.items()}
         self.version = -1
@@ -291,9 +303,50 @@ class VLLMWorker:
         return result
 
     def shutdown(self) -> None:
-        """Free the engine and its temp dir (the actor is killed right after)."""
+        """Free the engine (the actor is killed right after)."""
         self.llm = None
-        shutil.rmtree(self.model_dir, ignore_errors=True)
+
+
+# -- vLLM log records that read like failures but are not, in how hacpo runs vLLM -------------
+_NO_TOKENIZER = "Tokenizer not available when `skip_tokenizer_init=True`"
+
+
+class _DropRecords(logging.Filter):
+    """Drops the records ``drop(record)`` names (installed on the one vLLM logger that emits
+    them, for one call: every other record of that logger, and every other logger, passes)."""
+
+    def __init__(self, drop):
+        super().__init__()
+        self.drop = drop
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.drop(record)
+
+
+@contextlib.contextmanager
+def _dropping(logger_name: str, drop):
+    logger = logging.getLogger(logger_name)
+    f = _DropRecords(drop)
+    logger.addFilter(f)
+    try:
+        yield
+    finally:
+        logger.removeFilter(f)
+
+
+def _chat_warmup_without_tokenizer(record: logging.LogRecord) -> bool:
+    """``LLM()`` always warms up chat-template rendering, which needs a tokenizer; the engine
+    has none (``skip_tokenizer_init``: prompts and responses are token ids, hacpo never asks
+    vLLM to render a chat), so vLLM logs "Chat template warmup failed" with the traceback of
+    exactly this ValueError. Any other warm-up failure is still logged."""
+    exc = record.exc_info[1] if record.exc_info else None
+    return (record.getMessage() == "Chat template warmup failed"
+            and isinstance(exc, ValueError) and str(exc) == _NO_TOKENIZER)
+
+
+def _benign_vllm_records():
+    """Around ``LLM()``: drops :func:`_chat_warmup_without_tokenizer`'s record."""
+    return _dropping("vllm.renderers.base", _chat_warmup_without_tokenizer)
 
 
 def check_platform(device: str) -> None:
@@ -347,9 +400,34 @@ def _reload_end(worker) -> list[str]:
 
     runner = worker.model_runner
     model = runner.get_model()
-    with set_current_vllm_config(worker.vllm_config):
+    with (set_current_vllm_config(worker.vllm_config),
+          _dropping(_LAYERWISE_LOGGER, _buffer_only_layers(model))):
         finalize_layerwise_reload(model, worker.vllm_config.model_config)
     runner.reset_lora_state()
     runner.reset_encoder_cache()
     runner.reset_mm_cache()
     return sorted({n for n, _ in model.named_parameters()} - worker._hacpo_loaded)
+
+
+_LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+def _buffer_only_layers(model):
+    """A filter for the reload's "<layer class>: Failed to load weights" records of layers
+    that have buffers but no parameters (the rotary embedding's cos/sin cache): vLLM counts
+    buffers as loadable, but a weight load from hacpo carries parameters only (the trainer's
+    ``named_parameters``), so such a layer is never in one and vLLM keeps its tensors, computed
+    from the config at start-up, as they were: nothing failed. Only classes all of whose
+    layers in ``model`` are buffer-only are dropped; a layer with parameters that no bucket
+    filled is reported by :func:`_reload_end` (an error in :meth:`VLLMWorker.load_weights`),
+    and vLLM's record for it is kept."""
+    with_params, without = set(), set()
+    for m in model.modules():
+        (with_params if any(p is not None for p in m._parameters.values())
+         else without).add(type(m).__name__)
+    benign = without - with_params
+
+    def drop(record: logging.LogRecord) -> bool:
+        return (record.msg == "%s: Failed to load weights" and len(record.args or ()) == 1
+                and record.args[0] in benign)
+    return drop

@@ -8,7 +8,11 @@ sample with the same :func:`hacpo.models.generation.generate` as the in-process 
   actor unpickles it. Rebuilding it from its PolicyConfig on the actor would need the whole
   training corpus (reduced vocabularies are built from it) and the tokenizer files on every
   node; the pickle carries exactly the driver's tokenizer and architecture. Weights then come
-  from :meth:`RayRolloutEngine.sync_weights`.
+  from :meth:`RayRolloutEngine.sync_weights`. The actor's constructor takes no object-store
+  argument: Ray does not keep an actor's constructor arguments for its restarts (it says so
+  with an ``E`` line, ray-project/ray#53727), so every call names the policy's ObjectRef
+  (held by the driver; in a list, so Ray passes it unresolved) and a new or restarted actor
+  fetches it once, before it answers ``ready`` or serves its first call.
 - **Weights.** ``sync_weights(k)`` puts agent k's state dict into the object store once, in
   buckets of at most ``rollout.weight_bucket_mb`` (one ``ray.put`` each), and every actor of
   k copies them into its policy in place, fetching one bucket at a time (so an actor holds its
@@ -62,34 +66,53 @@ KILL_GRACE_S = 60.0
 
 
 class RolloutActor:
-    """One rollout engine: a policy copy that samples. Runs as a Ray actor (one CPU bundle)."""
+    """One rollout engine: a policy copy that samples. Runs as a Ray actor (one CPU bundle).
 
-    def __init__(self, policy: Policy, threads: int):
+    ``policy``: the Policy itself (in-process use); a Ray actor is created without it and
+    gets it from the first call (``policy=[ObjectRef]``, see the module docstring)."""
+
+    def __init__(self, threads: int, policy: Policy | None = None):
         torch.set_num_threads(threads)
-        self.policy = policy.eval()
+        self.policy = None if policy is None else policy.eval()
         self.version = -1              # weights version loaded (-1: as pickled; None: unknown)
         self._pause: tuple[float, str] | None = None
 
-    def ready(self) -> int:
+    def _fetch_policy(self, policy: list | None) -> Policy:
+        """This process's policy copy; the first call fetches it from ``policy`` = [ObjectRef
+        of the pickled Policy] (a list, so Ray passes the ref unresolved)."""
+        if self.policy is None:
+            if not policy:
+                raise RuntimeError("rollout actor has no policy: the call named none")
+            self.policy = ray.get(policy[0]).eval()
+            self.version = -1
+        return self.policy
+
+    def ready(self, policy: list | None = None) -> int:
+        """This process's pid; with ``policy``, once it holds its policy copy."""
+        if policy is not None:
+            self._fetch_policy(policy)
         return os.getpid()
 
-    def load_weights(self, version: int, refs: list) -> int:
+    def load_weights(self, version: int, refs: list, policy: list | None = None) -> int:
         """Copy weights ``version`` into the policy in place from ``refs`` (the ObjectRefs of
         its buckets, in a list so that Ray passes them unresolved), fetching one bucket at a
         time; every state-dict entry must come once with its shape (else a RuntimeError).
         Until it has finished, the version is unknown (None): a failure part-way leaves no
         claim of a version. Returns this process's pid."""
+        pol = self._fetch_policy(policy)
         self.version = None
-        copy_buckets(self.policy.state_dict(), (ray.get(r) for r in refs),
-                     what=f"rollout actor of {self.policy.name!r}: weights version {version}")
+        copy_buckets(pol.state_dict(), (ray.get(r) for r in refs),
+                     what=f"rollout actor of {pol.name!r}: weights version {version}")
         self.version = version
         return os.getpid()
 
     def generate(self, weights: list, prompt_ids: list[list[int]], rng_state: torch.Tensor,
-                 kwargs: dict[str, Any]) -> tuple[Rollout, torch.Tensor, int, int]:
+                 kwargs: dict[str, Any], policy: list | None = None
+                 ) -> tuple[Rollout, torch.Tensor, int, int]:
         """weights = [(version, [ObjectRef of each bucket])] (refs inside lists, so Ray passes
         them unresolved: they are fetched only when this actor's weights are behind).
         Returns (rollout, advanced RNG state, pid, weights version used)."""
+        self._fetch_policy(policy)
         (version, refs), = weights
         if version != self.version:
             self.load_weights(version, refs)
@@ -215,20 +238,21 @@ class RayRolloutEngine(GeneratorState):
                      f"rollout actors x {bundle}",
                 hint="lower rollout.engines_per_agent or free resources")
             self._pgs.append(pg)
-            policy_ref = ray.put(pol)
-            self._policy_refs.append(policy_ref)   # a restarted actor is rebuilt from it
+            # held here for the pool's life: every call names it, so a restarted actor
+            # (created without arguments in the object store) fetches its policy from it
+            self._policy_refs.append([ray.put(pol)])
             actors = [remote_cls.options(
                 num_cpus=self.cpus_per_actor, max_restarts=self.max_restarts,
                 max_task_retries=0,             # the engine retries, with the same RNG state
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=j),
-            ).remote(policy_ref, self.threads) for j in range(self.engines_per_agent)]
+            ).remote(self.threads) for j in range(self.engines_per_agent)]
             self._actors.append(actors)
         self._pids = [[None] * self.engines_per_agent for _ in policies]
         for k, actors in enumerate(self._actors):
             for j, a in enumerate(actors):
                 self._pids[k][j] = self.cluster.wait_started(
-                    a.ready.remote(), timeout_s=start_timeout_s,
+                    a.ready.remote(self._policy_refs[k]), timeout_s=start_timeout_s,
                     what=f"rollout actor {j} of agent {self.names[k]!r}")
         log.info("ray rollout pool: %d agents x %d actors on %s", len(self._actors),
                  self.engines_per_agent, self.cluster.address)
@@ -291,7 +315,7 @@ class RayRolloutEngine(GeneratorState):
         deadline = time.monotonic() + self.start_timeout_s
         while True:
             try:
-                pid = ray.get(self._actors[agent][j].ready.remote(),
+                pid = ray.get(self._actors[agent][j].ready.remote(self._policy_refs[agent]),
                               timeout=max(0.1, deadline - time.monotonic()))
                 break
             except ActorUnavailableError:          # still restarting
@@ -375,8 +399,10 @@ class RayRolloutEngine(GeneratorState):
         self._weights[agent] = (version, refs)
         actors = self._actors[agent]
 
+        policy = self._policy_refs[agent]
+
         def submit(j):
-            return actors[j].load_weights.remote(version, refs)
+            return actors[j].load_weights.remote(version, refs, policy)
         self._call(agent, range(len(actors)), submit,
                    lambda j, pid: self._seen_pid(agent, j, pid), "load_weights")
 
@@ -399,12 +425,13 @@ class RayRolloutEngine(GeneratorState):
         kwargs = dict(num_samples=num_samples, max_new_tokens=max_new_tokens,
                       temperature=temperature, top_p=top_p)
         actors, weights = self._actors[agent], [self._weights[agent]]
+        policy = self._policy_refs[agent]
         parts: list[Rollout | None] = [None] * len(bounds)
         new_states: list[torch.Tensor | None] = [None] * len(bounds)
 
         def submit(j):
             a, b = bounds[j]
-            return actors[j].generate.remote(weights, prompts[a:b], states[j], kwargs)
+            return actors[j].generate.remote(weights, prompts[a:b], states[j], kwargs, policy)
 
         def on_result(j, value):
             ro, state, pid, version = value

@@ -12,8 +12,9 @@ in-process sampler returns.
   ``<repo>/.venv-vllm/bin/python``.
 - **Model.** Only ``kind="hf"`` policies (vLLM serves HF architectures). The actor writes the
   policy's HF ``config.json`` (vocabulary cut to the tokenizer's ``vocab_size``, EOS = the
-  tokenizer's EOS, embeddings untied) into a temp dir (inside a private cluster's temp dir, so
-  it goes with the cluster), starts vLLM with dummy weights and runs one warm-up step (a
+  tokenizer's EOS, embeddings untied) into a temp dir (inside a private cluster's temp dir),
+  starts vLLM with dummy weights, removes the dir (vLLM reads it only while it starts) and
+  runs one warm-up step (a
   configuration vLLM cannot run, e.g. head_dim 16 on CPU, fails at start-up naming the agent);
   the real weights come through Ray's object store. Prompts and responses are token ids: vLLM
   never loads a tokenizer, so reduced vocabularies and the char tokenizer work unchanged.
@@ -219,7 +220,7 @@ def _actor_env(threads: int, tmpdir: str | None) -> dict[str, str]:
         "TRITON_INTERPRET": "0",                 # the test suite's setting is not vLLM's
         "TOKENIZERS_PARALLELISM": "false",
     }
-    if tmpdir:   # engine temp files (model config, vLLM's init file) go with the cluster
+    if tmpdir:   # engine temp files (vLLM's init file, ...) go with the cluster
         env["TMPDIR"] = tmpdir
     return env
 

@@ -4,6 +4,7 @@ killed mid-call, a 2-agent training run, and bad input (unreachable address, too
 import copy
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -113,7 +114,7 @@ def test_actor_weight_load_part_way_claims_no_version(setup):
     cfg, policies, _ = setup
     src, dst = policies[0], copy.deepcopy(policies[0])
     _perturb(dst, 5)
-    actor = RolloutActor(dst, threads=1)
+    actor = RolloutActor(threads=1, policy=dst)
     refs = [ray.put(b) for b in weight_buckets(src.state_dict(), 10 * 1024)]
     assert len(refs) > 3
     with pytest.raises(RuntimeError, match=r"weights version 3: weights missing: \["):
@@ -299,6 +300,11 @@ def test_join_by_address_private_cluster_and_unreachable(cluster, setup):
     p = subprocess.run([sys.executable, "-c", _SUBPROCESS, cluster.address], env=env,
                        capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    # Ray's core worker logs an error (once per driver process, so a fresh driver is needed
+    # to see it) for a restartable actor created with arguments in the object store; the
+    # pool's actors take none (they fetch their policy from their calls)
+    ray_errors = re.findall(r"^\[[^\]]* E \d+ \d+\] .*$", p.stderr, re.M)
+    assert not ray_errors, ray_errors
     tmp = p.stdout.split("OK ")[-1].strip()
     out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert tmp and tmp not in out           # no process of the private cluster is left

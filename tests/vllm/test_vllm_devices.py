@@ -6,8 +6,12 @@ real (private) Ray cluster, and the worker's sleep / wake bookkeeping against a 
 for vLLM's ``LLM`` (what the worker asks vLLM for, in which order, with which weights). The
 GPU run itself is tests/vllm/test_vllm_gpu.py (skipped without a GPU).
 """
+import json
+import logging
+import os
 import subprocess
 import sys
+import tempfile
 import types
 
 import pytest
@@ -41,8 +45,15 @@ class RecordingLLM:
     which weights served it). Level-2 sleep forgets the weights, as vLLM does."""
     made: list = []
 
+    fail: str | None = None          # set: the start fails with this RuntimeError
+
     def __init__(self, **kw):
         self.kw, self.calls, self.weights = kw, [], {}
+        with open(os.path.join(kw["model"], "config.json")) as f:   # what vLLM reads
+            self.config = json.load(f)
+        self.model_dir_files = os.listdir(kw["model"])
+        if RecordingLLM.fail:
+            raise RuntimeError(RecordingLLM.fail)
         RecordingLLM.made.append(self)
 
     def generate(self, prompts, params, use_tqdm=False):
@@ -175,6 +186,73 @@ def test_worker_device_is_checked_and_sleep_needs_cuda(fake_vllm):
     with pytest.raises(RuntimeError, match=r"rollout.device='cpu', but .* runs on 'cuda'"):
         _worker(device="cpu")
     assert len(RecordingLLM.made) == made          # no engine was started by a refused worker
+
+
+def test_model_dir_is_removed_once_vllm_has_read_it(fake_vllm, tmp_path, monkeypatch):
+    """vLLM reads the config.json the worker writes while LLM() starts, and never again: the
+    dir is gone as soon as LLM() returns, or fails, so no way an engine ends (killed for a
+    restart or a hung call, a failed start, the end of a run) leaves it behind."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))   # where mkdtemp puts it
+    w = _worker(device="cuda", sleep=True)
+    llm = RecordingLLM.made[-1]
+    assert llm.config == {"architectures": ["LlamaForCausalLM"]}
+    assert llm.model_dir_files == ["config.json"]
+    assert os.path.dirname(llm.kw["model"]) == str(tmp_path)
+    assert list(tmp_path.iterdir()) == []                      # gone while the engine runs
+    w.load_weights({"w": torch.full((2,), 3.0)}, version=1)     # reloads, sleep and wake
+    w.sleep()                                                   # need no model dir
+    assert _gen(w, 1) == -6.0
+    w.shutdown()
+    monkeypatch.setattr(RecordingLLM, "fail", "vLLM could not start")
+    with pytest.raises(RuntimeError, match="vLLM could not start"):
+        _worker(device="cuda")
+    assert list(tmp_path.iterdir()) == []                      # a failed start neither
+
+
+def test_only_known_benign_vllm_records_are_dropped(caplog):
+    """What an engine start logs that reads like a failure but is not: the chat-template
+    warm-up without a tokenizer (the engine has none by design) and the reload's "Failed to
+    load weights" of a layer that has buffers but no parameters (a rotary embedding's cos/sin
+    cache: never in a weight load, kept as computed at start). Every other record passes:
+    another warm-up error, and a layer with parameters that did not load."""
+    from hacpo.launch import _vllm_worker as w
+
+    renderer = logging.getLogger("vllm.renderers.base")
+    layerwise = logging.getLogger(w._LAYERWISE_LOGGER)
+
+    def warmup_fails(exc):
+        try:
+            raise exc
+        except Exception:
+            renderer.warning("Chat template warmup failed", exc_info=True)
+
+    class RotaryEmbedding(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("cos_sin_cache", torch.ones(4), persistent=False)
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), RotaryEmbedding())
+    caplog.set_level(logging.DEBUG)
+    with w._benign_vllm_records():
+        warmup_fails(ValueError(w._NO_TOKENIZER))
+        warmup_fails(ValueError("the chat template is broken"))
+        renderer.warning("something else")
+    with w._dropping(w._LAYERWISE_LOGGER, w._buffer_only_layers(model)):
+        layerwise.warning("%s: Failed to load weights", "RotaryEmbedding")
+        layerwise.warning("%s: Failed to load weights", "Linear")
+        layerwise.warning("%s: Allocating", "RotaryEmbedding")
+    warmup_fails(ValueError(w._NO_TOKENIZER))                  # outside LLM(): kept
+    layerwise.warning("%s: Failed to load weights", "RotaryEmbedding")   # outside a reload
+    got = [(r.name, r.getMessage(), str(r.exc_info[1]) if r.exc_info else None)
+           for r in caplog.records]
+    assert got == [
+        ("vllm.renderers.base", "Chat template warmup failed", "the chat template is broken"),
+        ("vllm.renderers.base", "something else", None),
+        (w._LAYERWISE_LOGGER, "Linear: Failed to load weights", None),
+        (w._LAYERWISE_LOGGER, "RotaryEmbedding: Allocating", None),
+        ("vllm.renderers.base", "Chat template warmup failed", w._NO_TOKENIZER),
+        (w._LAYERWISE_LOGGER, "RotaryEmbedding: Failed to load weights", None)]
+    assert not renderer.filters and not layerwise.filters
 
 
 def test_vllm_cpu_build_refuses_cuda():

@@ -5,6 +5,7 @@ whole module (weights shipped in many small buckets); the tests run in file orde
 restart tests use up engine 0 of agent 0's restart budget, then agent 1's.
 """
 import copy
+import glob
 import os
 import signal
 import time
@@ -63,6 +64,22 @@ def check_semantics(ro, policy, prompts, G, max_new):
         if trunc:
             assert len(ids) == max_new
         assert all(lp <= 0 for lp in lps)
+
+
+def test_engine_start_reads_as_no_failure_and_leaves_no_model_dir(setup):
+    """The engines' own output (their Ray workers' log files) after start-up, which includes
+    a weight load, has none of what reads like a failure but is not (see _vllm_worker): the
+    chat-template warm-up without a tokenizer, the reload's "RotaryEmbedding: Failed to load
+    weights" (the served log-probs match the policy's: the tests below), no traceback; and
+    no engine keeps the model dir it started from."""
+    engine, _ = setup
+    assert engine._tmpdir and os.path.isdir(engine._tmpdir)
+    assert not [n for n in os.listdir(engine._tmpdir) if n.startswith("hacpo-vllm-model-")]
+    logs = glob.glob(os.path.join(engine._cluster.temp_dir, "session_*", "logs", "worker-*"))
+    text = "".join(open(f, errors="replace").read() for f in logs)
+    assert text.count("Enforce eager set") >= 4, logs      # the 4 engines' output is here
+    for line in ("Chat template warmup failed", "Failed to load weights", "Traceback"):
+        assert line not in text, text[max(0, text.find(line) - 2000):][:4000]
 
 
 @pytest.mark.parametrize("agent", [0, 1])
