@@ -292,3 +292,36 @@ def test_policy_settings_nothing_would_use_fail_before_the_run(capsys, monkeypat
     err = capsys.readouterr().err
     assert err.startswith("hacpo train: error: agent 'char': policy.hf_config: HF llama "
                           "config: unknown key(s) ['hiden_size']"), err
+
+
+def test_an_error_raised_while_a_run_stops_is_reported_as_the_stop(capsys):
+    """An error a library raises while the run unwinds from Ctrl-C or SIGTERM (torch's zip
+    writer cut inside torch.save raised "RuntimeError: unexpected pos" in place of the
+    KeyboardInterrupt) is the stop: one line naming it and the error, exit 130 / 143, not a
+    traceback; an error with no interrupt behind it propagates as before."""
+    import argparse
+
+    from hacpo.launch.cli import TERMINATED, _stoppable
+
+    def cut_short(interrupt):
+        def func(args):
+            try:
+                raise interrupt
+            except BaseException:
+                raise RuntimeError("unexpected pos 91584 vs 91472")
+        return func
+
+    args = argparse.Namespace(command="train")
+    assert _stoppable(args, cut_short(KeyboardInterrupt())) == 130
+    assert capsys.readouterr().err == (
+        "hacpo train: interrupted (Ctrl-C); continue it with --resume (while it stopped: "
+        "RuntimeError: unexpected pos 91584 vs 91472)\n")
+    with pytest.raises(SystemExit) as e:
+        _stoppable(args, cut_short(SystemExit(TERMINATED)))
+    assert e.value.code == TERMINATED
+    assert capsys.readouterr().err.startswith("hacpo train: terminated (SIGTERM); continue it "
+                                              "with --resume (while it stopped: RuntimeError")
+    with pytest.raises(RuntimeError, match="plain"):
+        _stoppable(args, lambda a: (_ for _ in ()).throw(RuntimeError("plain")))
+    with pytest.raises(RuntimeError, match="unexpected"):     # SystemExit(1): not a SIGTERM
+        _stoppable(args, cut_short(SystemExit(1)))

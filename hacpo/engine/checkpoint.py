@@ -8,12 +8,15 @@ import logging
 import os
 import pickle
 import re
+import signal
 import socket
 import tempfile
 import time
 import zipfile
 
 import torch
+
+from .signals import signals_deferred
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +110,15 @@ def remove_stale_temps(path: str) -> list[str]:
 
 
 def _write_atomic(path: str, write) -> None:
+    # A Ctrl-C / SIGTERM during the write is handled once the file is whole: cut inside
+    # torch.save, torch's zip writer raised its own RuntimeError ("unexpected pos") in place of
+    # the KeyboardInterrupt, so an interrupted run ended with a traceback instead of the
+    # "continue it with --resume" line; and the step's checkpoint is kept.
+    with signals_deferred(signal.SIGINT, signal.SIGTERM):
+        _write_atomic_now(path, write)
+
+
+def _write_atomic_now(path: str, write) -> None:
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(os.path.basename(path)), dir=d)

@@ -153,9 +153,35 @@ def _stoppable(args, func) -> int:
         if e.code == TERMINATED:
             print(f"hacpo {args.command}: terminated (SIGTERM){again}", file=sys.stderr)
         raise
+    except Exception as e:
+        # an error raised while the run unwound from Ctrl-C / SIGTERM (a library's cleanup
+        # that fails when cut short): the stop is what happened; the error is named with it
+        cause = _interrupted_by(e)
+        if cause is None:
+            raise
+        also = f" (while it stopped: {type(e).__name__}: {e})"
+        if isinstance(cause, KeyboardInterrupt):
+            print(f"hacpo {args.command}: interrupted (Ctrl-C){again}{also}", file=sys.stderr)
+            return 130
+        print(f"hacpo {args.command}: terminated (SIGTERM){again}{also}", file=sys.stderr)
+        raise SystemExit(TERMINATED) from e
     finally:
         if prev is not None:
             signal.signal(signal.SIGTERM, prev)
+
+
+def _interrupted_by(e: BaseException) -> BaseException | None:
+    """The KeyboardInterrupt or SIGTERM exit (SystemExit(143)) that ``e`` was raised while
+    handling (its ``__context__`` chain), else None."""
+    seen = set()
+    c = e.__context__
+    while c is not None and id(c) not in seen:
+        seen.add(id(c))
+        if isinstance(c, KeyboardInterrupt) or (isinstance(c, SystemExit)
+                                                and c.code == TERMINATED):
+            return c
+        c = c.__context__
+    return None
 
 
 def _raise_terminated(signum, frame):

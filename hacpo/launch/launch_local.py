@@ -258,7 +258,8 @@ def _launch_local(args) -> int:
         if wall is not None and time.time() >= wall:
             raise timed_out(f"Ray was still coming up: {e}") from None
         raise LaunchError(str(e)) from None
-    except KeyboardInterrupt:    # the terminal's Ctrl-C: the driver (own session) gets it too
+    except KeyboardInterrupt:    # the terminal's Ctrl-C, passed on: the driver's own session
+                                 # does not see it
         if driver is not None and driver.poll() is None:
             _kill_group(driver, first=signal.SIGINT)
         raise
