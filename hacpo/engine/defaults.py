@@ -32,6 +32,8 @@ CROSS_CLIP_STEP = 0.025
 # GRPO token-level clip (DAPO-style asymmetric)
 GRPO_CLIP_LOW = 0.2
 GRPO_CLIP_HIGH = 0.28
+# GRPO's token log-ratio clamp [ours; verl's value]: SPEC's +-10 is for the sequence ratio
+GRPO_MAX_ABS_LOG_RATIO = 20.0
 
 # KL to a reference policy (self samples only); the paper's runs used 0.001
 KL_COEF = 0.0

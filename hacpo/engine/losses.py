@@ -13,10 +13,6 @@ from . import defaults as D
 from .validation import check_same_length, check_same_shape
 
 
-# GRPO's token log-ratio clamp [ours; verl's value]: SPEC's +-10 is for the sequence ratio
-GRPO_MAX_ABS_LOG_RATIO = 20.0
-
-
 def sequence_mean_logprob(token_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean log-prob over each row's response tokens.
 
@@ -169,7 +165,7 @@ def hacpo_policy_loss(new_lp: torch.Tensor, old_lp: torch.Tensor, advantages: to
 def grpo_policy_loss(token_logp: torch.Tensor, old_token_logp: torch.Tensor, mask: torch.Tensor,
                      advantages: torch.Tensor, *, clip_low: float = D.GRPO_CLIP_LOW,
                      clip_high: float = D.GRPO_CLIP_HIGH,
-                     max_abs_log_ratio: float = GRPO_MAX_ABS_LOG_RATIO, divisor=None):
+                     max_abs_log_ratio: float = D.GRPO_MAX_ABS_LOG_RATIO, divisor=None):
     """GRPO: token-level ratio, clip [1-clip_low, 1+clip_high], token-mean over the mask.
 
     token_logp, old_token_logp, mask: [B, T]; advantages: [B] (broadcast over tokens).
