@@ -2,8 +2,10 @@
 
 Python raises ``KeyboardInterrupt`` (or the CLI's SIGTERM exit) between any two bytecodes of
 the main thread. A few steps leave something broken when cut there: spawning a worker process
-(the child then reads half its start-up message), or ``ray.init`` (a half-made core worker
-that ``ray.shutdown`` does not stop). They run inside :func:`signals_deferred`.
+(the child then reads half its start-up message), ``ray.init`` (a half-made core worker that
+``ray.shutdown`` does not stop), an atomic file write (torch.save cut short raises its own
+error in place of the interrupt). They run inside :func:`signals_deferred` (nested uses
+compose: the outermost handles the signal when it ends).
 """
 from __future__ import annotations
 
