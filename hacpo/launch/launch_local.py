@@ -17,7 +17,9 @@ cluster the same way (exit 143). Ctrl-C in the terminal (SIGINT to
 the launcher's process group: the driver and the Ray nodes run in sessions of their own and do
 not see it) is passed on to the driver's process group as SIGINT, so the run stops as an
 interrupted ``hacpo train`` does; then the cluster is torn down and the launcher prints one
-line and exits 130, also while Ray is still coming up.
+line and exits 130, also while Ray is still coming up. A second Ctrl-C (or a SIGTERM) while it
+stops the driver and the cluster does not cut the teardown short: it hurries it (whatever is
+still running is SIGKILLed at once, one line says so).
 """
 from __future__ import annotations
 
@@ -45,18 +47,57 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _stop(procs: list[subprocess.Popen], grace_s: float = 30.0) -> None:
+class _Teardown:
+    """Held while the launcher stops the driver and the Ray nodes: Ctrl-C or SIGTERM then does
+    not interrupt the teardown (a KeyboardInterrupt there left the Ray nodes running, after a
+    traceback) but hurries it: the grace periods end at once and whatever is still running is
+    SIGKILLed. One line says so. Main thread only (signal handlers)."""
+
+    def __init__(self) -> None:
+        self.hurried = False
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "_Teardown":
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._hurry)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _hurry(self, signum, frame) -> None:
+        if not self.hurried:
+            print(f"[hacpo launch] {_signal_name(signum)} while stopping: killing the driver's "
+                  f"process group and the Ray nodes now (SIGKILL)", file=sys.stderr, flush=True)
+        self.hurried = True
+
+    def wait(self, p: subprocess.Popen, timeout: float | None) -> bool:
+        """Wait up to ``timeout`` s (None: no limit) for ``p`` to exit, less if hurried;
+        True if it exited."""
+        end = None if timeout is None else time.time() + timeout
+        while not self.hurried:
+            step = 0.1 if end is None else min(0.1, end - time.time())
+            if step <= 0:
+                break
+            try:
+                p.wait(timeout=step)
+                return True
+            except subprocess.TimeoutExpired:
+                pass
+        return p.poll() is not None
+
+
+def _stop(procs: list[subprocess.Popen], teardown: _Teardown, grace_s: float = 30.0) -> None:
     """SIGTERM each started ``ray start --block`` (it stops its node's processes), then
-    SIGKILL the process group of any that is still there after ``grace_s``."""
+    SIGKILL the process group of each (any still there after ``grace_s``, or at once if the
+    teardown is hurried)."""
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
     deadline = time.time() + grace_s
     for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            pass
+        teardown.wait(p, max(0.1, deadline - time.time()))
     for p in procs:      # each was started in its own session: its group holds its Ray processes
         try:
             os.killpg(p.pid, signal.SIGKILL)
@@ -66,24 +107,21 @@ def _stop(procs: list[subprocess.Popen], grace_s: float = 30.0) -> None:
             p.wait()
 
 
-def _kill_group(p: subprocess.Popen, grace_s: float = 10.0,
+def _kill_group(p: subprocess.Popen, teardown: _Teardown, grace_s: float = 10.0,
                 first: signal.Signals = signal.SIGTERM) -> None:
     """Send ``first`` (SIGTERM; SIGINT passes a Ctrl-C on) to the process group of ``p``
-    (started in its own session), SIGKILL it after ``grace_s``, and reap ``p``."""
-    for sig, wait_s in ((first, grace_s), (signal.SIGKILL, None)):
-        try:
-            os.killpg(p.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            p.wait(timeout=wait_s)
-            if sig == first:            # the leader is gone; end the rest of its group too
-                os.killpg(p.pid, signal.SIGKILL)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-        except (ProcessLookupError, PermissionError):
-            return
+    (started in its own session), SIGKILL the group once ``p`` exited or after ``grace_s``
+    (at once if the teardown is hurried), and reap ``p``."""
+    try:
+        os.killpg(p.pid, first)
+    except (ProcessLookupError, PermissionError):
+        pass
+    teardown.wait(p, grace_s)
+    try:                  # the leader is gone (or is given no more time): end the whole group
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    p.wait()
 
 
 # After a driver that failed: how long to watch for a Ray node's `ray start --block` exiting
@@ -197,6 +235,7 @@ def _launch_local(args) -> int:
     procs: list[subprocess.Popen] = []
     nodes: list[Node] = []
     driver: subprocess.Popen | None = None
+    interrupted = False
     wall = None if args.wait_timeout is None else t_start + args.wait_timeout
     deadline = time.time() + args.ray_timeout
     if wall is not None:
@@ -241,7 +280,8 @@ def _launch_local(args) -> int:
             t_limit = time.time()
             print(f"[hacpo launch] --wait-timeout {args.wait_timeout:g}s passed: ending the "
                   f"driver (process group {driver.pid}) and the Ray cluster", flush=True)
-            _kill_group(driver)
+            with _Teardown() as teardown:
+                _kill_group(driver, teardown)
             raise timed_out("the driver was still running", t_limit) from None
         if rc < 0:           # killed by a signal: exit as a shell reports it (128 + N)
             print(f"[hacpo launch] driver was killed by {_signal_name(-rc)}", flush=True)
@@ -259,12 +299,12 @@ def _launch_local(args) -> int:
             raise timed_out(f"Ray was still coming up: {e}") from None
         raise LaunchError(str(e)) from None
     except KeyboardInterrupt:    # the terminal's Ctrl-C, passed on: the driver's own session
-                                 # does not see it
-        if driver is not None and driver.poll() is None:
-            _kill_group(driver, first=signal.SIGINT)
+        interrupted = True       # does not see it
         raise
     finally:
-        if driver is not None and driver.poll() is None:   # interrupted: end it too
-            _kill_group(driver)
-        _stop(procs)
-        shutil.rmtree(tmp, ignore_errors=True)
+        with _Teardown() as teardown:   # a second Ctrl-C / SIGTERM hurries it, never cuts it
+            if driver is not None and driver.poll() is None:   # interrupted: end it too
+                _kill_group(driver, teardown,
+                            first=signal.SIGINT if interrupted else signal.SIGTERM)
+            _stop(procs, teardown)
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -299,3 +299,58 @@ def test_launch_local_names_a_dead_ray_head_and_a_killed_driver(tmp_path):
     assert "stopped while the driver ran" not in text      # no node is blamed
     tmp = _temp_dir(text)
     assert not Path(tmp).exists() and not processes_mentioning(tmp)
+
+
+_STUBBORN = ("import signal, time\n"
+             "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+             "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+             "print('up', flush=True)\n"
+             "time.sleep(600)\n")
+
+_TEARDOWN = f"""
+import subprocess, sys
+from hacpo.launch.launch_local import _Teardown, _kill_group, _stop
+def stubborn():
+    p = subprocess.Popen([sys.executable, "-c", {_STUBBORN!r}], stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
+    assert p.stdout.readline() == b"up\\n"
+    return p
+driver, nodes = stubborn(), [stubborn(), stubborn()]
+print("pids", driver.pid, *(p.pid for p in nodes), flush=True)
+print("stopping", flush=True)
+with _Teardown() as teardown:
+    _kill_group(driver, teardown, grace_s=600)
+    _stop(nodes, teardown, grace_s=600)
+print("stopped", driver.returncode, *(p.returncode for p in nodes), flush=True)
+"""
+
+
+def test_a_second_signal_hurries_the_teardown_and_never_cuts_it(tmp_path):
+    """The launcher stops the driver (grace 10 s) and the Ray nodes (grace 30 s); a second
+    Ctrl-C (or a SIGTERM) meanwhile used to raise out of the teardown with a traceback and leave
+    the Ray nodes running. Now it ends the grace periods: every process still there is
+    SIGKILLed, one line says so. Here the driver and two "nodes" ignore SIGINT and SIGTERM and
+    the grace periods are 600 s: only the hurry ends them."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        p = subprocess.Popen([sys.executable, "-c", _TEARDOWN], cwd=REPO, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             start_new_session=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        pids = []
+        try:
+            pids = [int(x) for x in p.stdout.readline().split()[1:]]
+            assert p.stdout.readline() == "stopping\n"
+            time.sleep(0.5)
+            os.kill(p.pid, sig)
+            stdout, stderr = p.communicate(timeout=120)
+        finally:
+            for pid in [p.pid, *pids]:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            p.wait()
+        assert p.returncode == 0, stderr
+        assert stdout == "stopped -9 -9 -9\n", (stdout, stderr)
+        assert stderr == (f"[hacpo launch] {signal.Signals(sig).name} while stopping: killing "
+                          "the driver's process group and the Ray nodes now (SIGKILL)\n"), stderr
