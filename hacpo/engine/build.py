@@ -166,7 +166,13 @@ def warm_start(cfg: TrainConfig, data: Data, policies: list[Policy], echo=print)
         losses = supervised_warmup(pol, prompts, targets, steps=a.warmup.steps, lr=a.warmup.lr,
                                    batch_size=a.warmup.batch_size, seed=seed,
                                    micro_batch=cfg.micro_batch, progress=progress)
-        ckpt.save_atomic({"model": pol.state_dict(), "losses": losses}, path)
+        try:
+            ckpt.save_atomic({"model": pol.state_dict(), "losses": losses}, path)
+        except OSError as e:
+            # a cache: the warm start is trained and in the policy; a cache dir that cannot
+            # take it (read-only, shared, full) costs the next run this warm-up, not this run
+            log.warning(f"[warm-up] {a.policy.name}: warm start not cached ({e}); the run "
+                        f"goes on with the warm start it trained")
         out.append({"steps": a.warmup.steps, "cached": False, "final_loss": losses[-1]})
     return out
 

@@ -2,6 +2,7 @@
 (even kill -9) leaves either the previous checkpoint or the new one, never half of one."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -16,6 +17,7 @@ import zipfile
 
 import torch
 
+from .errors import StorageError, describe_os_error, os_error_in
 from .signals import signals_deferred
 
 log = logging.getLogger(__name__)
@@ -106,6 +108,9 @@ def remove_stale_temps(path: str) -> list[str]:
                 removed.append(full)
             except FileNotFoundError:   # another process cleaned it first
                 pass
+            except OSError as e:        # e.g. a read-only cache dir: not ours to clean
+                log.warning("cannot remove %s, left by a writer that died mid-save: %s",
+                            full, describe_os_error(e))
     return removed
 
 
@@ -120,10 +125,18 @@ def _write_atomic(path: str, write) -> None:
 
 def _write_atomic_now(path: str, write) -> None:
     d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(os.path.basename(path)), dir=d)
+    try:
+        ensure_dir(d, "directory")
+    except OSError as e:
+        raise StorageError.like(e, f"cannot write {path}: {e}", path) from None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(os.path.basename(path)), dir=d)
+    except OSError as e:
+        raise _write_error(path, e, "") from None
     f = os.fdopen(fd, "wb")
     try:
+        with contextlib.suppress(OSError):  # a file system without modes keeps its own
+            os.fchmod(fd, 0o666 & ~_umask())    # the mode open() gives (mkstemp's: 0600)
         _lock_temp(fd)               # held through the rename: see remove_stale_temps
         write(f)
         f.flush()
@@ -134,9 +147,17 @@ def _write_atomic_now(path: str, write) -> None:
             os.fsync(dfd)
         finally:
             os.close(dfd)
-    except BaseException:
-        if os.path.exists(tmp):
+    except BaseException as e:
+        # a failed write leaves unwritten bytes in f's buffer: closing it tries them again and
+        # raises a second error (on a full disk: "File too large" with no path) over this one
+        with contextlib.suppress(OSError):
+            f.close()
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        oserr = os_error_in(e) if isinstance(e, Exception) else None
+        if oserr is not None and not isinstance(e, StorageError):
+            raise _write_error(path, oserr, " (the write went to a temporary file, removed)") \
+                from e
         raise
     finally:
         f.close()
@@ -144,6 +165,60 @@ def _write_atomic_now(path: str, write) -> None:
     if removed:
         log.warning("removed %d temporary file(s) left by a writer of %s that died mid-save: "
                     "%s", len(removed), path, ", ".join(removed))
+
+
+def _write_error(path: str, e: OSError, how: str) -> StorageError:
+    """A failed write of ``path`` as one line: the path, the cause, and that ``path`` itself
+    (the last good file, if any) is untouched."""
+    kept = (f"{path} is unchanged" if os.path.exists(path) else f"{path} was not written")
+    return StorageError.like(e, f"cannot write {path}: {describe_os_error(e)}; {kept}{how}",
+                             path)
+
+
+def _umask() -> int:
+    """The process's umask (Linux: read, not set and restored, which would race with threads
+    creating files)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def ensure_dir(path: str, what: str) -> None:
+    """Create directory ``path`` (and its parents) if needed; an OSError whose one-line
+    message names ``what`` and ``path`` and the cause if it cannot be, or cannot be written:
+    a file in its place, a dangling symbolic link, a read-only or full file system, no
+    permission. Checked before work that would write there, so the work is not lost."""
+    if os.path.islink(path) and not os.path.exists(path):
+        raise NotADirectoryError(f"{what} {path} is a symbolic link to "
+                                 f"{os.readlink(path)}, which does not exist: create its "
+                                 f"target or give another path")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise NotADirectoryError(f"{what} {path} is a file, not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename and e.filename != path else ""
+        raise StorageError.like(e, f"cannot create {what} {path}{where}: "
+                                   f"{describe_os_error(e)}", path) from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise StorageError.like(PermissionError(errno.EACCES, "not writable"),
+                                f"{what} {path} is not writable (" + (
+                                    "the file system is read-only" if _read_only(path)
+                                    else "permission denied") + ")", path)
+
+
+def _read_only(path: str) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def save_atomic(obj, path: str) -> None:
@@ -172,6 +247,11 @@ def load(path: str):
     objects, is a RuntimeError naming it."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"no checkpoint at {path}")
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"checkpoint {path} is a directory, not a checkpoint file")
+    if os.path.getsize(path) == 0:   # torch: "EOFError: " and nothing more
+        raise RuntimeError(f"checkpoint {path} cannot be read: the file is empty (0 bytes: "
+                           f"truncated, or a copy cut short)")
     trusted = os.environ.get(TRUST_ENV) == "1"
     try:
         return torch.load(path, map_location="cpu", weights_only=not trusted)
@@ -193,5 +273,7 @@ def load(path: str):
             f"(a foreign file, or one written by an older hacpo), which could run code when "
             f"loaded; not loaded. If you trust it, set {TRUST_ENV}=1"
             + (f" (torch: {detail[:300]})" if detail else "")) from None
+    except OSError as e:    # unreadable (permissions, an I/O error)
+        raise RuntimeError(f"checkpoint {path} cannot be read: {describe_os_error(e)}") from e
     except Exception as e:  # truncated or foreign file
         raise RuntimeError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e})") from e

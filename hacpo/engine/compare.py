@@ -9,7 +9,7 @@ import math
 import os
 import statistics
 
-from .checkpoint import write_text_atomic
+from .checkpoint import ensure_dir, write_text_atomic
 from .config import preset, preset_settings
 from .plots import save_figure
 from .run_config import TrainConfig, config_hash
@@ -54,7 +54,7 @@ def run_compare(base: TrainConfig, algorithms: list[str], seeds: list[int], root
     "cannot resume" error naming the keys (choose another ``root``)."""
     from .errors import user_errors
     from .trainer import train
-    with user_errors(ValueError):
+    with user_errors(ValueError, OSError):
         for what, xs in (("algorithm", algorithms), ("seed", seeds)):
             if not xs:
                 raise ValueError(f"hacpo compare needs at least one {what}")
@@ -69,7 +69,7 @@ def run_compare(base: TrainConfig, algorithms: list[str], seeds: list[int], root
                              "held-out set (data.eval_size=0)")
         if os.path.exists(root) and not os.path.isdir(root):
             raise ValueError(f"out_dir {root} is a file, not a directory for the compare runs")
-    os.makedirs(root, exist_ok=True)
+        ensure_dir(root, "compare out_dir")   # a dangling link, a read-only parent: one line
     results: dict[str, dict[str, list[dict]]] = {}
     for algo in algorithms:
         for seed in seeds:

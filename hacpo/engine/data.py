@@ -287,7 +287,8 @@ class PromptSampler:
     Epoch ``e`` visits the examples in a permutation seeded by ``(seed, e)``; a batch that
     crosses an epoch boundary finishes one epoch and starts the next. ``state_dict()`` holds
     the epoch and position, so a sampler restored with ``load_state_dict`` (over the same
-    examples and seed) yields exactly the batches the original would have.
+    examples and seed) yields exactly the batches the original would have; over other
+    examples (their ids, or, for states that record it, their content) it is a ValueError.
     """
 
     def __init__(self, examples: Sequence[Example], *, seed: int = 0, shuffle: bool = True):
@@ -302,6 +303,12 @@ class PromptSampler:
         self._order: list[int] = []
         self._fingerprint = hashlib.sha256(
             "\x00".join(e.id for e in self.examples).encode()).hexdigest()[:16]
+        # the ids alone ("<file>:<line>") miss a file rewritten in another order or with
+        # other problems on the same lines: the cursor would then point at other problems
+        h = hashlib.sha256()
+        for e in self.examples:
+            h.update(json.dumps([e.id, e.prompt, e.answer]).encode())
+        self._content = h.hexdigest()[:16]
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -330,7 +337,7 @@ class PromptSampler:
     def state_dict(self) -> dict:
         return {"seed": self.seed, "epoch": self.epoch, "position": self.position,
                 "shuffle": self.shuffle, "num_examples": len(self.examples),
-                "fingerprint": self._fingerprint}
+                "fingerprint": self._fingerprint, "content": self._content}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a cursor; ValueError if it was saved over other examples."""
@@ -340,6 +347,10 @@ class PromptSampler:
                              f"({state['num_examples']} examples, fingerprint "
                              f"{state['fingerprint']}; now {len(self.examples)}, "
                              f"{self._fingerprint})")
+        if "content" in state and state["content"] != self._content:   # older states: ids
+            raise ValueError("PromptSampler state was saved over examples with other "
+                             "content: the same rows in another order, or other problems or "
+                             f"answers (content {state['content']}; now {self._content})")
         if not 0 <= state["position"] < len(self.examples):
             raise ValueError(f"invalid sampler position {state['position']}")
         self.seed = int(state["seed"])

@@ -37,6 +37,7 @@ from . import build, checkpoint as ckpt
 from .compare import mean_ci
 from .data import DataError, apply_prompt_template, load_examples
 from .evaluate import pass_at_k, sample_and_score
+from .errors import StorageError
 from .rewards import RewardComputer
 from .run_config import TrainConfig, drop_unused_policy_settings
 
@@ -306,15 +307,18 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
             raise DataError(f"benchmark {b.name}: {b.path} holds no problems")
         loaded[b.name] = exs
     labels = _labels([r[1] for r in runs])
+    out_dirs = [os.path.join(run[1], "eval") if out_dir is None else
+                os.path.join(out_dir, label) if len(runs) > 1 else out_dir
+                for run, label in zip(runs, labels)]
+    # every output dir made (and writable) before any policy is scored: a run dir on a
+    # read-only mount, or a file in the way, is an error now, not after the evaluation
+    for d in dict.fromkeys(([out_dir] if out_dir is not None else []) + out_dirs):
+        try:
+            ckpt.ensure_dir(d, "eval output dir")
+        except OSError as e:
+            raise StorageError.like(e, f"{e} (--out-dir chooses another)", d) from None
     results: list[dict] = []
-    out_dirs: list[str] = []
-    for (ck_path, run_dir, state, cfg, _), label in zip(runs, labels):
-        if out_dir is None:
-            rdir = os.path.join(run_dir, "eval")
-        else:
-            rdir = os.path.join(out_dir, label) if len(runs) > 1 else out_dir
-        os.makedirs(rdir, exist_ok=True)
-        out_dirs.append(rdir)
+    for (ck_path, run_dir, state, cfg, _), label, rdir in zip(runs, labels, out_dirs):
         tmpl = template or cfg.data.template
         max_new = (max_new_tokens if max_new_tokens is not None else
                    cfg.eval_max_new_tokens or cfg.rollout.max_new_tokens)
@@ -366,7 +370,6 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
     table = _markdown(report, names, samples)
     targets = [out_dir] if out_dir is not None else out_dirs
     for d in dict.fromkeys(targets):
-        os.makedirs(d, exist_ok=True)
         ckpt.write_text_atomic(os.path.join(d, "eval.md"), table)
         ckpt.write_text_atomic(os.path.join(d, "eval.json"), json.dumps(report, indent=1))
     return {**report, "table": table, "out_dirs": list(dict.fromkeys(targets))}

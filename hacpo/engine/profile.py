@@ -53,7 +53,7 @@ import os
 import statistics
 from dataclasses import dataclass
 
-from .checkpoint import write_text_atomic
+from .checkpoint import ensure_dir, write_text_atomic
 from .compare import warnings_only
 from .plots import save_figure
 from .run_config import TrainConfig
@@ -79,7 +79,7 @@ def run_profile(base: TrainConfig, out_dir: str, *, algorithms=DEFAULT_ALGORITHM
     from .compare import with_algorithm
     from .errors import user_errors
     from .trainer import CHECKPOINT, train
-    with user_errors(ValueError, FileExistsError):
+    with user_errors(ValueError, OSError):
         if rounds < 1 or steps_per_round < 1 or skip_steps < 0:
             raise ValueError("rounds and steps_per_round must be >= 1, skip_steps >= 0")
         if rounds * steps_per_round <= skip_steps:
@@ -100,7 +100,7 @@ def run_profile(base: TrainConfig, out_dir: str, *, algorithms=DEFAULT_ALGORITHM
             raise FileExistsError(f"{out_dir} already holds profile runs ({', '.join(held)}); "
                                   f"a profile measures new runs only: choose another "
                                   f"--out-dir or remove them")
-    os.makedirs(out_dir, exist_ok=True)
+        ensure_dir(out_dir, "profile out_dir")  # a dangling link, a read-only parent: one line
     order = list(runs)
     for r in range(1, rounds + 1):
         # rotate the order every round: each algorithm takes each position in turn, so the

@@ -122,12 +122,42 @@ def _run_command(args) -> int:
     try:
         return _stoppable(args, args.func)
     except Exception as e:
-        if not is_user_error(e) or os.environ.get("HACPO_TRACEBACK") == "1":
+        if os.environ.get("HACPO_TRACEBACK") == "1":
             raise
-        msg = e.args[0] if isinstance(e, KeyError) and len(e.args) == 1 else e
+        msg = _storage_message(e, args.command)
+        if msg is None:
+            if not is_user_error(e):
+                raise
+            msg = e.args[0] if isinstance(e, KeyError) and len(e.args) == 1 else e
         print(f"hacpo {args.command}: error: {msg}\n(HACPO_TRACEBACK=1 shows where it was "
               f"raised)", file=sys.stderr)
         return 2
+
+
+def _storage_message(e: BaseException, command: str) -> str | None:
+    """A write that the file system refused while the command ran (disk full, quota, file-size
+    limit, read-only mount, permissions: hacpo.engine.errors.STORAGE_ERRNOS) as one line naming
+    the file and the cause (a train command: that --resume continues the run once it is
+    fixed); None for any other error (a bug keeps its traceback). Files hacpo writes
+    atomically name themselves (StorageError); another write (an appended metrics row,
+    TensorBoard events) is named by the OSError's file name, where it has one."""
+    import errno
+
+    from hacpo.engine.errors import STORAGE_ERRNOS, StorageError, describe_os_error, os_error_in
+    oserr = os_error_in(e)
+    if oserr is None or oserr.errno not in STORAGE_ERRNOS:
+        return None
+    if (not isinstance(oserr, StorageError) and not oserr.filename
+            and oserr.errno in (errno.EACCES, errno.EPERM, errno.EIO)):
+        return None       # no file named: e.g. os.kill's EPERM, not the file system's
+    if isinstance(oserr, StorageError):
+        msg = str(oserr)
+    else:
+        where = f"{oserr.filename}: " if oserr.filename else ""
+        msg = f"{where}{describe_os_error(oserr)} ({type(e).__name__}: {e})"
+    if command == "train":
+        msg += "; fix it, then run again (--resume continues from the run's last checkpoint)"
+    return msg
 
 
 TERMINATED = 143                  # exit status of a command stopped by SIGTERM (128 + 15)

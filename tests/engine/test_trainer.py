@@ -151,10 +151,11 @@ def test_resume_of_a_run_with_a_setting_now_refused_once_it_is_removed(tmp_path)
 def test_resume_of_a_foreign_checkpoint_or_changed_data_is_clear_error(tmp_path):
     """A checkpoint.pt that torch reads but that is no training checkpoint (e.g. a warm-start
     cache file copied there), and a resume over training data that changed since the
-    checkpoint (another row count: the data cursor; the same rows with other words: reduced
-    vocabularies of the same size that map ids to other tokens, which resumed silently), are
-    one-line errors naming the checkpoint, before any step; checkpoint, metrics and config.json
-    (this resume asks for more steps) are kept."""
+    checkpoint (another row count: the data cursor; the same rows with other words: the
+    cursor's record of their content — before it, reduced vocabularies of the same size that
+    map ids to other tokens resumed silently; a held-out set with other words: the reduced
+    vocabulary), are one-line errors naming the checkpoint, before any step; checkpoint,
+    metrics and config.json (this resume asks for more steps) are kept."""
     from hacpo.engine import checkpoint as ckpt
     from hacpo.engine.errors import is_user_error
     run = tmp_path / "run"
@@ -176,8 +177,8 @@ def test_resume_of_a_foreign_checkpoint_or_changed_data_is_clear_error(tmp_path)
     train(_cfg(tmp_path, "files", steps="1", **over), echo=lambda *_: None)
     ck_path = tmp_path / "files" / "checkpoint.pt"
 
-    def resume_fails(changed, msg):
-        train_f.write_text("".join(json.dumps(r) + "\n" for r in changed))
+    def resume_fails(changed, msg, path=train_f):
+        path.write_text("".join(json.dumps(r) + "\n" for r in changed))
         kept = {f: (tmp_path / "files" / f).read_bytes() for f in ("checkpoint.pt",
                                                                    "metrics.jsonl",
                                                                    "config.json")}
@@ -191,10 +192,18 @@ def test_resume_of_a_foreign_checkpoint_or_changed_data_is_clear_error(tmp_path)
     resume_fails(rows + [other], r"the training data changed since it was written \(data\."
                                  r"train_path .*train\.jsonl\): .*4 examples.*now 5")
     renamed = [{**r, "question": r["question"].replace("Tom", "Tim")} for r in rows]
-    resume_fails(renamed, r"agent qwen3's tokenizer \(\d+ tokens\) is not the one its weights "
-                          r"were trained with .*train\.jsonl")
-    state = ckpt.load(ck_path)       # a checkpoint that records no tokenizers (older ones)
-    del state["tokenizers"]
+    resume_fails(renamed, r"the training data changed since it was written \(data\.train_path "
+                          r".*train\.jsonl\): .*other content")
+    train_f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    held_out = [{"question": "Zoe has 2 cats and gets 3 more. How many cats?",
+                 "answer": "#### 5"}]   # the held-out set's words reach the reduced vocabulary
+    resume_fails(held_out, r"agent qwen3's tokenizer \(\d+ tokens\) is not the one its weights "
+                           r"were trained with .*train\.jsonl", path=eval_f)
+    eval_f.write_text(json.dumps({"question": "Ann has 2 cats and gets 3 more. How many cats?",
+                                  "answer": "#### 5"}) + "\n")
+    state = ckpt.load(ck_path)       # a checkpoint that records no tokenizers and a data
+    del state["tokenizers"]          # cursor without the data's content (older ones)
+    del state["sampler"]["content"]
     ckpt.save_atomic(state, ck_path)
     resume_fails(rows[:3] + [other], r"agent qwen3's weights do not fit its policy .*"
                                      r"size mismatch")

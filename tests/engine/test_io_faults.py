@@ -1,0 +1,243 @@
+"""What a user sees when the file system misbehaves: a full disk or a file-size limit while a
+checkpoint is written, a run / eval / compare directory that cannot be made or written, a
+warm-start cache that cannot take its file, a checkpoint cut short, and a training file
+rewritten between a run and its --resume. Each is one error line naming the path and the cause
+(or, for a cache, a warning), and the last good files stay usable."""
+import errno
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from hacpo.engine import build, checkpoint as ckpt
+from hacpo.engine.data import PromptSampler, load_examples
+from hacpo.engine.errors import StorageError, is_user_error
+from hacpo.engine.run_config import load_config
+from hacpo.engine.trainer import train
+from hacpo.launch import cli
+
+
+def _cfg(tmp_path, name="run", **over):
+    base = {"out_dir": str(tmp_path / name), "cache_dir": str(tmp_path / "cache"),
+            "threads": "1", "plots": False, "tensorboard": False}
+    return load_config("tiny3", overrides={**base, **over})
+
+
+# -- atomic writes --------------------------------------------------------------------------
+def test_checkpoint_write_past_the_file_size_limit_names_the_path_and_keeps_the_last(tmp_path):
+    """A real EFBIG (RLIMIT_FSIZE, as `ulimit -f`; Python ignores SIGXFSZ): torch's zip writer
+    turned it into "RuntimeError: unexpected pos", and closing the half-written temp file
+    raised a second, bare "OSError: [Errno 27] File too large" naming no file. Now: one
+    StorageError naming the checkpoint and the cause; the previous checkpoint and nothing
+    else is left."""
+    path = tmp_path / "checkpoint.pt"
+    script = textwrap.dedent(f"""
+        import resource, torch
+        from hacpo.engine import checkpoint as ckpt
+        ckpt.save_atomic({{"step": 1, "w": torch.ones(10)}}, {str(path)!r})
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+        try:
+            ckpt.save_atomic({{"step": 2, "w": torch.zeros(200_000)}}, {str(path)!r})
+        except BaseException as e:
+            print(type(e).__name__, getattr(e, "errno", None), "|", e)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    kind, _, msg = out.stdout.strip().partition(" | ")
+    assert kind == f"StorageError {errno.EFBIG}", out.stdout
+    assert msg.startswith(f"cannot write {path}: File too large (a file-size limit"), msg
+    assert "unchanged" in msg, msg
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint.pt"]       # no temp file left
+    state = ckpt.load(str(path))
+    assert state["step"] == 1 and torch.equal(state["w"], torch.ones(10))
+
+
+def test_atomic_files_get_the_mode_open_gives(tmp_path):
+    """mkstemp makes 0600 files: checkpoint.pt, config.json, summary.json and the plots were
+    unreadable to the run's group (metrics.jsonl, written with open(), was 0644)."""
+    old = os.umask(0o022)
+    try:
+        ckpt.write_text_atomic(str(tmp_path / "a.json"), "{}")
+        with open(tmp_path / "b.json", "w"):
+            pass
+    finally:
+        os.umask(old)
+    assert os.stat(tmp_path / "a.json").st_mode & 0o777 == 0o644
+    assert os.stat(tmp_path / "b.json").st_mode & 0o777 == 0o644
+
+
+def test_empty_checkpoint_says_so(tmp_path):
+    """A checkpoint truncated to 0 bytes was 'cannot be read (EOFError: )'."""
+    (tmp_path / "checkpoint.pt").write_bytes(b"")
+    with pytest.raises(RuntimeError, match=r"checkpoint .*checkpoint\.pt cannot be read: the "
+                                           r"file is empty"):
+        ckpt.load(str(tmp_path / "checkpoint.pt"))
+
+
+# -- a full disk while training -------------------------------------------------------------
+def _full_disk_at(monkeypatch, nth: int):
+    """torch.save of a training checkpoint: the ``nth`` call writes 4 KiB, then fails with
+    ENOSPC (a disk that fills mid-write)."""
+    real, calls = torch.save, []
+
+    def save(obj, f, *a, **kw):
+        if isinstance(obj, dict) and {"step", "sampler", "agents"} <= set(obj):
+            calls.append(1)
+            if len(calls) == nth:
+                f.write(b"\0" * 4096)
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real(obj, f, *a, **kw)
+    monkeypatch.setattr(torch, "save", save)
+
+
+def test_disk_full_at_a_checkpoint_is_one_line_and_resume_continues(tmp_path, monkeypatch,
+                                                                     capsys):
+    """The step-2 checkpoint meets a full disk: `hacpo train` ends with one line naming the
+    file and the cause (it was a traceback of three chained errors), exit status 2; the step-1
+    checkpoint and the metrics rows stay, and --resume (space freed) ends with the very
+    checkpoint an uninterrupted run writes."""
+    args = ["--preset", "tiny3", "--out-dir", str(tmp_path / "run"), "--set", "threads=1",
+            "plots=false", "tensorboard=false", f"cache_dir={tmp_path / 'cache'}"]
+    with monkeypatch.context() as m:
+        _full_disk_at(m, 2)
+        assert cli.main(["train", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    ck = tmp_path / "run" / "checkpoint.pt"
+    assert err[0].startswith(f"hacpo train: error: cannot write {ck}: No space left on "
+                             f"device (the disk is full)"), err
+    assert "unchanged" in err[0] and "--resume" in err[0] and len(err) == 2, err
+    assert ckpt.load(str(ck))["step"] == 1
+    assert not [p for p in os.listdir(tmp_path / "run") if p.startswith(".tmp-")]
+    rows = [json.loads(ln) for ln in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1]
+
+    assert cli.main(["train", *args, "--resume"]) == 0
+    train(_cfg(tmp_path, "whole"), echo=lambda *_: None)
+    resumed, whole = ckpt.load(str(ck)), ckpt.load(str(tmp_path / "whole" / "checkpoint.pt"))
+    assert resumed["step"] == whole["step"] == 2
+    for a, b in zip(resumed["agents"], whole["agents"]):
+        for key in a["model"]:
+            assert torch.equal(a["model"][key], b["model"][key]), key
+    rows = [json.loads(ln) for ln in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1]
+
+
+def test_full_disk_on_another_write_is_one_line(tmp_path, monkeypatch, capsys):
+    """A write that is not an atomic one (here the appended metrics row) failing for a full
+    disk ended `hacpo train` with a traceback; it is one line naming the file and the cause."""
+    from hacpo.engine import metrics
+
+    def log(self, step, values):
+        raise OSError(errno.ENOSPC, "No space left on device", self.path)
+    monkeypatch.setattr(metrics.MetricsLogger, "log", log)
+    out = tmp_path / "run"
+    assert cli.main(["train", "--preset", "tiny3", "--out-dir", str(out), "--set", "threads=1",
+                     "plots=false", "tensorboard=false", f"cache_dir={tmp_path / 'cache'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith(f"hacpo train: error: {out / 'metrics.jsonl'}: No space left on "
+                             f"device (the disk is full)"), err
+    assert len(err) == 2 and "--resume" in err[0], err
+
+
+# -- directories that cannot be made or written ---------------------------------------------
+def test_warm_start_cache_that_cannot_be_written_is_a_warning(tmp_path, caplog):
+    """A cache dir that cannot take the warm start (here a file in its place; a read-only
+    shared cache or a full disk alike) ended the run after the warm-up had trained; the
+    cache is an optimisation: the run goes on with the warm start it trained, logged."""
+    (tmp_path / "blocker").write_text("a file")
+    cfg = _cfg(tmp_path, cache_dir=str(tmp_path / "blocker" / "cache"))
+    data = build.load_data(cfg)
+    policies = build.build_policies(cfg, data)
+    with caplog.at_level(logging.WARNING, logger="hacpo"):
+        warm = build.warm_start(cfg, data, policies, echo=lambda *_: None)
+    assert [w["cached"] for w in warm] == [False] * len(cfg.agents)
+    assert all(w["final_loss"] > 0 for w in warm)
+    msgs = [r.getMessage() for r in caplog.records if "not cached" in r.getMessage()]
+    assert len(msgs) == len(cfg.agents) and all(str(tmp_path / "blocker") in m for m in msgs)
+
+
+def test_compare_into_a_dangling_link_is_a_user_error(tmp_path):
+    """os.makedirs on a dangling symlink raised FileExistsError outside the checks: a
+    traceback, exit status 1."""
+    from hacpo.engine.compare import run_compare
+    os.symlink(tmp_path / "gone", tmp_path / "link")
+    with pytest.raises(OSError, match="symbolic link to .*gone, which does not exist") as e:
+        run_compare(_cfg(tmp_path), ["gspo"], [0], str(tmp_path / "link"),
+                    echo=lambda *_: None)
+    assert is_user_error(e.value) and not (tmp_path / "gone").exists()
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("iofault_eval")
+    cfg = _cfg(tmp, "one", steps=0)
+    train(cfg, echo=lambda *_: None)
+    (tmp / "two").mkdir()
+    shutil.copy(tmp / "one" / "checkpoint.pt", tmp / "two" / "checkpoint.pt")
+    bench = tmp / "b.jsonl"
+    bench.write_text(json.dumps({"question": "What is 2 + 3?", "answer": "#### 5"}) + "\n")
+    return tmp, f"b={bench}"
+
+
+def test_eval_checks_every_output_dir_before_scoring(two_runs, capsys):
+    """The second run's output dir cannot be made (a file named eval in its run dir; a
+    read-only run dir alike): the error came after the first run was scored and written;
+    now it comes first, naming the dir, and nothing is written."""
+    tmp, bench = two_runs
+    (tmp / "two" / "eval").write_text("not a dir")
+    try:
+        rc = cli.main(["eval", str(tmp / "one"), str(tmp / "two"), "--bench", bench])
+    finally:
+        os.unlink(tmp / "two" / "eval")
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err == (f"hacpo eval: error: eval output dir {tmp / 'two' / 'eval'} is "
+                               f"a file, not a directory (--out-dir chooses another)"), err
+    assert not list((tmp / "one" / "eval").iterdir())     # made, nothing scored into it
+
+
+def test_eval_into_a_dangling_link_names_it(two_runs, capsys):
+    tmp, bench = two_runs
+    os.symlink(tmp / "nowhere", tmp / "link")
+    assert cli.main(["eval", str(tmp / "one"), "--bench", bench, "--out-dir",
+                     str(tmp / "link")]) == 2
+    err = capsys.readouterr().err
+    assert "symbolic link to" in err and "nowhere, which does not exist" in err, err
+    assert not (tmp / "nowhere").exists()
+
+
+def test_storage_error_is_the_users():
+    e = StorageError("cannot write x: no space left", errno.ENOSPC, "x")
+    assert is_user_error(e) and str(e) == "cannot write x: no space left"
+    assert e.errno == errno.ENOSPC and e.filename == "x"
+
+
+# -- the training file rewritten between a run and its --resume -----------------------------
+def test_sampler_refuses_the_same_rows_in_another_order(tmp_path):
+    """Example ids are '<file>:<line>': a training file rewritten with its rows in another
+    order (or other problems on the same lines) kept every id, so --resume went on with a
+    cursor that points at other problems, silently. The state now records the content."""
+    rows = [{"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"} for i in range(8)]
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "b" / "train.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows[::-1]))
+    first, _ = load_examples(tmp_path / "a" / "train.jsonl")
+    again, _ = load_examples(tmp_path / "b" / "train.jsonl")
+    assert [e.id for e in first] == [e.id for e in again]
+    s = PromptSampler(first, seed=3)
+    s.next_batch(3)
+    state = json.loads(json.dumps(s.state_dict()))
+    with pytest.raises(ValueError, match="other content"):
+        PromptSampler(again, seed=3).load_state_dict(state)
+    same = PromptSampler(list(first), seed=3)
+    same.load_state_dict(state)                          # the same file: resumes
+    assert same.next_batch(2) == s.next_batch(2)
+    old = {k: v for k, v in state.items() if k != "content"}   # a checkpoint of older code
+    PromptSampler(again, seed=3).load_state_dict(old)           # checked by ids, as then
