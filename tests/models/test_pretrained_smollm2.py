@@ -29,8 +29,8 @@ TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return conv.convert(str(tmp_path_factory.mktemp("smollm2") / "hf"))
+def model_dir(smollm2_dir):
+    return smollm2_dir             # tests/conftest.py: converted once per session
 
 
 @pytest.fixture(scope="module")
