@@ -281,6 +281,15 @@ def apply_prompt_template(name: str, question: str) -> str:
 # Sampler
 # --------------------------------------------------------------------------------------------
 
+def content_digest(examples: Sequence[Example]) -> str:
+    """16 hex digits of sha256 over the examples in order: each one's id, prompt and answer
+    (a file rewritten in another order, or with other problems on the same lines, differs)."""
+    h = hashlib.sha256()
+    for e in examples:
+        h.update(json.dumps([e.id, e.prompt, e.answer]).encode())
+    return h.hexdigest()[:16]
+
+
 class PromptSampler:
     """Deterministic shuffled iteration over examples, epoch after epoch.
 
@@ -305,10 +314,7 @@ class PromptSampler:
             "\x00".join(e.id for e in self.examples).encode()).hexdigest()[:16]
         # the ids alone ("<file>:<line>") miss a file rewritten in another order or with
         # other problems on the same lines: the cursor would then point at other problems
-        h = hashlib.sha256()
-        for e in self.examples:
-            h.update(json.dumps([e.id, e.prompt, e.answer]).encode())
-        self._content = h.hexdigest()[:16]
+        self._content = content_digest(self.examples)
 
     def __len__(self) -> int:
         return len(self.examples)

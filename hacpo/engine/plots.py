@@ -27,6 +27,19 @@ def save_figure(fig, path: str) -> None:
         _plt().close(fig)
 
 
+# The ratio histograms' bins: sequence ratios s = exp(log-ratio) on [0, 2.5] in 80 bins, s
+# above 2.5 counted in the last one. A run keeps counts per learner and part (self / cross), not
+# every sample's ratio: its memory and checkpoint stay the same size however long it runs.
+RATIO_EDGES = np.linspace(0.0, 2.5, 81)
+RATIO_FILE = "ratio_histograms.npz"     # "edges" and one count array per "<agent>/<part>"
+
+
+def ratio_counts(log_ratios: np.ndarray) -> np.ndarray:
+    """[80] int64 counts of sequence log-ratios ``log_ratios`` [N] over RATIO_EDGES."""
+    s = np.clip(np.exp(np.asarray(log_ratios, dtype=np.float64)), 0.0, RATIO_EDGES[-1])
+    return np.histogram(s, bins=RATIO_EDGES)[0].astype(np.int64)
+
+
 def plot_run(out_dir: str, agent_names: list[str]) -> list[str]:
     plt = _plt()
     rows = read_metrics(os.path.join(out_dir, "metrics.jsonl"))
@@ -58,18 +71,19 @@ def plot_run(out_dir: str, agent_names: list[str]) -> list[str]:
             save_figure(fig, p)
             written.append(p)
 
-    rpath = os.path.join(out_dir, "log_ratios.npz")
+    rpath = os.path.join(out_dir, RATIO_FILE)
     if os.path.exists(rpath):
         data = np.load(rpath)
+        edges = data["edges"]
         fig, axes = plt.subplots(1, len(agent_names), figsize=(5 * len(agent_names), 3.6),
                                  squeeze=False)
         for ax, name in zip(axes[0], agent_names):
             for kind in ("self", "cross"):
                 key = f"{name}/{kind}"
-                if key in data and data[key].size:
-                    s = np.exp(data[key])
-                    ax.hist(np.clip(s, 0, 2.5), bins=np.linspace(0, 2.5, 81), alpha=0.55, density=True,
-                            label=f"{kind} (n={s.size})")
+                if key in data and data[key].sum():
+                    c = data[key]
+                    ax.stairs(c / (c.sum() * np.diff(edges)), edges, fill=True, alpha=0.55,
+                              label=f"{kind} (n={int(c.sum())})")     # a density, as hist's
             ax.set_title(f"learner {name}: sequence ratio s"), ax.set_xlabel("s (clipped to 2.5)")
             ax.legend()
         p = os.path.join(out_dir, "ratio_histograms.png")

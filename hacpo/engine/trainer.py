@@ -41,6 +41,7 @@ from .data import PromptSampler
 from .errors import user_errors
 from .evaluate import evaluate_policy, score_named
 from .metrics import MetricsLogger
+from .plots import RATIO_EDGES, RATIO_FILE, ratio_counts
 from .pool import build_pool, learner_view
 from .rewards import RewardComputer
 from .rollout import generate_agents, sync_agents
@@ -375,7 +376,9 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
     sampler = PromptSampler(data.train, seed=cfg.seed)
     shuffle_gen = torch.Generator().manual_seed(cfg.seed + 7)
     nonfinite = {"streak": 0, "total": 0}
-    ratio_log: dict[str, list[np.ndarray]] = defaultdict(list)   # plots: per agent and part
+    # plots: sequence-ratio counts per "<agent>/<part>" (RATIO_EDGES), summed over the steps
+    ratio_log: dict[str, np.ndarray] = defaultdict(lambda: np.zeros(len(RATIO_EDGES) - 1,
+                                                                    dtype=np.int64))
     tokenizers = [build.tokenizer_digest(p.tokenizer) for p in policies]   # for checkpoints
     if state is None:
         before, start = None, 0
@@ -395,8 +398,12 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
         shuffle_gen.set_state(state["shuffle_gen"])
         nonfinite = state["nonfinite"]
         before, start = state["eval_before"], state["step"]
-        # the ratios logged up to the checkpoint (older checkpoints: none kept)
-        ratio_log.update({key: [np.asarray(v)] for key, v in state.get("ratio_log", {}).items()})
+        # the ratio counts up to the checkpoint (older checkpoints: every ratio, counted now;
+        # older still: none kept)
+        ratio_log.update({key: np.asarray(v, dtype=np.int64)
+                          for key, v in state.get("ratio_hist", {}).items()})
+        ratio_log.update({key: ratio_counts(np.asarray(v))
+                          for key, v in state.get("ratio_log", {}).items()})
         echo(f"[resume] {ck_path} at step {start}")
         _write_config(cfg)
     # engines holding weight copies start from these weights (the pools: all agents at once)
@@ -472,7 +479,7 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
                     metrics[f"batch/micro_batches/{names[k]}"] = m.pop("update_micro_batches")
                 if rl:
                     for kind, vals in rl.items():
-                        ratio_log[f"{names[k]}/{kind}"].append(torch.cat(vals).numpy())
+                        ratio_log[f"{names[k]}/{kind}"] += ratio_counts(torch.cat(vals).numpy())
                 metrics.update({f"train/{names[k]}/{key}": v for key, v in m.items()})
                 for key, v in view.dropped.items():
                     metrics[f"dropped/{names[k]}/{key}"] = float(v)
@@ -512,8 +519,8 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
                "config_hash": config_hash(cfg.to_dict())}     # the config that finished
     if cfg.plots:
         if ratio_log:
-            arrays = {k: np.concatenate(v) for k, v in ratio_log.items()}
-            ckpt._write_atomic(os.path.join(cfg.out_dir, "log_ratios.npz"),
+            arrays = {"edges": RATIO_EDGES, **ratio_log}
+            ckpt._write_atomic(os.path.join(cfg.out_dir, RATIO_FILE),
                                lambda f: np.savez_compressed(f, **arrays))
         from .plots import plot_run
         try:
@@ -601,9 +608,6 @@ def _view_tokens(view, name: str) -> dict[str, float]:
 
 def _save(path, cfg, next_step, agents, tracker, sampler, engine, shuffle_gen, nonfinite, warm,
           before, ratio_log, tokenizers):
-    for key, parts in ratio_log.items():           # one array per key: the checkpoint's copy
-        if len(parts) > 1:
-            parts[:] = [np.concatenate(parts)]
     ckpt.save_atomic({
         "step": next_step, "config": cfg.to_dict(), "fingerprint": fingerprint_dict(cfg),
         "agents": [{"name": name, **agents.state_dict(k)} for k, name in enumerate(agents.names)],
@@ -611,8 +615,7 @@ def _save(path, cfg, next_step, agents, tracker, sampler, engine, shuffle_gen, n
         "engine": engine.state_dict(), "shuffle_gen": shuffle_gen.get_state(),
         "nonfinite": dict(nonfinite), "warmup": warm, "eval_before": before,
         # tensors, not numpy arrays: the checkpoint loads with torch.load(weights_only=True)
-        "ratio_log": {key: torch.from_numpy(parts[0]) for key, parts in ratio_log.items()
-                      if parts},
+        "ratio_hist": {key: torch.from_numpy(c.copy()) for key, c in ratio_log.items()},
         "tokenizers": tokenizers}, path)
 
 

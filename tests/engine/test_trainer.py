@@ -250,19 +250,46 @@ def test_vllm_engines_for_decoder_agents_fail_before_any_work(tmp_path):
 
 
 def test_resumed_run_keeps_the_ratio_log(tmp_path):
-    """log_ratios.npz (the ratio histograms' data) of a run resumed after 2 of 4 steps equals
-    the uninterrupted run's: the ratios logged before the checkpoint come back with it."""
+    """ratio_histograms.npz (the ratio histograms' counts) of a run resumed after 2 of 4 steps
+    equals the uninterrupted run's: the counts up to the checkpoint come back with it. The
+    checkpoint holds counts over fixed bins, not every sample's ratio: its ratio record is the
+    same size after 2 steps as after 4 (it grew by every sample of every step, in memory and in
+    each checkpoint: ~1.3 GB after 10k steps of 512 prompts x G=16, 2 agents). A checkpoint of
+    older code holds the ratios themselves: they are counted on resume."""
     import numpy as np
+
+    from hacpo.engine.plots import RATIO_EDGES, ratio_counts
 
     over = {"plots": "true", "tensorboard": "false"}
     train(_cfg(tmp_path, "straight", steps="4", **over), echo=lambda *_: None)
     train(_cfg(tmp_path, "resumed", steps="2", **over), echo=lambda *_: None)
+    half = ckpt.load(str(tmp_path / "resumed" / "checkpoint.pt"))
     train(_cfg(tmp_path, "resumed", steps="4", **over), resume=True, echo=lambda *_: None)
-    want = np.load(tmp_path / "straight" / "log_ratios.npz")
-    got = np.load(tmp_path / "resumed" / "log_ratios.npz")
-    assert sorted(got.files) == sorted(want.files) and want.files
-    for key in want.files:
-        assert want[key].size > 0 and np.array_equal(got[key], want[key]), key
+    want = np.load(tmp_path / "straight" / "ratio_histograms.npz")
+    got = np.load(tmp_path / "resumed" / "ratio_histograms.npz")
+    assert sorted(got.files) == sorted(want.files) and "edges" in want.files
+    assert np.array_equal(want["edges"], RATIO_EDGES)
+    full = ckpt.load(str(tmp_path / "straight" / "checkpoint.pt"))
+    assert "ratio_log" not in full and full["ratio_hist"].keys() == half["ratio_hist"].keys()
+    for key in set(want.files) - {"edges"}:
+        assert np.array_equal(got[key], want[key]), key
+        assert want[key].shape == (80,) and want[key].sum() > 0, key
+        assert half["ratio_hist"][key].shape == full["ratio_hist"][key].shape == (80,), key
+        assert half["ratio_hist"][key].sum() <= full["ratio_hist"][key].sum(), key
+    assert 0 < sum(c.sum() for c in half["ratio_hist"].values()) < sum(
+        c.sum() for c in full["ratio_hist"].values())     # steps 3 and 4 added samples
+    # an older checkpoint's raw ratios: counted on resume, as if the run had counted them
+    rng = np.random.default_rng(0)
+    raw = {key: torch.from_numpy(rng.normal(0, 0.3, int(c.sum())))
+           for key, c in half["ratio_hist"].items()}
+    old = {k: v for k, v in half.items() if k != "ratio_hist"}
+    old["ratio_log"] = raw
+    ckpt.save_atomic(old, str(tmp_path / "resumed" / "checkpoint.pt"))
+    train(_cfg(tmp_path, "resumed", steps="4", **over), resume=True, echo=lambda *_: None)
+    got = np.load(tmp_path / "resumed" / "ratio_histograms.npz")
+    for key in raw:
+        added = want[key] - half["ratio_hist"][key].numpy()
+        assert np.array_equal(got[key], ratio_counts(raw[key].numpy()) + added), key
 
 
 def test_zero_steps_and_no_held_out_set(tmp_path):
@@ -761,7 +788,7 @@ def test_summary_is_written_after_the_plots(tmp_path, monkeypatch):
     assert not (tmp_path / "run" / "summary.json").exists()
     monkeypatch.undo()
     train(cfg, resume=True, echo=lambda *_: None)
-    for f in ("summary.json", "log_ratios.npz", "reward_curves.png"):
+    for f in ("summary.json", "ratio_histograms.npz", "reward_curves.png"):
         assert (tmp_path / "run" / f).exists(), f
     assert not [n for n in os.listdir(tmp_path / "run") if n.startswith(".tmp-")]
 
