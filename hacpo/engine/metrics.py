@@ -18,8 +18,9 @@ class MetricsLogger:
 
     def __init__(self, out_dir: str, *, start_step: int = 0, tensorboard: bool = True):
         self.path = os.path.join(out_dir, "metrics.jsonl")
-        if start_step > 0 and os.path.exists(self.path):
-            keep = _rows_before(self.path, start_step)
+        if start_step > 0:
+            keep = _rows_before(self.path, start_step) if os.path.exists(self.path) else []
+            _warn_missing_rows(self.path, keep, start_step)
             # a new file renamed over the old one: a crash (or a full disk) while it is written
             # leaves the old file, never a truncated one (the steps before start_step are gone)
             # (as the checkpoints: a locked temp file named after its writer, so a temp file
@@ -56,6 +57,23 @@ class MetricsLogger:
         if self.tb is not None:
             self.tb.flush()
             self.tb.close()
+
+
+def _warn_missing_rows(path: str, keep: list[str], start_step: int) -> None:
+    """A resume at ``start_step`` whose metrics.jsonl lacks rows of earlier steps (deleted or
+    cut short while the run was stopped): those steps are not logged again, so say which."""
+    have = {json.loads(ln)["step"] for ln in keep}
+    missing = [s for s in range(start_step) if s not in have]
+    if not missing:
+        return
+    spans, first = [], missing[0]
+    for a, b in zip(missing, missing[1:] + [None]):
+        if b != a + 1:
+            spans.append(f"{first}" if first == a else f"{first}-{a}")
+            first = b
+    log.warning("%s holds no rows of steps %s (of the %d before this resume: deleted or cut "
+                "short while the run was stopped); they are not logged again, the run goes on "
+                "from step %d", path, ", ".join(spans), start_step, start_step)
 
 
 def _rows_before(path: str, start_step: int) -> list[str]:

@@ -37,7 +37,7 @@ from . import build, checkpoint as ckpt
 from .agents import build_agents, score_temperature, update_agents
 from .algorithm import learner_samples, sample_omega
 from .capability import CapabilityTracker
-from .data import PromptSampler
+from .data import PromptSampler, content_digest
 from .errors import user_errors
 from .evaluate import evaluate_policy, score_named
 from .metrics import MetricsLogger
@@ -127,9 +127,8 @@ def lock_run_dir(out_dir: str):
     that died holding it keeps it on a network filesystem until its lease ends."""
     import fcntl
 
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise NotADirectoryError(f"out_dir {out_dir} is a file, not a run directory")
-    os.makedirs(out_dir, exist_ok=True)
+    # a file, a dangling link, a read-only parent, no permission: one line naming it
+    ckpt.ensure_dir(out_dir, "run dir (out_dir)")
     path = os.path.join(out_dir, RUN_LOCK)
     f = open(path, "a+")
     deadline = None
@@ -208,6 +207,30 @@ def _stored_fingerprint(fp):
     return fp
 
 
+def _results_held(out_dir: str) -> list[str]:
+    """The result files of a run in ``out_dir``: a metrics.jsonl with any row, a summary.json."""
+    held = []
+    for name in ("metrics.jsonl", "summary.json"):
+        path = os.path.join(out_dir, name)
+        if os.path.isfile(path) and os.path.getsize(path) > 0:
+            held.append(name)
+    return held
+
+
+def _heldout_check(cfg: TrainConfig, data, state: dict, ck_path: str) -> None:
+    """The held-out set must be the one the checkpoint's run evaluated "before RL" on (its
+    before/after comparison and eval curves would mix two sets); older checkpoints do not
+    record it."""
+    want = state.get("heldout")
+    if want is None or want == content_digest(data.eval):
+        return
+    d = cfg.data
+    src = f"data.eval_path {d.eval_path}" if d.task == "files" else f"data.task {d.task}"
+    raise ValueError(f"cannot resume {ck_path}: the held-out set changed since it was written "
+                     f"({src}: {len(data.eval)} examples, content {content_digest(data.eval)}; "
+                     f"the run evaluated content {want}): restore it, or start a new run")
+
+
 def _prepare(cfg: TrainConfig, resume: bool, echo):
     """Everything before the trainers start: checks, run dir, the checkpoint to resume, data,
     policies and their warm start."""
@@ -234,8 +257,16 @@ def _prepare(cfg: TrainConfig, resume: bool, echo):
     if os.path.exists(ck_path) and not resume:
         raise FileExistsError(f"{cfg.out_dir} already holds a run ({CHECKPOINT}); pass --resume "
                               f"to continue it or choose another out_dir")
+    held = _results_held(cfg.out_dir) if state is None else []
+    if held and not resume:     # a run stopped before its first checkpoint, or whose
+        raise FileExistsError(  # checkpoint was removed: its results are not overwritten
+            f"{cfg.out_dir} holds the results of a run ({', '.join(held)}) but no {CHECKPOINT} "
+            f"to continue it from (it stopped before its first checkpoint, or the checkpoint "
+            f"was removed): pass --resume to start that run over there (replacing them), or "
+            f"choose another out_dir")
     elif resume and state is None:
-        echo(f"[resume] no {CHECKPOINT} in {cfg.out_dir}: starting a new run there")
+        echo(f"[resume] no {CHECKPOINT} in {cfg.out_dir}: starting a new run there"
+             + (f" ({', '.join(held)} of the run before are replaced)" if held else ""))
     data = build.load_data(cfg)
     if state is not None:       # the data cursor fits the examples (before any policy is built)
         try:
@@ -245,6 +276,7 @@ def _prepare(cfg: TrainConfig, resume: bool, echo):
             src = f"data.train_path {d.train_path}" if d.task == "files" else f"data.task {d.task}"
             raise ValueError(f"cannot resume {ck_path}: the training data changed since it was "
                              f"written ({src}): {e}") from None
+        _heldout_check(cfg, data, state, ck_path)
     policies = build.build_policies(cfg, data)
     if state is not None and (bad := build.tokenizer_mismatch(state, policies, cfg)):
         raise ValueError(f"cannot resume {ck_path}: {bad}")
@@ -380,6 +412,7 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
     ratio_log: dict[str, np.ndarray] = defaultdict(lambda: np.zeros(len(RATIO_EDGES) - 1,
                                                                     dtype=np.int64))
     tokenizers = [build.tokenizer_digest(p.tokenizer) for p in policies]   # for checkpoints
+    heldout = content_digest(data.eval)    # the set "before RL" was measured on
     if state is None:
         before, start = None, 0
     else:
@@ -497,13 +530,13 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
                 bar.update(1)
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
                 _save(ck_path, cfg, step + 1, agents, tracker, sampler, engine, shuffle_gen,
-                      nonfinite, warm, before, ratio_log, tokenizers)
+                      nonfinite, warm, before, ratio_log, tokenizers, heldout)
                 agents.checkpoint_saved()      # e.g. drop optimizer shards no checkpoint names
         if cfg.steps == 0 and start == 0:
             # the warm start as a checkpoint: `hacpo eval` scores it on other benchmarks (the
             # baseline before RL) and `--resume` with steps > 0 trains on from it
             _save(ck_path, cfg, 0, agents, tracker, sampler, engine, shuffle_gen, nonfinite,
-                  warm, before, ratio_log, tokenizers)
+                  warm, before, ratio_log, tokenizers, heldout)
             agents.checkpoint_saved()
     finally:
         if bar is not None:
@@ -607,7 +640,7 @@ def _view_tokens(view, name: str) -> dict[str, float]:
 
 
 def _save(path, cfg, next_step, agents, tracker, sampler, engine, shuffle_gen, nonfinite, warm,
-          before, ratio_log, tokenizers):
+          before, ratio_log, tokenizers, heldout):
     ckpt.save_atomic({
         "step": next_step, "config": cfg.to_dict(), "fingerprint": fingerprint_dict(cfg),
         "agents": [{"name": name, **agents.state_dict(k)} for k, name in enumerate(agents.names)],
@@ -616,7 +649,7 @@ def _save(path, cfg, next_step, agents, tracker, sampler, engine, shuffle_gen, n
         "nonfinite": dict(nonfinite), "warmup": warm, "eval_before": before,
         # tensors, not numpy arrays: the checkpoint loads with torch.load(weights_only=True)
         "ratio_hist": {key: torch.from_numpy(c.copy()) for key, c in ratio_log.items()},
-        "tokenizers": tokenizers}, path)
+        "tokenizers": tokenizers, "heldout": heldout}, path)
 
 
 def _progress(cfg, start):

@@ -28,7 +28,11 @@ log = logging.getLogger("hacpo")
 # A private cluster binds to loopback only and reports no usage (ENVIRONMENT.md). Ray reads
 # these when it is imported (the driver's own node-IP choice) and when its processes start, so
 # they are set here, before this module's lazy ``import ray``; import this module before ray.
-_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
+            # the GCS keeps an event record of every task (Ray's cap: 100k tasks), for its
+            # dashboard and state API, which hacpo does not use: a run's GCS grew ~30-40 KB a
+            # step for thousands of steps; 10k keeps the recent ones and bounds it
+            "RAY_task_events_max_num_task_in_gcs": "10000"}
 for _k, _v in _RAY_ENV.items():
     os.environ.setdefault(_k, _v)
 # the address this process joined a cluster by, keyed by the address the cluster reports
@@ -349,7 +353,7 @@ def connect(address: str = "", *, num_cpus: int | None = None,
             handler(signal.SIGTERM, None)       # raises hacpo's SystemExit(143)
         raise
     finally:
-        if callable(handler):
+        if handler is not None:   # SIG_DFL / SIG_IGN too: ray.init's handler must not stay
             signal.signal(signal.SIGTERM, handler)
 
 

@@ -195,6 +195,7 @@ SBATCH_TEMPLATE = r"""#!/bin/bash
 set -uo pipefail
 {setup}export PATH={bin_dir}:$PATH
 export RAY_USAGE_STATS_ENABLED=0
+export RAY_task_events_max_num_task_in_gcs=${{RAY_task_events_max_num_task_in_gcs:-10000}}   # bounded GCS
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1   # an inherited 0 would refuse every worker node
 PY={python}
 # Ray listens on every interface of every node: the cluster requires a token, made here for this

@@ -241,3 +241,65 @@ def test_sampler_refuses_the_same_rows_in_another_order(tmp_path):
     assert same.next_batch(2) == s.next_batch(2)
     old = {k: v for k, v in state.items() if k != "content"}   # a checkpoint of older code
     PromptSampler(again, seed=3).load_state_dict(old)           # checked by ids, as then
+
+
+# -- a run dir's own files ------------------------------------------------------------------
+def test_run_dir_that_is_a_dangling_link_names_it(tmp_path, capsys):
+    """`hacpo train --out-dir LINK` (LINK a symbolic link to nothing) said "[Errno 17] File
+    exists: LINK"; now one line naming the link and its missing target, nothing created."""
+    os.symlink(tmp_path / "gone", tmp_path / "link")
+    assert cli.main(["train", "--preset", "tiny3", "--out-dir", str(tmp_path / "link"),
+                     "--set", "threads=1", f"cache_dir={tmp_path / 'cache'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == (f"hacpo train: error: run dir (out_dir) {tmp_path / 'link'} is a symbolic "
+                      f"link to {tmp_path / 'gone'}, which does not exist: create its target "
+                      f"or give another path"), err
+    assert not (tmp_path / "gone").exists()
+
+
+def test_results_without_a_checkpoint_are_not_overwritten(tmp_path):
+    """A run dir that holds a run's metrics.jsonl and summary.json but no checkpoint.pt (the
+    run stopped before its first checkpoint, or the checkpoint was removed): a new run there
+    replaced them silently; now it is an error naming them, the files kept. --resume starts
+    that run over there, and says that they are replaced."""
+    train(_cfg(tmp_path, steps=2), echo=lambda *_: None)
+    run = tmp_path / "run"
+    os.remove(run / "checkpoint.pt")
+    kept = {f: (run / f).read_bytes() for f in ("metrics.jsonl", "summary.json")}
+    with pytest.raises(FileExistsError, match=r"holds the results of a run \(metrics\.jsonl, "
+                                              r"summary\.json\) but no checkpoint\.pt") as e:
+        train(_cfg(tmp_path, steps=2), echo=lambda *_: None)
+    assert is_user_error(e.value)
+    assert {f: (run / f).read_bytes() for f in kept} == kept
+    said = []
+    train(_cfg(tmp_path, steps=2), resume=True, echo=said.append)
+    assert (f"[resume] no checkpoint.pt in {run}: starting a new run there (metrics.jsonl, "
+            f"summary.json of the run before are replaced)") in said
+    assert ckpt.load(str(run / "checkpoint.pt"))["step"] == 2
+
+
+def test_resume_over_metrics_rows_lost_says_which(tmp_path, caplog):
+    """metrics.jsonl deleted, or rows removed, while a run was stopped: the resume dropped
+    nothing more and said nothing; those steps are never logged again, so it now names them."""
+    from hacpo.engine.metrics import MetricsLogger
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (0, 3, 4, 6)))
+    with caplog.at_level(logging.WARNING):
+        MetricsLogger(str(tmp_path), start_step=5, tensorboard=False).close()
+    assert [json.loads(ln)["step"] for ln in path.read_text().splitlines()] == [0, 3, 4]
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [f"{path} holds no rows of steps 1-2 (of the 5 before this resume: deleted "
+                    f"or cut short while the run was stopped); they are not logged again, the "
+                    f"run goes on from step 5"], said
+    caplog.clear()
+    os.remove(path)
+    with caplog.at_level(logging.WARNING):
+        MetricsLogger(str(tmp_path), start_step=3, tensorboard=False).close()
+    assert path.read_text() == ""
+    assert [r.getMessage() for r in caplog.records][0].startswith(
+        f"{path} holds no rows of steps 0-2 (of the 3 before")
+    caplog.clear()
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in (0, 1, 2)))
+    with caplog.at_level(logging.WARNING):
+        MetricsLogger(str(tmp_path), start_step=3, tensorboard=False).close()
+    assert not caplog.records

@@ -109,7 +109,7 @@ def test_resume_after_kill_matches_uninterrupted(tmp_path):
 
 def test_resume_with_other_config_is_clear_error(tmp_path):
     (tmp_path / "afile").write_text("mine")
-    with pytest.raises(NotADirectoryError, match="afile is a file, not a run directory"):
+    with pytest.raises(NotADirectoryError, match="afile is a file, not a directory"):
         train(_cfg(tmp_path, "afile"), echo=lambda *_: None)
     assert (tmp_path / "afile").read_text() == "mine"
     cfg = _cfg(tmp_path, steps="1", plots="false", tensorboard="false")
@@ -153,8 +153,8 @@ def test_resume_of_a_foreign_checkpoint_or_changed_data_is_clear_error(tmp_path)
     cache file copied there), and a resume over training data that changed since the
     checkpoint (another row count: the data cursor; the same rows with other words: the
     cursor's record of their content — before it, reduced vocabularies of the same size that
-    map ids to other tokens resumed silently; a held-out set with other words: the reduced
-    vocabulary), are one-line errors naming the checkpoint, before any step; checkpoint,
+    map ids to other tokens resumed silently; a held-out set that changed: the checkpoint's
+    record of it; for older checkpoints, the reduced vocabulary), are one-line errors naming the checkpoint, before any step; checkpoint,
     metrics and config.json (this resume asks for more steps) are kept."""
     from hacpo.engine import checkpoint as ckpt
     from hacpo.engine.errors import is_user_error
@@ -195,15 +195,23 @@ def test_resume_of_a_foreign_checkpoint_or_changed_data_is_clear_error(tmp_path)
     resume_fails(renamed, r"the training data changed since it was written \(data\.train_path "
                           r".*train\.jsonl\): .*other content")
     train_f.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    held_out = [{"question": "Zoe has 2 cats and gets 3 more. How many cats?",
-                 "answer": "#### 5"}]   # the held-out set's words reach the reduced vocabulary
-    resume_fails(held_out, r"agent qwen3's tokenizer \(\d+ tokens\) is not the one its weights "
-                           r"were trained with .*train\.jsonl", path=eval_f)
+    # the held-out set ("before RL" was measured on it): another problem in other words (the
+    # reduced vocabulary changes too), or in the same words
+    changed = r"the held-out set changed since it was written \(data\.eval_path .*eval\.jsonl: 1 "
+    zoe = [{"question": "Zoe has 2 cats and gets 3 more. How many cats?", "answer": "#### 5"}]
+    resume_fails(zoe, changed, path=eval_f)
+    resume_fails([{"question": "Ann has 3 cats and gets 2 more. How many cats?",
+                   "answer": "#### 5"}], changed, path=eval_f)
+    state = ckpt.load(ck_path)       # older checkpoints: no record of the held-out set, and of
+    del state["heldout"]             # the data cursor's content: the reduced vocabulary, which
+    del state["sampler"]["content"]  # follows the held-out set's words too, catches it
+    ckpt.save_atomic(state, ck_path)
+    resume_fails(zoe, r"agent qwen3's tokenizer \(\d+ tokens\) is not the one its weights "
+                      r"were trained with .*train\.jsonl", path=eval_f)
     eval_f.write_text(json.dumps({"question": "Ann has 2 cats and gets 3 more. How many cats?",
                                   "answer": "#### 5"}) + "\n")
-    state = ckpt.load(ck_path)       # a checkpoint that records no tokenizers and a data
-    del state["tokenizers"]          # cursor without the data's content (older ones)
-    del state["sampler"]["content"]
+    state = ckpt.load(ck_path)       # and one that records no tokenizers either
+    del state["tokenizers"]
     ckpt.save_atomic(state, ck_path)
     resume_fails(rows[:3] + [other], r"agent qwen3's weights do not fit its policy .*"
                                      r"size mismatch")
