@@ -15,6 +15,7 @@ from hacpo.models.policy import Policy, build_policy
 from . import checkpoint as ckpt
 from .data import DataError, Example, GSM8K_FIELDS, LoadStats, MATH_ANSWER_FIELDS, \
     MATH_FIELDS, apply_prompt_template, load_examples
+from .errors import describe_os_error
 from .run_config import TrainConfig, config_hash
 from .tasks import ArithmeticTask, reference_solution
 from .warmup import supervised_warmup
@@ -54,16 +55,29 @@ def load_data(cfg: TrainConfig) -> Data:
     if isinstance(fm, str) and fm != "auto":
         raise ValueError(f"unknown data.field_map {d.field_map!r}; one of auto, "
                          f"{', '.join(_FIELD_MAPS)}")
-    train, st = load_examples(d.train_path, fm, skip_bad_rows=d.skip_bad_rows)
+    train, st = _read_examples("train", d.train_path, fm, skip_bad_rows=d.skip_bad_rows)
     _check_loaded("train", d.train_path, d.field_map, st)
     if d.eval_size == 0:
         ev, se = [], LoadStats()
     else:
-        ev, se = load_examples(d.eval_path, fm, skip_bad_rows=d.skip_bad_rows,
-                               limit=d.eval_size)
+        ev, se = _read_examples("eval", d.eval_path, fm, skip_bad_rows=d.skip_bad_rows,
+                                limit=d.eval_size)
         _check_loaded("eval", d.eval_path, d.field_map, se)
     return Data(train, ev, False, {"train": {"path": d.train_path, **asdict(st)},
                                    "eval": {"path": d.eval_path, **asdict(se)}})
+
+
+def _read_examples(role: str, path: str, fm, **kw):
+    """load_examples of data.<role>_path; a path that cannot be read (missing, a directory,
+    no permission, an I/O error) is a DataError naming the key, the path and the cause."""
+    if os.path.isdir(path):      # pyarrow would read a directory named *.parquet as a dataset
+        raise DataError(f"data.{role}_path {path}: is a directory, not a .jsonl or .parquet "
+                        f"file")
+    try:
+        return load_examples(path, fm, **kw)
+    except OSError as e:
+        raise DataError(f"data.{role}_path {path}: cannot be read: "
+                        f"{describe_os_error(e)}") from None
 
 
 def _check_loaded(role: str, path: str, field_map: str, st: LoadStats) -> None:

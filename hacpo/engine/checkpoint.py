@@ -136,7 +136,7 @@ def _write_atomic_now(path: str, write) -> None:
     f = os.fdopen(fd, "wb")
     try:
         with contextlib.suppress(OSError):  # a file system without modes keeps its own
-            os.fchmod(fd, 0o666 & ~_umask())    # the mode open() gives (mkstemp's: 0600)
+            os.fchmod(fd, 0o666 & ~current_umask())    # the mode open() gives (mkstemp's: 0600)
         _lock_temp(fd)               # held through the rename: see remove_stale_temps
         write(f)
         f.flush()
@@ -175,7 +175,7 @@ def _write_error(path: str, e: OSError, how: str) -> StorageError:
                              path)
 
 
-def _umask() -> int:
+def current_umask() -> int:
     """The process's umask (Linux: read, not set and restored, which would race with threads
     creating files)."""
     try:

