@@ -281,6 +281,9 @@ def _prepare(cfg: TrainConfig, resume: bool, echo):
     if state is not None and (bad := build.tokenizer_mismatch(state, policies, cfg)):
         raise ValueError(f"cannot resume {ck_path}: {bad}")
     check_prompt_lengths(cfg, data, policies)
+    if cfg.rollout.engine == "vllm" and cfg.rollout.engine_tp > 1:   # the vocabulary vLLM must
+        from hacpo.launch.vllm_rollout import check_engine_tp      # split is the tokenizer's:
+        check_engine_tp(policies, cfg.rollout.engine_tp)            # before any trainer group
     for a, p in zip(cfg.agents, policies):     # what needs the real vocabulary: not the warm-up
         if a.trainer == "megatron":            # first, then a traceback from the trainer group
             from hacpo.models.megatron.build import check_megatron_policy

@@ -142,11 +142,32 @@ def check_hf_policies(policies: Sequence[Policy]) -> None:
                       for p in policies])
 
 
+# vLLM 0.32 pads a served vocabulary to a multiple of this (``DEFAULT_VOCAB_PADDING_SIZE`` of
+# vllm/model_executor/layers/vocab_parallel_embedding.py, which Llama / Qwen2 / Qwen3 use for
+# their embedding and output layer) and splits the padded rows evenly over the TP workers
+VLLM_VOCAB_PADDING = 64
+
+
+def engine_vocab_problem(vocab: int, tp: int) -> str | None:
+    """Why vLLM cannot split a served vocabulary of ``vocab`` ids over ``tp`` tensor-parallel
+    workers, or None: the vocabulary padded to a multiple of :data:`VLLM_VOCAB_PADDING` must
+    divide by ``tp`` (always so for a power of two up to 64; e.g. not for 91 ids at 3)."""
+    padded = -(-vocab // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+    if padded % tp:
+        return (f"a vocabulary of {vocab} ids, which vLLM pads to {padded} rows (a multiple of "
+                f"{VLLM_VOCAB_PADDING}) and cannot split over {tp} tensor-parallel workers "
+                f"({padded} is not divisible by {tp})")
+    return None
+
+
 def check_engine_tp(policies: Sequence[Policy], tp: int) -> None:
     """A ValueError naming the agent unless vLLM can split its model over ``tp`` tensor-
-    parallel workers (``rollout.engine_tp``; :func:`~hacpo.engine.run_config.engine_tp_problem`).
-    Checked before any engine starts (vLLM's own error comes from inside the engine's
-    start-up, or as an assertion in a worker); ``check_runnable`` checks the config alike."""
+    parallel workers (``rollout.engine_tp``; :func:`~hacpo.engine.run_config.engine_tp_problem`
+    for the heads, :func:`engine_vocab_problem` for the vocabulary the engine serves: the
+    tokenizer's, see :func:`hf_config_dict`). Checked before any engine starts (vLLM's own
+    error comes from inside the engine's start-up, or as an assertion in a worker that the
+    engine's error does not name); ``check_runnable`` checks the heads in the config alike
+    (the vocabulary is known once the tokenizer is built: a reduced one follows the data)."""
     if tp == 1:
         return
     for k, p in enumerate(policies):
@@ -155,6 +176,12 @@ def check_engine_tp(policies: Sequence[Policy], tp: int) -> None:
                                 tp)
         if bad:
             raise engine_tp_error(k, p.name, bad, tp)
+        tok = getattr(p, "tokenizer", None)     # (a test's stand-in of heads only has none)
+        bad = tok is not None and engine_vocab_problem(tok.vocab_size, tp)
+        if bad:
+            raise ValueError(f"rollout.engine_tp={tp}: agent {k} ({p.name!r}) has {bad}; "
+                             f"choose an engine_tp that divides the padded vocabulary (a "
+                             f"power of two up to {VLLM_VOCAB_PADDING} does)")
 
 
 def hf_config_dict(policy: Policy) -> dict:
