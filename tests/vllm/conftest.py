@@ -60,6 +60,19 @@ def expected_logprobs(policy, prompts, responses, *, temperature: float, top_p: 
     return out, is_argmax
 
 
+def check_sampled_logprobs(ro, policy, tol: float) -> None:
+    """The engine's sampled log-probs (temperature 1, top-p 1) equal the policy's exact
+    distribution and the trainer's teacher-forced path (hacpo.kernels) within ``tol``, and
+    are spread out (over 2 nats) so that the tolerance can fail."""
+    want, _ = expected_logprobs(policy, ro.sample_prompts(), ro.response_ids, temperature=1.0,
+                                top_p=1.0)
+    assert max_abs_diff(ro.sampler_logprobs, want) < tol
+    lp, mask = policy.response_logprobs(ro.sample_prompts(), ro.response_ids)
+    got = torch.tensor([x for row in ro.sampler_logprobs for x in row])
+    assert (lp[mask] - got).abs().max().item() < tol
+    assert got.max() - got.min() > 2.0
+
+
 def max_abs_diff(a, b) -> float:
     flat_a = [x for row in a for x in row]
     flat_b = [x for row in b for x in row]
