@@ -32,8 +32,8 @@ def _groups(prompt: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def _group_stats(r: torch.Tensor, g: torch.Tensor, num_groups: int, eps: float):
-    """Per-group count [P], mean [P], sigma [P] (unbiased std + eps; 0 + eps for size-1 groups),
-    and whether the group's rewards are all equal [P] bool."""
+    """r [N], g [N] in 0..P-1 -> per-group count [P], mean [P], sigma [P] (unbiased std + eps;
+    0 + eps for size-1 groups), and whether the group's rewards are all equal [P] bool."""
     if not eps > 0:
         raise ValueError(f"eps must be > 0 (a uniform or one-sample group's sigma is eps), got "
                          f"{eps}")

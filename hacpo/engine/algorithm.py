@@ -83,7 +83,7 @@ def learner_loss(cfg: AlgorithmConfig, *, new_lp: torch.Tensor, old_lp: torch.Te
                  old_token_logp: torch.Tensor | None = None, mask: torch.Tensor | None = None):
     """Minibatch loss for the configured algorithm. Sequence-level algorithms use new_lp/old_lp
     [N] (per-sequence mean log-probs); grpo uses token_logp/old_token_logp/mask [N, T] and its
-    divisor counts tokens."""
+    divisor counts tokens. Returns (loss [], metrics)."""
     L = cfg.loss
     if cfg.name == "grpo":
         return grpo_policy_loss(token_logp, old_token_logp, mask, advantages,

@@ -22,10 +22,9 @@ class CapabilityTracker:
                  metric: str = D.CAPABILITY_METRIC, minimum: float = D.CAPABILITY_MINIMUM,
                  ratio_min: float = D.RATIO_MIN, ratio_max: float = D.RATIO_MAX,
                  validate: bool = True):
-        if num_agents < 1:
-            raise ValueError(f"num_agents must be >= 1, got {num_agents}")
-        if window < 1:
-            raise ValueError(f"capability window must be >= 1, got {window}")
+        for name, v in (("num_agents", num_agents), ("capability window", window)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a whole number >= 1, got {v!r}")
         if metric not in D.CAPABILITY_METRICS:
             raise ValueError(f"unknown capability metric {metric!r}; choose one of "
                              f"{D.CAPABILITY_METRICS}")
@@ -79,10 +78,12 @@ class CapabilityTracker:
         return (p[:, None] / p[None, :]).clamp(self.ratio_min, self.ratio_max)
 
     def state_dict(self) -> dict:
+        """num_agents, window, metric, history [n, window] float64 (newest first), count."""
         return {"num_agents": self.num_agents, "window": self.window, "metric": self.metric,
                 "history": self.history.detach().cpu().clone(), "count": self.count}
 
     def load_state_dict(self, sd: dict) -> None:
+        """Restore `state_dict()`; ValueError if its num_agents / window / metric differ."""
         for key in ("num_agents", "window", "metric"):
             if sd[key] != getattr(self, key):
                 raise ValueError(f"capability tracker state has {key}={sd[key]!r} but this tracker "

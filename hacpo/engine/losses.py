@@ -39,6 +39,22 @@ def _divide(total: torch.Tensor, divisor, default: int) -> torch.Tensor:
     return total / d
 
 
+# what each clip setting must be: a negative width, a low bound reaching 0 (clip_low >= 1) or a
+# ratio clamp <= 0 would silently pin or flip the ratios
+_CLIP_RULES = {"clip_low": ("in [0, 1)", lambda v: 0 <= v < 1),
+               "self_clip_low": ("in [0, 1)", lambda v: 0 <= v < 1),
+               "cross_clip_delta": ("in [0, 1]", lambda v: 0 <= v <= 1),
+               "max_abs_log_ratio": ("> 0", lambda v: v > 0)}
+
+
+def _check_clip(**settings: float) -> None:
+    """A clip setting outside its range is an error naming it (others: >= 0, e.g. clip_high)."""
+    for name, v in settings.items():
+        need, ok = _CLIP_RULES.get(name, (">= 0", lambda v: v >= 0))
+        if not ok(v):                     # NaN fails every comparison
+            raise ValueError(f"{name} must be {need}, got {v!r}")
+
+
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     m = mask.to(x.dtype)
     return (x * m).sum() / m.sum().clamp_min(1)
@@ -46,7 +62,7 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def sequence_ratio(new_lp: torch.Tensor, old_lp: torch.Tensor,
                    max_abs_log_ratio: float = D.MAX_ABS_LOG_RATIO) -> torch.Tensor:
-    """s = exp(clamp(new_lp - old_lp, -max, max)) [N]; gradient flows to new_lp."""
+    """s = exp(clamp(new_lp - old_lp, -max, max)): [N] (or [B, T] per token); grad to new_lp."""
     return torch.exp((new_lp - old_lp).clamp(-max_abs_log_ratio, max_abs_log_ratio))
 
 
@@ -77,6 +93,7 @@ def gspo_policy_loss(new_lp: torch.Tensor, old_lp: torch.Tensor, advantages: tor
     advantages: [N]. Returns (loss [], metrics).
     """
     n = check_same_length(new_lp=new_lp, old_lp=old_lp, advantages=advantages)
+    _check_clip(clip_low=clip_low, clip_high=clip_high, max_abs_log_ratio=max_abs_log_ratio)
     s = sequence_ratio(new_lp, old_lp, max_abs_log_ratio)
     obj = gspo_objective(s, advantages, clip_low, clip_high)
     loss = -_divide(obj.sum(), divisor, n)
@@ -135,6 +152,9 @@ def hacpo_policy_loss(new_lp: torch.Tensor, old_lp: torch.Tensor, advantages: to
         raise ValueError(f"alpha must be >= 0, got {alpha}")
     if minibatch_index < 0:
         raise ValueError(f"minibatch_index must be >= 0, got {minibatch_index}")
+    _check_clip(self_clip_low=self_clip_low, self_clip_high=self_clip_high,
+                cross_clip_delta=cross_clip_delta, cross_clip_step=cross_clip_step,
+                max_abs_log_ratio=max_abs_log_ratio)
     is_self = is_self.bool()
     lo = cross_lower_bound(cross_clip, minibatch_index, cross_clip_delta, cross_clip_step)
     s = sequence_ratio(new_lp, old_lp, max_abs_log_ratio)
@@ -172,12 +192,13 @@ def grpo_policy_loss(token_logp: torch.Tensor, old_token_logp: torch.Tensor, mas
     ratio = exp(clamp(token_logp - old_token_logp, -max, max)): without the clamp a log-ratio
     past ~88 overflows float32 and one token makes the loss NaN (inf * A with A = 0) or its
     gradient NaN (0 * inf in the clipped branch); outside the clamp a token has no gradient.
-    loss = -sum_{masked tokens} obj / divisor (default: number of masked tokens here).
+    loss = -sum_{masked} obj / divisor (default: masked tokens here). Returns (loss [], metrics).
     """
     check_same_shape(token_logp=token_logp, old_token_logp=old_token_logp, mask=mask)
     if token_logp.dim() != 2 or advantages.shape != token_logp.shape[:1]:
         raise ValueError(f"expected token_logp [B, T] and advantages [B], got "
                          f"{tuple(token_logp.shape)} and {tuple(advantages.shape)}")
+    _check_clip(clip_low=clip_low, clip_high=clip_high, max_abs_log_ratio=max_abs_log_ratio)
     m = mask.to(token_logp.dtype)
     ratio = sequence_ratio(token_logp, old_token_logp, max_abs_log_ratio)   # per token here
     a = advantages[:, None].to(token_logp.dtype)
@@ -205,8 +226,8 @@ def kl_numerator(kl: torch.Tensor, mask: torch.Tensor, token_level: bool) -> tor
 
 def low_var_kl(token_logp: torch.Tensor, ref_token_logp: torch.Tensor,
                mask: torch.Tensor) -> torch.Tensor:
-    """Per-sequence mean of the low-variance KL estimator k3 = exp(ref-lp) - (ref-lp) - 1,
-    clamped to [-10, 10] per token as in the reference implementation. Inputs [B, T]; -> [B]."""
+    """Per-sequence mean of the low-variance KL estimator k3 = exp(d) - d - 1, d = ref-lp clamped
+    to [-20, 20], k3 to [-10, 10] per token, as the reference implementation. [B, T] -> [B]."""
     check_same_shape(token_logp=token_logp, ref_token_logp=ref_token_logp, mask=mask)
     d = (ref_token_logp - token_logp).clamp(-20, 20)
     k3 = (torch.exp(d) - d - 1).clamp(-10, 10)

@@ -13,7 +13,7 @@ def __getattr__(name):  # the loss entry points import hacpo.engine; load them o
     if name in ("hacpo_loss_from_logits", "hacpo_loss_from_hidden"):
         from hacpo.kernels import hacpo_loss
         return getattr(hacpo_loss, name)
-    raise AttributeError(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["token_logprobs", "sequence_mean_logprobs", "fused_linear_token_logprobs",

@@ -63,7 +63,8 @@ def token_entropy_reference(logits: torch.Tensor, *, temperature: float = 1.0,
 def sequence_mean_logprobs_reference(logits: torch.Tensor, targets: torch.Tensor,
                                      cu_seqlens: torch.Tensor, *, temperature: float = 1.0,
                                      compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Packed sequences: sequence s owns rows cu_seqlens[s]:cu_seqlens[s+1] -> mean logp [S]."""
+    """Packed sequences: sequence s owns rows cu_seqlens[s]:cu_seqlens[s+1] -> mean logp [S].
+    Memory: that of `token_logprobs_reference`, plus S means (reads cu_seqlens on the host)."""
     lp = token_logprobs_reference(logits, targets, temperature=temperature,
                                   compute_dtype=compute_dtype)
     bounds = cu_seqlens.tolist()
@@ -84,6 +85,7 @@ def _rows_per_chunk(V: int) -> int:
 
 def local_stats_torch(logits: torch.Tensor, tlocal: torch.Tensor, inv_temp: float,
                       need_entropy: bool):
+    """logits [T, V_local], tlocal [T] (target - vocab_start) -> (m, ls, tgt, ez) [T] f32 each."""
     T, V = logits.shape
     f32 = dict(dtype=torch.float32, device=logits.device)
     m, ls, tgt = torch.empty(T, **f32), torch.empty(T, **f32), torch.empty(T, **f32)
@@ -161,7 +163,7 @@ def local_grad(backend: str, logits, tlocal, m, ls, grad, inv_temp, out=None):
 
 def _shard_weights(m_local, ls_local, ez_local, m_global):
     """Per-shard terms of the combine (no communication): w = sum_v exp(z_v - M) over the shard,
-    and w * E_shard[z - M] for the entropy."""
+    and w * E_shard[z - M] for the entropy. All [T] (or [R, T] with shards stacked on dim 0)."""
     mg = torch.where(torch.isfinite(m_global), m_global, 0.0)
     w = torch.exp(m_local - mg + ls_local)                # 0 for an all -inf shard row
     wz = None
@@ -192,7 +194,7 @@ def allreduce_stats(m, ls, tgt, ez, group):
 
 
 def finish(m, ls, tgt, ez):
-    """logp = (z_y - m) - ls; entropy = ls - E[z - m] (or None)."""
+    """[T] stats -> logp = (z_y - m) - ls [T]; entropy = ls - E[z - m] [T] (or None)."""
     logp = (tgt - m) - ls
     return logp, (None if ez is None else ls - ez)
 

@@ -94,5 +94,10 @@ def test_bad_agents_and_config():
         CapabilityTracker(2, window=0)
     with pytest.raises(ValueError, match="ratio_min"):
         CapabilityTracker(2, ratio_min=5.0, ratio_max=2.0)
+    # a float or bool size is an error naming it (was torch.ones' TypeError / window=True as 1)
+    for kwargs, name in (({"window": 2.5}, "window"), ({"window": True}, "window"),
+                         ({"num_agents": 2.0}, "num_agents")):
+        with pytest.raises(ValueError, match=f"{name} must be a whole number >= 1"):
+            CapabilityTracker(**{"num_agents": 2, **kwargs})
     with pytest.raises(ValueError, match="metric"):
         CapabilityTracker(2, metric="accuracy")

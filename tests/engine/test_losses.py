@@ -266,3 +266,29 @@ def test_loss_validation():
         gspo_policy_loss(z[:0], z[:0], z[:0])
     with pytest.raises(ValueError, match=r"advantages \[B\]"):
         grpo_policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), torch.zeros(3))
+
+
+@pytest.mark.parametrize("loss,setting,value", [
+    ("hacpo", "cross_clip_delta", -0.1),   # static lo = 1.1 > 1 would pin every cross ratio
+    ("hacpo", "cross_clip_delta", 1.5),    # lo < 0: no lower clip at all
+    ("hacpo", "cross_clip_step", -0.025),  # the bound would loosen with m
+    ("hacpo", "self_clip_low", 1.0),       # clip interval reaching 0
+    ("hacpo", "self_clip_high", -1e-4),    # 1 + high < 1 - low: an empty interval
+    ("hacpo", "max_abs_log_ratio", 0.0),   # every ratio would be 1
+    ("hacpo", "self_clip_low", float("nan")),
+    ("gspo", "clip_low", -3e-4),
+    ("gspo", "clip_high", float("nan")),
+    ("grpo", "clip_low", 1.2),             # 1 - low < 0 flips the clipped ratio's sign
+    ("grpo", "max_abs_log_ratio", -20.0),
+])
+def test_clip_settings_out_of_range_are_errors_naming_them(loss, setting, value):
+    z = torch.zeros(4)
+    call = {"hacpo": lambda **kw: hacpo_policy_loss(z, z, z + 1, torch.tensor([1, 0, 1, 0]),
+                                                   z + 1, minibatch_index=0,
+                                                   cross_clip="static", **kw),
+            "gspo": lambda **kw: gspo_policy_loss(z, z, z + 1, **kw),
+            "grpo": lambda **kw: grpo_policy_loss(torch.zeros(2, 3), torch.zeros(2, 3),
+                                                 torch.ones(2, 3), torch.ones(2), **kw)}[loss]
+    call()                                              # the defaults are valid
+    with pytest.raises(ValueError, match=f"^{setting} must be "):
+        call(**{setting: value})
