@@ -161,6 +161,42 @@ def check_resources(cfg, nodes: int, cpus_per_node: int | None, gpus_per_node: i
             f"{nodes} node(s) x --gpus-per-node {gpus_per_node} give "
             f"{nodes * gpus_per_node}; add nodes or GPUs, lower tp / pp / dp or "
             f"rollout.engines_per_agent, or colocate the engines (rollout.colocate)")
+    # Ray places each actor (a placement-group bundle too) on one node: enough in total is not
+    # enough if one actor needs more than a node has (it would wait for resources forever,
+    # until the engine's start timeout, the Slurm job holding its nodes all the while)
+    for what, res in single_actor_needs(cfg):
+        for key, per_node, flag in (("GPU", gpus_per_node, "--gpus-per-node"),
+                                    ("CPU", cpus_per_node, "--cpus-per-node")):
+            if per_node is not None and res.get(key, 0) > per_node:
+                raise LaunchError(
+                    f"{what} needs {res[key]:g} {key}s on one node (Ray places an actor on a "
+                    f"single node) but {flag} is {per_node}; lower it or use nodes with more "
+                    f"{key}s")
+
+
+def single_actor_needs(cfg) -> list[tuple[str, dict[str, float]]]:
+    """(who, Ray resources) of each kind of actor of the run that Ray must place whole on one
+    node: a vLLM engine (``engine_tp`` CPUs, and GPUs on CUDA, for its TP worker processes;
+    colocated engines are in the trainer ranks' bundles), a ``rollout.engine=ray`` actor
+    (``threads`` CPUs) and a trainer rank (``trainer_backend=ray``: ``threads`` CPUs, one more
+    for a colocated engine, one GPU for a megatron rank on cuda)."""
+    from hacpo.engine.run_config import colocated_engines
+    r = cfg.rollout
+    threads = cfg.threads if cfg.threads > 0 else 1
+    out = []
+    if r.engine == "vllm" and not r.colocate:
+        out.append((f"each vLLM engine (rollout.engine_tp={r.engine_tp}, rollout.device="
+                    f"{r.device})", {"CPU": r.engine_tp,
+                                     "GPU": r.engine_tp if r.device == "cuda" else 0}))
+    elif r.engine == "ray":
+        out.append((f"each rollout.engine=ray actor (threads={threads})", {"CPU": threads}))
+    if cfg.trainer_backend == "ray":
+        cuda = any(a.trainer == "megatron" and a.parallel.device == "cuda" for a in cfg.agents)
+        out.append((f"each trainer rank (trainer_backend=ray, threads={threads}"
+                    + (" + 1 colocated vLLM engine" if colocated_engines(cfg) else "") + ")",
+                    {"CPU": threads + (1 if colocated_engines(cfg) else 0),
+                     "GPU": 1 if cuda else 0}))
+    return out
 
 
 def driver_argv(args, cfg, python: str) -> list[str]:

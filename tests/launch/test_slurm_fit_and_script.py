@@ -1,0 +1,110 @@
+"""``hacpo launch slurm`` behaviour no other test pinned down (found by a mutation audit: a
+changed comparison or a dropped escape survived every other test), and one real defect: an
+actor bigger than a node (a vLLM engine with ``rollout.engine_tp`` GPUs > ``--gpus-per-node``)
+passed the launcher's resource check, since only the cluster's totals were compared; Ray places
+an actor on one node, so such a job waited for resources until the engine's start timeout,
+holding its Slurm nodes, and then failed with "did not start" naming no cause.
+
+Expected values come from Slurm's documentation (sbatch filename patterns: ``%%`` is a literal
+``%``; ``SLURM_RESTART_COUNT`` is the number of times the job was restarted, so 1 after the
+first requeue) and Ray's scheduling rule (an actor's resources come from a single node)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from hacpo.launch.cli import main
+
+from .test_slurm import _driver_after_requeue, _sbatch_directives
+
+_LLAMA = ("--set", *(f"agents.{k}.policy.{f}" for k in range(3)
+                     for f in ("kind=hf", "arch=llama")))
+
+
+def _launch(tmp_path, capsys, *args, out_dir=None) -> tuple[int, str, str]:
+    if "--nodes" not in args:
+        args = ("--nodes", "1", *args)
+    rc = main(["launch", "slurm", "--preset", "tiny3", "--out-dir",
+               str(out_dir or tmp_path / "run"), "--dry-run", *args])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.mark.parametrize("args", [
+    # tiny3 needs 3 Ray CPUs (3 agents x 1 rollout actor x threads=1): exactly what is there,
+    # on one node or spread one per node
+    ["--nodes", "1", "--cpus-per-node", "3"],
+    ["--nodes", "3", "--cpus-per-node", "1"],
+    # 3 vLLM engines of 1 GPU on cuda + 2 megatron ranks on cuda = 5 GPUs: exactly 5 on one
+    # node, or 6 over 3 nodes of 2 (every actor needs 1 GPU: each fits a node)
+    ["--nodes", "1", "--gpus-per-node", "5", "--rollout-engine", "vllm", *_LLAMA,
+     "rollout.device=cuda", "trainer_backend=ray", "agents.0.trainer=megatron",
+     "agents.0.parallel.dp=2", "agents.0.parallel.device=cuda"],
+    ["--nodes", "3", "--gpus-per-node", "2", "--rollout-engine", "vllm", *_LLAMA,
+     "rollout.device=cuda", "trainer_backend=ray", "agents.0.trainer=megatron",
+     "agents.0.parallel.dp=2", "agents.0.parallel.device=cuda"],
+    # engines of 2 GPUs (engine_tp=2) on nodes of 2 GPUs: 6 in all
+    ["--nodes", "3", "--gpus-per-node", "2", "--rollout-engine", "vllm", *_LLAMA,
+     "rollout.device=cuda", "rollout.engine_tp=2"],
+], ids=["cpus-1x3", "cpus-3x1", "gpus-1x5", "gpus-3x2", "engine-tp2-3x2"])
+def test_resources_that_fit_are_accepted(tmp_path, capsys, args):
+    rc, out, err = _launch(tmp_path, capsys, *args)
+    assert rc == 0, err
+    assert out.startswith("#!/bin/bash")
+
+
+@pytest.mark.parametrize("args,message", [
+    # 3 engines x engine_tp 4 = 12 GPUs, and 6 nodes x 2 GPUs = 12: enough in total, but one
+    # engine's 4 GPUs (its TP workers share one actor) are on no node
+    (["--nodes", "6", "--gpus-per-node", "2", "--rollout-engine", "vllm", *_LLAMA,
+      "rollout.device=cuda", "rollout.engine_tp=4"],
+     "each vLLM engine (rollout.engine_tp=4, rollout.device=cuda) needs 4 GPUs on one node "
+     "(Ray places an actor on a single node) but --gpus-per-node is 2"),
+    # vLLM on CPU: engine_tp CPUs per engine; 6 CPUs in all for 3 engines of 2
+    (["--nodes", "6", "--cpus-per-node", "1", "--rollout-engine", "vllm", *_LLAMA,
+      "rollout.engine_tp=2"],
+     "each vLLM engine (rollout.engine_tp=2, rollout.device=cpu) needs 2 CPUs on one node"),
+    # rollout.engine=ray actors of threads=2 CPUs
+    (["--nodes", "3", "--cpus-per-node", "2", "--set", "threads=2"], None),
+    (["--nodes", "6", "--cpus-per-node", "1", "--set", "threads=2"],
+     "each rollout.engine=ray actor (threads=2) needs 2 CPUs on one node"),
+], ids=["engine-tp4-on-2-gpu-nodes", "engine-tp2-on-1-cpu-nodes", "ray-threads2-fits",
+        "ray-threads2-on-1-cpu-nodes"])
+def test_an_actor_bigger_than_a_node_is_refused(tmp_path, capsys, args, message):
+    rc, out, err = _launch(tmp_path, capsys, *args)
+    if message is None:
+        assert rc == 0, err
+        return
+    assert rc == 2, (out, err)
+    assert "hacpo launch: error:" in err and message in err, err
+    assert not out and not (tmp_path / "run").exists()
+
+
+def test_percent_in_the_run_dir_is_escaped_for_sbatch_only(tmp_path, capsys):
+    """sbatch expands ``%j``, ``%x``... in ``--output``; a ``%`` of the path itself must be
+    written ``%%`` there (and only there: the script's own paths are plain bash)."""
+    run = tmp_path / "exp%j"
+    rc, script, err = _launch(tmp_path, capsys, out_dir=run)
+    assert rc == 0, err
+    assert _sbatch_directives(script)["output"] == f"{tmp_path}/exp%%j/slurm/slurm-%j.out"
+    assert f"LOG_DIR={run}/slurm/job-$SLURM_JOB_ID" in script.splitlines()
+
+
+def test_first_requeue_resumes(tmp_path, capsys):
+    """SLURM_RESTART_COUNT is 1 in the first requeued run of a job: it must resume (a fresh
+    start would fail on the run's own checkpoint)."""
+    rc, script, err = _launch(tmp_path, capsys)
+    assert rc == 0, err
+    first = _driver_after_requeue(script, None)
+    assert "--resume" not in first
+    assert _driver_after_requeue(script, 1) == first + ["--resume"]
+
+
+@pytest.mark.parametrize("given,expect", [("0.5", 1), ("2.01", 3), ("7", 7)])
+def test_ray_timeout_is_never_shortened(tmp_path, capsys, given, expect):
+    """The script's deadline is whole seconds: a fraction rounds up (0.5 s must not become a
+    deadline that has passed before the head starts)."""
+    rc, script, err = _launch(tmp_path, capsys, "--ray-timeout", given)
+    assert rc == 0, err
+    assert re.findall(r"^RAY_TIMEOUT=(\d+)$", script, re.M) == [str(expect)]
