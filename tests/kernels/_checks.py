@@ -8,6 +8,8 @@ the input dtype. We assert  err(kernel) <= K * err(ref-lowp) + atol  for values 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from hacpo.kernels import (fused_linear_token_logprobs, fused_linear_token_logprobs_reference,
@@ -28,10 +30,22 @@ def _max_err(a: torch.Tensor, truth: torch.Tensor) -> float:
     return float(d.nan_to_num(nan=float("inf")).max()) if d.numel() else 0.0
 
 
+def finite_absmax(x: torch.Tensor) -> float:
+    """Largest finite |x| (0 if none). make_logits' row 0 is -inf outside its target: a plain
+    ``x.abs().max()`` is inf there, and a tolerance scaled by it (fp32_atol(inf) = inf) could
+    never fail."""
+    a = x.detach().float().abs()
+    a = a[torch.isfinite(a)]
+    return float(a.max()) if a.numel() else 0.0
+
+
 def fp32_atol(magnitude: float, ulps: float = 16.0) -> float:
     """A few float32 ulps of the largest magnitude involved. The kernels compute in float32 from
     the exact input values, so their error vs a float64 truth is a handful of fp32 roundings of
-    the largest |z| or |lse| (the subtraction z - lse); 16 ulps covers the summation over V."""
+    the largest |z| or |lse| (the subtraction z - lse); 16 ulps covers the summation over V.
+    A non-finite magnitude is an error: the tolerance would be inf and could never fail."""
+    if not math.isfinite(magnitude):
+        raise ValueError(f"fp32_atol of a non-finite magnitude {magnitude} (use finite_absmax)")
     return ulps * EPS32 * max(1.0, magnitude)
 
 
@@ -73,7 +87,7 @@ def check_token_logprobs(*, backend, device, dtype, T, V, temperature=1.0, scale
     out.backward(g)
     assert out.dtype == torch.float32 and xk.grad.dtype == dtype
 
-    zmax = float(x.float().abs().max()) / temperature
+    zmax = finite_absmax(x) / temperature
     e_k, e_r = _max_err(out, truth), _max_err(ref, truth)
     # forward: kernel upcasts, so it is fp32-accurate whatever the input dtype - per row, a few
     # fp32 ulps of that row's largest |z| (so the +-1e4 row does not loosen the other rows)
@@ -115,7 +129,7 @@ def check_sequence_mean(*, backend, device, dtype, T, V, S, temperature=1.0, see
     out = sequence_mean_logprobs(xk, t, cu, temperature=temperature, backend=backend)
     out.backward(gs)
     assert out.shape == (S,) and out.dtype == torch.float32
-    zmax = float(x.float().abs().max()) / temperature
+    zmax = finite_absmax(x) / temperature
     e = _max_err(out, truth)
     assert e <= fp32_atol(zmax), f"seq-mean fwd err {e:.3g}"
     gmax = float(gtruth.abs().max())
@@ -133,7 +147,7 @@ def check_entropy(*, backend, device, dtype, T, V, temperature=1.0, seed=0):
                                     compute_dtype=torch.float64)
     # entropy = lse - E[z]: two fp32 quantities of size |z|, so a few fp32 ulps of max |z|
     e = _max_err(ent, truth)
-    assert e <= fp32_atol(float(x.float().abs().max()) / temperature, ulps=64), f"entropy err {e}"
+    assert e <= fp32_atol(finite_absmax(x) / temperature, ulps=64), f"entropy err {e}"
     assert not ent.requires_grad
     return dict(entropy_err=e)
 
@@ -192,7 +206,7 @@ def check_triton_matches_torch(*, device, dtype, T, V, temperature=1.0, seed=0):
         lp, ent = token_logprobs(xk, t, temperature=temperature, backend=be, return_entropy=True)
         lp.backward(g)
         outs[be] = (lp.detach(), ent, xk.grad)
-    zmax = float(x.float().abs().max()) / temperature
+    zmax = finite_absmax(x) / temperature
     (a, ea, ga), (b, eb, gb) = outs["torch"], outs["triton"]
     assert _max_err(b, a) <= 2 * fp32_atol(zmax), _max_err(b, a)
     assert _max_err(eb, ea) <= 2 * fp32_atol(zmax, 64), _max_err(eb, ea)
@@ -244,7 +258,7 @@ def tp_worker(rank: int, world: int, port: int, backend: str, dtype_name: str):
             return out.detach(), [a.grad for a in inputs]
 
         # fp32 bound: fp32 roundings of |z| up to 1e4 (row 1) plus the per-shard combine
-        zmax = float(x.float().abs().max()) / 0.9
+        zmax = finite_absmax(x) / 0.9
         tol_f = fp32_atol(zmax, ulps=32)
         full, (gfull,) = grads(lambda a: token_logprobs(a, t, temperature=0.9, backend=backend),
                                [x], g)

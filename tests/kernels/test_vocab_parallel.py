@@ -21,7 +21,7 @@ def test_shard_combine_math_without_communication(splits):
     m, ls, tgt, ez = combine_stats(*(torch.stack(p) for p in zip(*parts)))
     logp, ent = finish(m, ls, tgt, ez)
     full, fent = token_logprobs(x, t, temperature=0.9, return_entropy=True)
-    zmax = float(x.abs().max()) / 0.9
+    zmax = C.finite_absmax(x) / 0.9      # finite: row 0 is -inf outside its target
     # fp32 roundings of the per-shard lse and the combine: a few ulps of max |z|
     assert C._max_err(logp, full) <= C.fp32_atol(zmax, 32)
     assert C._max_err(ent, fent) <= C.fp32_atol(zmax, 64)
