@@ -96,7 +96,7 @@ class LoadStats:
     MAX_KEPT = 20
 
 
-_GSM8K_RE = re.compile(r"####\s*([^\n]*)")
+_GSM8K_RE = re.compile(r"####\s*((?:(?!####)[^\n])*)")   # up to the next marker or line end
 _THOUSANDS_RE = re.compile(r"^-?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
 
 
@@ -115,7 +115,7 @@ def parse_gold(value, answer_format: str) -> str:
     else:
         text = str(value)
     if answer_format == "gsm8k":
-        found = _GSM8K_RE.findall(text)
+        found = [f for f in _GSM8K_RE.findall(text) if f.strip()] or _GSM8K_RE.findall(text)
         if not found:
             raise ValueError("no '#### <answer>' in the answer")
         gold = found[-1].strip().rstrip(".").strip()

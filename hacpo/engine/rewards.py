@@ -62,7 +62,7 @@ __all__ = [
 # --------------------------------------------------------------------------------------------
 
 _BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*")
-_GSM8K_RE = re.compile(r"####\s*([^\n]*)")
+_GSM8K_RE = re.compile(r"####\s*((?:(?!####)[^\n])*)")   # to the next marker or line end
 _ANSWER_IS_RE = re.compile(r"answer\s*(?:is|:|=)\s*:?\s*([^\n]*)", re.IGNORECASE)
 # The end of a sentence: ".", "!" or "?" before a space (not a decimal point: "3.5").
 _SENTENCE_END_RE = re.compile(r"[.!?](?=\s)")
@@ -240,7 +240,7 @@ def gold_answer(gold: str) -> str:
     boxed = extract_boxed(gold)
     if boxed is not None:
         return _clean(boxed)
-    gsm = _GSM8K_RE.findall(gold)
+    gsm = [f for f in _GSM8K_RE.findall(gold) if _clean(f)]
     if gsm:
         return _clean(gsm[-1])
     return _clean(gold)

@@ -317,3 +317,14 @@ def test_ctrl_c_while_the_pool_starts_leaves_no_traceback(target):
         assert done.stdout == "interrupted; workers left: [] None\n", done.stdout
     else:
         assert done.stdout == "rewards [0.0, 1.0]\n" * 2, done.stdout
+
+
+@pytest.mark.parametrize("text,answer", [
+    ("#### 3 was wrong; #### 5", "5"),       # two markers on one line: the last one's answer
+    ("so #### 4 ####", "4"),                 # an empty last marker is passed over
+    ("#### 3\nno, redo:\n#### 5", "5"),
+])
+def test_the_last_gsm8k_marker_on_a_line_gives_the_answer(text, answer):
+    from hacpo.engine.rewards import extract_answer, gold_answer
+    assert extract_answer(text) == answer
+    assert gold_answer(text) == answer
