@@ -279,6 +279,16 @@ def test_resumed_run_keeps_the_ratio_log(tmp_path):
     assert np.array_equal(want["edges"], RATIO_EDGES)
     full = ckpt.load(str(tmp_path / "straight" / "checkpoint.pt"))
     assert "ratio_log" not in full and full["ratio_hist"].keys() == half["ratio_hist"].keys()
+    # each learner's histograms count its own samples: every self / cross sample it trained on
+    # (train/<name>/{self,cross}_count of each step's metrics row), filed under its own name
+    rows = [json.loads(line) for line in open(tmp_path / "straight" / "metrics.jsonl")]
+    names = [a.policy.name for a in _cfg(tmp_path).agents]
+    for name in names:
+        for part in ("self", "cross"):
+            n = sum(r[f"train/{name}/{part}_count"] for r in rows)
+            key = f"{name}/{part}"
+            assert (int(want[key].sum()) if key in want.files else 0) == n, (key, n)
+    assert {k.split("/")[0] for k in want.files if k != "edges"} == set(names)
     for key in set(want.files) - {"edges"}:
         assert np.array_equal(got[key], want[key]), key
         assert want[key].shape == (80,) and want[key].sum() > 0, key
