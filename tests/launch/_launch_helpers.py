@@ -81,14 +81,27 @@ def processes_mentioning(text: str) -> list[str]:
 
 
 def two_agent_cfg(tmp_path: Path, name: str = "run", **over):
-    """tiny3 reduced to its first two agents (char and reduced-vocab Qwen3 tokenizers)."""
+    """tiny3 reduced to its first two agents (char and reduced-vocab Qwen3 tokenizers), with
+    drop_unencodable=false: the warm-up leaves the agents nearly random, and neither reduced
+    vocabulary can spell the other's random text, so with the default every cross sample is
+    dropped (16 a step) and a run trains no cross term at all; kept, each learner trains 8
+    cross samples a step (assert_trained_cross)."""
     import dataclasses
 
     from hacpo.engine.run_config import load_config
     base = {"out_dir": str(tmp_path / name), "cache_dir": str(tmp_path / "cache"),
-            "threads": 1, "plots": False, "tensorboard": False}
+            "threads": 1, "plots": False, "tensorboard": False, "drop_unencodable": False}
     cfg = load_config("tiny3", overrides={**base, **over})
     return dataclasses.replace(cfg, agents=cfg.agents[:2])
+
+
+def assert_trained_cross(rows: list[dict], names) -> None:
+    """Every learner in ``names`` trained on cross samples (the other agents' re-tokenized
+    responses) over the run's metrics ``rows``: a backend compared with the local trainer on
+    such a run is compared on HACPO's cross-agent term too, not only on self samples."""
+    for name in names:
+        assert sum(r[f"train/{name}/cross_count"] for r in rows) > 0, \
+            (name, [r[f"train/{name}/cross_count"] for r in rows])
 
 
 # -- fault-injection helpers ----------------------------------------------------------------------

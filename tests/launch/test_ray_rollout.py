@@ -20,7 +20,7 @@ from hacpo.engine.trainer import train
 from hacpo.launch.ray_rollout import RayRolloutEngine, merge_rollouts, shard_bounds
 from hacpo.models.generation import generate
 
-from ._launch_helpers import two_agent_cfg
+from ._launch_helpers import assert_trained_cross, two_agent_cfg
 
 import ray
 
@@ -217,11 +217,13 @@ def test_train_two_agents_ray_equals_local(setup, tmp_path):
     (s_loc, r_loc), (s_ray, r_ray) = runs["local"], runs["ray"]
     assert [r["step"] for r in r_ray] == [0, 1]
     assert _strip_times(r_ray) == _strip_times(r_loc)
+    assert_trained_cross(r_ray, ("char", "qwen3"))   # each pool's samples reach the other agent
     assert all(r["rollout/restarts"] == 0 and r["rollout/retried_calls"] == 0 for r in r_ray)
     assert all(r["rollout/timeouts"] == 0 for r in r_ray)     # rollout.call_timeout_s: 1800 s
     assert s_ray["after"] == s_loc["after"] and s_ray["before"] == s_loc["before"]
     s_res, r_res = runs["ray-resumed"]
     assert _strip_times(r_res) == _strip_times(r_ray) and s_res["after"] == s_ray["after"]
+    assert_trained_cross(r_res[1:], ("char", "qwen3"))   # the resumed step too
     assert ray.is_initialized()
 
 

@@ -1,8 +1,8 @@
 """Trainer groups as Ray actors (trainer_backend=ray) against a real local Ray cluster
 (loopback, private temp dir, 4 logical CPUs; one cluster for the module): a 2-agent run, its
 actors updating at once, gives metrics identical to the in-process backend (also with the Ray
-rollout pool, and across a resume), and a killed trainer actor is a clear error naming its
-agent."""
+rollout pool, and across a resume) on runs whose learners train on each other's samples, and a
+killed trainer actor is a clear error naming its agent."""
 import json
 import os
 import signal
@@ -13,8 +13,8 @@ from hacpo.engine.run_config import load_config
 from hacpo.engine.trainer import train
 from hacpo.launch import ray_trainer
 
-from ._launch_helpers import (capture_instances, free_cpus_back, run_in_thread, two_agent_cfg,
-                              wait_for_first_step)
+from ._launch_helpers import (assert_trained_cross, capture_instances, free_cpus_back,
+                              run_in_thread, two_agent_cfg, wait_for_first_step)
 
 import ray
 
@@ -65,6 +65,7 @@ def test_ray_trainer_equals_local(cluster, cache, local_run, rollout, monkeypatc
         assert b0 < a1 and a0 < b1, spans      # overlapping calls
     assert [r["step"] for r in r_ray] == [0, 1]
     assert _strip_times(r_ray) == _strip_times(r_loc)
+    assert_trained_cross(r_ray, ("char", "qwen3"))   # the equality covers the cross term
     if rollout == "ray":
         assert [r["rollout/restarts"] for r in r_ray] == [0.0, 0.0]
     assert s_ray["after"] == s_loc["after"] and s_ray["before"] == s_loc["before"]
@@ -84,6 +85,7 @@ def test_ray_trainer_resume_equals_uninterrupted(cluster, cache, local_run):
     s_res, r_res = _run(cache, "resumed", resume=True, steps=2, trainer_backend="ray")
     assert [r["step"] for r in r_res] == [0, 1]
     assert _strip_times(r_res) == _strip_times(r_loc)
+    assert_trained_cross(r_res[1:], ("char", "qwen3"))   # the resumed step too
     assert s_res["after"] == s_loc["after"] and s_res["before"] == s_loc["before"]
     free_cpus_back()
 
