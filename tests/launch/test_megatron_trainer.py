@@ -65,7 +65,10 @@ def megatron_cfg(tmp, name: str, trainer: str, agents=AGENTS, **over):
     base = {"out_dir": str(tmp / name), "cache_dir": str(tmp / "cache"), "threads": 1,
             "plots": False, "tensorboard": False, "steps": 1, "prompts_per_step": 2,
             "data.eval_size": 4, "rollout.max_new_tokens": 8,
-            "reward.name": "megatron_test_length"}
+            "reward.name": "megatron_test_length",
+            # tiny3's warm-up leaves the agents nearly random: their reduced vocabularies cannot
+            # spell each other's text, so with the default nearly every cross sample is dropped
+            "drop_unencodable": False}
     cfg = load_config("tiny3", overrides={**base, **over})
     out = []
     for (aname, tok, par), a in zip(agents, cfg.agents):
@@ -177,7 +180,8 @@ def test_one_step_equals_torch_trainer(tmp, torch_runs, megatron_step1):
     for name in NAMES:
         for stage in ("score_self", "backward_self", "optimizer", "old_logprobs"):
             assert meg[0][f"time/{stage}/{name}"] > 0, (stage, name)
-    assert meg[0]["train/llama-tp2/trained_cross"] > 0      # cross samples trained too
+    for name in NAMES:                                      # cross samples trained too
+        assert meg[0][f"train/{name}/trained_cross"] > 0, name
     _check_weights(_weights(tmp, "meg"), _weights(tmp, "torch1"), _initial_weights(tmp))
     summary, buckets = megatron_step1
     assert buckets == [2, 1]
@@ -542,7 +546,8 @@ def test_dp2_one_step_equals_torch_trainer(cluster, tmp, algorithm):
     free_cpus_back()
     meg, ref = _rows(tmp, f"dp-meg-{algorithm}"), _rows(tmp, f"dp-torch-{algorithm}")
     _check_metrics(meg[0], ref[0], names)
-    assert (meg[0]["train/llama-dp2/trained_cross"] > 0) == (algorithm == "hacpo")
+    for name in names:
+        assert (meg[0][f"train/{name}/trained_cross"] > 0) == (algorithm == "hacpo"), name
     _check_weights(_weights(tmp, f"dp-meg-{algorithm}"), _weights(tmp, f"dp-torch-{algorithm}"),
                    _initial_weights(tmp, DP_AGENTS), names)
 
