@@ -59,6 +59,8 @@ def test_train_two_steps_with_vllm_rollouts(tmp_path, monkeypatch):
         for c in configs:
             assert row[f"time/generate/{c.name}"] > 0
             assert f"reward/{c.name}" in row
+    for c in configs:         # the vLLM samples re-tokenized for the other agent, trained on
+        assert sum(r[f"train/{c.name}/cross_count"] for r in rows) > 0, c.name
     # engine counters in the metrics, summed over agents and engines: 2 + 2 syncs after the
     # initial one per agent by the end of step 0, 3 + 3 after step 1
     assert [r["rollout/versions"] for r in rows] == [4.0, 6.0]
