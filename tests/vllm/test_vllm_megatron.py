@@ -72,8 +72,7 @@ def megatron_vllm_cfg(tmp):
         "checkpoint_every": 100, "prompts_per_step": 2, "data.train_size": 16,
         "data.eval_size": 2, "rollout.group_size": 2, "rollout.max_new_tokens": 8,
         "rollout.engine": "vllm", "rollout.weight_bucket_mb": 0.5,
-        "reward.name": "vllm_megatron_test_length",
-        "drop_unencodable": False})   # tiny3's random agents cannot spell each other's text
+        "reward.name": "vllm_megatron_test_length"})
     agents = []
     for (name, tok, par), a in zip(AGENTS, cfg.agents):
         pol = dataclasses.replace(a.policy, name=name, kind="hf", arch="llama", hf_config=HF,

@@ -24,7 +24,8 @@ def test_train_two_steps_with_vllm_rollouts(tmp_path, monkeypatch):
     cfg = cfg.override({"steps": 2, "prompts_per_step": 2, "out_dir": str(tmp_path / "run"),
                         "cache_dir": str(tmp_path / "cache"), "progress": False,
                         "plots": False, "tensorboard": False, "checkpoint_every": 2,
-                        "data.train_size": 16, "data.eval_size": 2, "eval_engine": "rollout"})
+                        "data.train_size": 16, "data.eval_size": 2, "eval_engine": "rollout",
+                        "drop_unencodable": False})   # the random agents' cross samples
     calls, events = [], []
     gen, idle, sync = (VLLMRolloutEngine.generate, VLLMRolloutEngine.idle,
                        VLLMRolloutEngine.sync_weights)
