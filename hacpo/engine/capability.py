@@ -1,6 +1,8 @@
 """Sliding-window capability estimate per agent and the capability ratios (SPEC "Capability")."""
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from . import defaults as D
@@ -23,8 +25,9 @@ class CapabilityTracker:
                  ratio_min: float = D.RATIO_MIN, ratio_max: float = D.RATIO_MAX,
                  validate: bool = True):
         for name, v in (("num_agents", num_agents), ("capability window", window)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
                 raise ValueError(f"{name} must be a whole number >= 1, got {v!r}")
+        num_agents, window = int(num_agents), int(window)     # e.g. a numpy integer
         if metric not in D.CAPABILITY_METRICS:
             raise ValueError(f"unknown capability metric {metric!r}; choose one of "
                              f"{D.CAPABILITY_METRICS}")
