@@ -3,6 +3,7 @@ each test names what it pins. Expected values come from SPEC.md's formulas, eval
 float64 or by hand, never from the code under test."""
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,6 +14,8 @@ from hacpo.engine.pool import LearnerView
 from hacpo.engine.update import (NonFiniteUpdateError, UpdateMetrics, clip_coefficient,
                                  grad_norm_fp32, replay_nonfinite, step_clipped,
                                  update_learner)
+
+from .test_spec_independent import ref_hacpo_advantages
 
 F64 = torch.float64
 
@@ -92,25 +95,6 @@ def test_low_var_kl_masks_padding_and_clamps_per_token():
 
 
 # ---------------------------------------------------------------- config switches reach the math
-def _ref_hacpo_adv(r, prompt, agent, k, omega, uniform_guard, binary_guard, eps=1e-6):
-    """SPEC "Advantages for learner k" by loops, float64 (learner baseline for every sample)."""
-    out = [0.0] * len(r)
-    for p in set(prompt):
-        idx = [i for i in range(len(r)) if prompt[i] == p]
-        rs = [r[i] for i in idx]
-        mean = sum(rs) / len(rs)
-        mu = sum(r[i] / omega[agent[i]][k] for i in idx) / len(idx)
-        if uniform_guard and max(rs) == min(rs):
-            mu = mean
-        if binary_guard and mu > 1:
-            own = [r[i] for i in idx if agent[i] == k]
-            mu = sum(own) / len(own)
-        sd = math.sqrt(sum((x - mean) ** 2 for x in rs) / (len(rs) - 1)) if len(rs) > 1 else 0.0
-        for i in idx:
-            out[i] = (r[i] - mu) / (sd + eps)
-    return out
-
-
 @pytest.mark.parametrize("switch", ["advantage.uniform_guard", "advantage.binary_guard"])
 def test_advantage_guard_switches_reach_learner_samples(switch):
     """Each guard switched off in the config is off in the advantages learner_samples returns
@@ -126,8 +110,9 @@ def test_advantage_guard_switches_reach_learner_samples(switch):
     adv = cfg.advantage
     _, A = learner_samples(cfg, torch.tensor(r, dtype=F64), torch.tensor(prompt),
                            torch.tensor(agent), learner=0, ratios=torch.tensor(omega, dtype=F64))
-    want = _ref_hacpo_adv(r, prompt, agent, 0, omega, adv.uniform_guard, adv.binary_guard)
-    on = _ref_hacpo_adv(r, prompt, agent, 0, omega, True, True)
+    ref = [np.array(r), np.array(prompt), np.array(agent), 0, np.array(omega)]
+    want = ref_hacpo_advantages(*ref, ug=adv.uniform_guard, bg=adv.binary_guard).tolist()
+    on = ref_hacpo_advantages(*ref).tolist()
     assert max(abs(a - b) for a, b in zip(want, on)) > 0.1      # the switch matters here
     torch.testing.assert_close(A, torch.tensor(want, dtype=F64), rtol=1e-9, atol=1e-9)
 

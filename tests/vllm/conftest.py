@@ -83,3 +83,13 @@ def max_abs_diff(a, b) -> float:
 @pytest.fixture(autouse=True)
 def _one_thread(one_thread):
     """Every test here on one torch thread (tests/conftest.py)."""
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A private Ray cluster (2 CPUs, loopback) for one test module's stand-in engines."""
+    c = hacpo.launch.ray_cluster.connect("", num_cpus=2)
+    try:
+        yield c
+    finally:
+        c.shutdown()

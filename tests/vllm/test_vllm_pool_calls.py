@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from hacpo.engine.rollout import agent_generators
-from hacpo.launch import ray_cluster  # first: its environment must precede `import ray`
+from hacpo.launch import ray_cluster  # noqa: F401  (first: its environment precedes `import ray`)
 from hacpo.launch._vllm_worker import EngineDied
 from hacpo.launch.vllm_rollout import VLLMRolloutEngine
 
@@ -92,15 +92,6 @@ class _Engine:
 
     def shutdown(self):
         pass
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    c = ray_cluster.connect("", num_cpus=2)
-    try:
-        yield c
-    finally:
-        c.shutdown()
 
 
 class Pool:

@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from hacpo.launch import ray_cluster  # first: its environment must precede `import ray`
+from hacpo.launch import ray_cluster  # noqa: F401  (first: its environment precedes `import ray`)
 from hacpo.launch.vllm_rollout import VLLMRolloutEngine
 
 
@@ -23,15 +23,6 @@ class _Engine:
     def pid(self):
         import os
         return os.getpid()
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    c = ray_cluster.connect("", num_cpus=2)
-    try:
-        yield c
-    finally:
-        c.shutdown()
 
 
 def test_engine_error_names_agent_engine_and_call(cluster):
