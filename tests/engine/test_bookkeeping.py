@@ -462,3 +462,39 @@ def test_last_step_is_checkpointed_and_resume_keeps_the_nonfinite_count(tmp_path
     train(cfg(2), resume=True, echo=lambda *_: None)
     state = ckpt.load(path)
     assert state["step"] == 2 and state["nonfinite"]["total"] == 3
+
+
+def test_resume_carries_a_nonfinite_streak_mid_way(tmp_path, monkeypatch):
+    """A checkpoint written in the middle of a streak of non-finite updates: the resumed run
+    goes on counting that streak (max_nonfinite=3, streak 2 saved: the first non-finite update
+    after the resume stops the run, as it would have without the interruption), while a
+    checkpoint with streak 0 needs 3 more. Non-finite updates are forced by reporting every
+    update as non-finite to the streak counter."""
+    from hacpo.engine import checkpoint as ckpt
+    from hacpo.engine import update as upd
+
+    def cfg(steps):
+        return load_config("tiny3", overrides={
+            "out_dir": str(tmp_path / "run"), "cache_dir": str(tmp_path / "cache"),
+            "threads": "1", "steps": str(steps), "plots": "false", "tensorboard": "false",
+            "data.eval_size": "0", "max_nonfinite": "3"})
+
+    path = str(tmp_path / "run" / "checkpoint.pt")
+    train(cfg(1), echo=lambda *_: None)
+    saved = ckpt.load(path)
+    assert saved["step"] == 1 and saved["nonfinite"] == {"streak": 0, "total": 0}
+    real = upd._count_nonfinite
+    calls = []
+
+    def all_nonfinite(nonfinite, max_nonfinite, name, finite, loss, grad_norm):
+        calls.append(name)
+        real(nonfinite, max_nonfinite, name, False, loss, grad_norm)
+
+    monkeypatch.setattr(upd, "_count_nonfinite", all_nonfinite)
+    for streak, expected_calls in ((2, 1), (0, 3)):
+        state = dict(saved, nonfinite={"streak": streak, "total": 5})
+        ckpt.save_atomic(state, path)
+        calls.clear()
+        with pytest.raises(Exception, match=r"3 non-finite updates in a row") as e:
+            train(cfg(2), resume=True, echo=lambda *_: None)
+        assert len(calls) == expected_calls, (streak, calls, e.value)
