@@ -68,22 +68,25 @@ def test_transformer_engine_names_are_megatrons_renaming(arch_name, tp, pp):
 
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
 @pytest.mark.parametrize("use_sliding_window", [True, False])
-@pytest.mark.parametrize("max_window_layers", [0, 1, 3, 4, 5])
+@pytest.mark.parametrize("max_window_layers", [0, 1, 3, 4, 5, None])
 def test_sliding_layers_are_transformers_own(model_type, use_sliding_window,
                                              max_window_layers):
     """A config dict without ``layer_types`` (as transformers 4 wrote config.json): refused
     exactly when transformers' own config gives a layer sliding-window attention (layers
-    ``max_window_layers`` .. L-1 slide when ``use_sliding_window``)."""
+    ``max_window_layers`` .. L-1 slide when ``use_sliding_window``; None: the key missing, so
+    transformers' default of 28 applies and none of the 4 layers slides)."""
     from transformers import Qwen2Config, Qwen3Config
 
     raw = {"model_type": model_type, "num_hidden_layers": 4, "hidden_size": 64,
            "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
-           "vocab_size": 96, "sliding_window": 4, "use_sliding_window": use_sliding_window,
-           "max_window_layers": max_window_layers}
+           "vocab_size": 96, "sliding_window": 4, "use_sliding_window": use_sliding_window}
+    if max_window_layers is not None:
+        raw["max_window_layers"] = max_window_layers
     cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config}[model_type]
     kw = {k: v for k, v in raw.items() if k != "model_type"}
     slides = any(t != "full_attention" for t in cls(**kw).layer_types)
-    assert slides == (use_sliding_window and max_window_layers < 4)    # the rule, as stated
+    first = 28 if max_window_layers is None else max_window_layers
+    assert slides == (use_sliding_window and first < 4)    # the rule, as stated
     if slides:
         with pytest.raises(ValueError, match="sliding-window attention"):
             ArchSpec.from_hf(raw)

@@ -109,7 +109,10 @@ class ArchSpec:
         types = cfg.get("layer_types")
         if types is None and cfg.get("use_sliding_window") and \
                 cfg.get("sliding_window") is not None:   # a transformers-4 style dict
-            first = cfg.get("max_window_layers") or 0    # layers from this one on slide
+            # layers from this one on slide; transformers' default when the key is missing
+            first = cfg.get("max_window_layers", 28)
+            if first is None:
+                first = 28
             types = ["sliding_attention" if i >= first else "full_attention"
                      for i in range(cfg["num_hidden_layers"])]
         if any(t != "full_attention" for t in types or ()):
