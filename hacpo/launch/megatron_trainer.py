@@ -1084,12 +1084,13 @@ class MegatronAgents:
                     kl_of.update(r["minibatches"][m]["kl"])
             mb_list = mbs[m]
             if ratio_log is not None:
-                for part in ("self", "cross"):
+                bound = algo.loss.max_abs_log_ratio     # the log_s the loss used, as
+                for part in ("self", "cross"):          # update_learner logs it (SPEC: +-10)
                     js = [j for j in mb_list if is_self[j] == (part == "self")]
                     if js:
                         new = torch.stack([new_lp_of[j] for j in js])
                         ratio_log.setdefault(part, []).append(
-                            (new - pool.lp_old[view.idx[js]]).clamp(-10, 10))
+                            (new - pool.lp_old[view.idx[js]]).clamp(-bound, bound))
             if not res["finite"]:
                 nonfinite["streak"] += 1
                 nonfinite["total"] += 1

@@ -6,6 +6,7 @@ killed trainer actor is a clear error naming its agent."""
 import json
 import os
 import signal
+import time
 
 import pytest
 
@@ -169,3 +170,39 @@ def test_update_all_counts_streaks_in_agent_order_before_later_failures():
     with pytest.raises(RuntimeError, match="agent 'b' died"):
         agents([ok, nan]).update_all([view, view], pool,
                                      nonfinite={"streak": 1, "total": 1}, **kw)
+
+
+def test_trainer_actor_killed_between_calls_is_not_restarted(cluster, tmp_path):
+    """SIGKILL agent char-b's trainer actor while it is idle (between two calls): its next call
+    is the clear error naming the agent. A restarted actor would answer, from the weights it
+    was created with, every step trained since silently lost (actors are made with
+    max_restarts=0). Two char agents: their policies need no corpus."""
+    import dataclasses
+
+    from hacpo.models.policy import build_policy
+
+    from ._launch_helpers import gone_within
+
+    cfg = two_agent_cfg(tmp_path, "idle", trainer_backend="ray")
+    a = cfg.agents[0]
+    b = dataclasses.replace(a, policy=dataclasses.replace(a.policy, name="char-b", seed=7))
+    cfg = dataclasses.replace(cfg, agents=[a, b])
+    ra = ray_trainer.RayAgents(cfg, [build_policy(x.policy) for x in cfg.agents])
+    try:
+        pid = ray.get(ra.actor(1).ready.remote())
+        os.kill(pid, signal.SIGKILL)
+        assert gone_within(pid, 10)
+        # until Ray has decided the actor's fate (a call right after the kill can fail as
+        # "unavailable" also when it would be restarted): dead for good, or never answering
+        deadline = time.time() + 60
+        while True:
+            with pytest.raises(RuntimeError, match=r"the trainer actor of agent 'char-b' "
+                                                   r"died.*--resume") as e:
+                ra.state_dict(1)
+            if "ActorDiedError" in str(e.value) or time.time() > deadline:
+                break
+            time.sleep(1)
+        assert "model" in ra.state_dict(0)        # the other agent's actor still answers
+    finally:
+        ra.close()
+    free_cpus_back()
