@@ -481,8 +481,15 @@ def _minibatch_metrics(algo: AlgorithmConfig, view: LearnerView, mb_list: list[i
                        new_lp_of: dict, tl_of: dict, lp_old: torch.Tensor,
                        old_token_logp: list[torch.Tensor], m: int, divisor) -> dict:
     """The loss's metrics over the whole minibatch at once (means over the right subsets,
-    whatever the micro-batching), from the detached log-probs of the update."""
-    js = [j for j in mb_list if j in new_lp_of]
+    whatever the micro-batching), from the detached log-probs of the update. A sample of the
+    minibatch without its log-prob (a result lost on the way back from a rank) is an error,
+    not a metric over fewer samples."""
+    missing = [j for j in mb_list if j not in new_lp_of]
+    if missing:
+        raise RuntimeError(f"minibatch {m}: no new log-prob for {len(missing)} of its "
+                           f"{len(mb_list)} samples (view rows {missing[:8]}): a scoring "
+                           f"result was lost")
+    js = list(mb_list)
     pool_idx = view.idx[js]
     kwargs = {}
     if algo.token_level:

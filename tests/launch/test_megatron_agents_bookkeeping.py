@@ -103,6 +103,18 @@ def test_update_result_merges_the_dp_replicas_samples_and_logs_ratios_by_pool_in
     assert sw == {"time/optimizer/a": 0.25}      # the reporting rank of DP rank 0
 
 
+def test_update_result_with_a_sample_lost_is_an_error():
+    """DP rank 1's reporter returns no log-prob for view row 3 of minibatch 1: the update's
+    metrics are an error naming the lost row, not means over the samples that came back."""
+    view, pool = _view(), SimpleNamespace(lp_old=LP_OLD, old_token_logp=[])
+    results = _results([True, True], [0.5, 1.5])
+    del results[2]["minibatches"][1]["new_lp"][3]
+    with pytest.raises(RuntimeError, match=r"minibatch 1: no new log-prob for 1 of its 2 "
+                                           r"samples \(view rows \[3\]\)"):
+        _agents()._update_result(0, view, pool, [[0, 1], [2, 3]], results,
+                                 {"streak": 0, "total": 0}, None, {})
+
+
 def test_update_result_counts_nonfinite_updates():
     """A skipped (non-finite) update adds to the streak and the total; an applied one resets
     the streak; only applied updates enter the loss."""
