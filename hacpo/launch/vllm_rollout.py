@@ -540,7 +540,6 @@ class VLLMRolloutEngine(GeneratorState):
                  temperature: float, top_p: float) -> Rollout:
         self._check_open()
         policy = self.policies[agent]
-        tok = policy.tokenizer
         prompts = check_generate_args(policy, prompt_ids, num_samples=num_samples,
                                       max_new_tokens=max_new_tokens, temperature=temperature,
                                       top_p=top_p)
@@ -549,8 +548,23 @@ class VLLMRolloutEngine(GeneratorState):
             return empty_rollout(policy.name, prompts, num_samples)
         B, G = len(prompts), num_samples
         N = B * G
+        gen = self.generators[agent]
+        before = gen.get_state()     # a failed call leaves it as it was (as the Ray pool's)
+        seeds = torch.randint(2 ** 62, (N,), generator=gen).tolist()
+        try:
+            return self._generate(agent, prompts, seeds, G, max_new_tokens, temperature, top_p)
+        except BaseException:
+            gen.set_state(before)
+            raise
+
+    def _generate(self, agent: int, prompts: list[list[int]], seeds: list[int], G: int,
+                  max_new_tokens: int, temperature: float, top_p: float) -> Rollout:
+        """generate's call: one seed per sample (prompt-major), shards over the engines."""
+        policy = self.policies[agent]
+        tok = policy.tokenizer
+        B = len(prompts)
+        N = B * G
         prompt_index = [i for i in range(B) for _ in range(G)]
-        seeds = torch.randint(2 ** 62, (N,), generator=self.generators[agent]).tolist()
         bounds = _shards(B, self.engines_per_agent)
         version = self._version[agent]
         results: list = [None] * len(bounds)

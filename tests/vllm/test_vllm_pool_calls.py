@@ -197,7 +197,8 @@ def test_engine_dying_mid_call_is_restarted_and_its_shard_resent_once(cluster):
 
 def test_engine_dying_past_the_budget_is_a_clear_error(cluster):
     """max_engine_restarts=1: the restarted engine dies again: an error naming the agent, the
-    engine, the budget and the death, after exactly one restart."""
+    engine, the budget and the death, after exactly one restart; the agent's generator is left
+    as before the call."""
     p = Pool([(), ("die",)], max_restarts=1, restart_faults=[("die",)])
     try:
         with pytest.raises(RuntimeError, match=r"^vLLM engine 1 of agent 0 \('fake'\) died and "
@@ -207,6 +208,9 @@ def test_engine_dying_past_the_budget_is_a_clear_error(cluster):
             p.pool.generate(0, PROMPTS, **GEN)
         assert p.pool.restarts == [[0, 1]]
         assert sorted(t for t, _ in p.calls()) == ["0", "1", "1r"]
+        # the failed call drew nothing from the agent's generator (as the Ray pool's)
+        assert torch.equal(p.pool.generators[0].get_state(),
+                           agent_generators(SEED, 1)[0].get_state())
     finally:
         p.close()
 
@@ -248,12 +252,15 @@ def test_dead_vllm_worker_process_restarts_the_engine(cluster):
 ])
 def test_an_engine_answer_that_does_not_add_up_is_an_error(cluster, fault, message):
     """A lost sample or a sample whose log-probs do not match its tokens is an error, not a
-    rollout with a sample missing or misaligned (and not a restart)."""
+    rollout with a sample missing or misaligned (and not a restart); the agent's generator is
+    left as before the call."""
     p = Pool([(), (fault,)])
     try:
         with pytest.raises(RuntimeError, match=message):
             p.pool.generate(0, PROMPTS, **GEN)
         assert p.pool.restarts == [[0, 0]]
+        assert torch.equal(p.pool.generators[0].get_state(),      # nothing drawn
+                           agent_generators(SEED, 1)[0].get_state())
     finally:
         p.close()
 
