@@ -325,3 +325,66 @@ def test_an_error_raised_while_a_run_stops_is_reported_as_the_stop(capsys):
         _stoppable(args, lambda a: (_ for _ in ()).throw(RuntimeError("plain")))
     with pytest.raises(RuntimeError, match="unexpected"):     # SystemExit(1): not a SIGTERM
         _stoppable(args, cut_short(SystemExit(1)))
+
+
+def test_every_run_and_eval_flag_reaches_its_command(tmp_path, monkeypatch, capsys):
+    """Each option of train / compare / profile / eval arrives where it acts (the command's
+    config or its function's argument), none parsed and dropped: the commands' functions are
+    replaced by recorders here, so nothing runs."""
+    from hacpo.engine import compare, eval_harness, profile, trainer
+
+    got = {}
+
+    def record(name, ret=None):
+        def f(*a, **k):
+            got[name] = (a, k)
+            return ret
+        return f
+    monkeypatch.setattr(trainer, "train", record("train"))
+    monkeypatch.setattr(compare, "run_compare", record("compare"))
+    monkeypatch.setattr(profile, "run_profile", record("profile"))
+    monkeypatch.setattr(eval_harness, "evaluate_checkpoints",
+                        record("eval", {"table": "", "out_dirs": []}))
+    out = str(tmp_path / "r")
+    assert main(["train", "--preset", "tiny3", "--steps", "7", "--out-dir", out,
+                 "--skip-bad-rows", "--resume", "--set", "prompts_per_step=3"]) == 0
+    (cfg,), kw = got["train"]
+    assert (cfg.steps, cfg.out_dir, cfg.data.skip_bad_rows, cfg.prompts_per_step, kw) == \
+        (7, out, True, 3, {"resume": True})
+    assert main(["train", "--preset", "tiny3"]) == 0
+    (cfg,), kw = got["train"]
+    assert (cfg.steps, cfg.out_dir, cfg.data.skip_bad_rows, kw) == \
+        (2, "runs/tiny3", False, {"resume": False})
+    assert main(["compare", "--preset", "tiny3", "--algorithms", "gspo", "hacpo", "--seeds",
+                 "3", "4", "--pass-k", "0", "--out-dir", out, "--steps", "5"]) == 0
+    (cfg, algos, seeds, root), kw = got["compare"]
+    assert (cfg.steps, algos, seeds, root, kw["pass_k"]) == (5, ["gspo", "hacpo"], [3, 4], out,
+                                                             0)
+    assert main(["compare", "--preset", "tiny3"]) == 0
+    assert got["compare"][0][1:] == (["grpo", "gspo", "gspo2x", "naive", "hacpo"], [0, 1, 2],
+                                     "runs/compare") and got["compare"][1]["pass_k"] == 4
+    assert main(["profile", "--preset", "tiny3", "--algorithms", "gspo", "hacpo", "--rounds",
+                 "4", "--steps-per-round", "3", "--skip-steps", "2", "--out-dir", out]) == 0
+    (cfg, root), kw = got["profile"]
+    assert (root, kw["algorithms"], kw["rounds"], kw["steps_per_round"], kw["skip_steps"]) == \
+        (out, ["gspo", "hacpo"], 4, 3, 2)
+    assert main(["profile", "--preset", "tiny3"]) == 0
+    (cfg, root), kw = got["profile"]
+    assert (root, kw["algorithms"], kw["rounds"], kw["steps_per_round"], kw["skip_steps"]) == \
+        ("runs/profile", ["gspo", "gspo2x", "hacpo"], 3, 2, 1)
+    assert main(["eval", "r1", "r2", "--bench", "a=x.jsonl", "b=y.jsonl:gsm8k", "--agents", "q",
+                 "--samples", "3", "--temperature", "0.5", "--top-p", "0.9",
+                 "--max-new-tokens", "11", "--limit", "5", "--template", "t", "--out-dir", out,
+                 "--batch", "7", "--seed", "9"]) == 0
+    (ck, bench), kw = got["eval"]
+    assert (ck, bench) == (["r1", "r2"], ["a=x.jsonl", "b=y.jsonl:gsm8k"])
+    assert kw == {"agents": ["q"], "samples": 3, "temperature": 0.5, "top_p": 0.9,
+                  "max_new_tokens": 11, "limit": 5, "template": "t", "out_dir": out,
+                  "batch": 7, "seed": 9}
+    assert main(["eval", "r1", "--bench", "a=x.jsonl"]) == 0
+    assert got["eval"][1] == {"agents": None, "samples": 1, "temperature": None, "top_p": None,
+                              "max_new_tokens": None, "limit": None, "template": None,
+                              "out_dir": None, "batch": 128, "seed": None}
+    with pytest.raises(SystemExit):           # --pass-k: an integer >= 0
+        main(["compare", "--preset", "tiny3", "--pass-k", "-1"])
+    assert "must be an integer >= 0, got -1" in capsys.readouterr().err

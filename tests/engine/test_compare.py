@@ -15,6 +15,26 @@ def test_mean_ci_by_hand():
     assert math.isnan(mean_ci([0.3])[1])
 
 
+def _t_cdf(x: float, df: int, steps: int = 4000) -> float:
+    """Student-t CDF at x >= 0 from its density (Simpson's rule over [0, x])."""
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+    f = lambda u: c * (1 + u * u / df) ** (-(df + 1) / 2)
+    h = x / steps
+    s = f(0) + f(x) + sum((4 if i % 2 else 2) * f(i * h) for i in range(1, steps))
+    return 0.5 + s * h / 3
+
+
+def test_t95_is_the_two_sided_95_quantile_or_a_conservative_one():
+    """Each tabulated t is the 97.5% quantile of Student t (to its 3 decimals); a df between
+    table rows uses the next lower row's, a wider interval, never a narrower one."""
+    from hacpo.engine.compare import _T95, t95
+    for df, t in _T95.items():
+        assert abs(_t_cdf(t, df) - 0.975) < 5e-5, (df, t)
+    for df in range(1, 41):
+        assert _t_cdf(t95(df), df) > 0.975 - 5e-5, df
+    assert math.isnan(t95(0))
+
+
 def test_render_table_numbers():
     res = {"gspo": {"a": [{"seed": 0, "accuracy": 0.5, "pass@4": 0.9, "before": 0.4},
                           {"seed": 1, "accuracy": 0.7, "pass@4": 0.7, "before": 0.4}]}}

@@ -255,3 +255,66 @@ def test_final_eval_pass_k_and_reward_workers_are_resumable():
         {"eval_pass_k": 8, "reward.num_workers": 2}))) == []
     assert config_diff(a, fingerprint_dict(cfg.override({"reward.timeout_s": 9}))) != []
     assert config_diff(a, fingerprint_dict(cfg.override({"eval_max_new_tokens": 7}))) != []
+
+
+def test_keys_that_change_the_math_block_a_resume():
+    """Sampling, data, reward, seed, optimizer and algorithm settings are in the resume
+    fingerprint: changing any of them is a difference a resume refuses (only keys that do not
+    change the math, e.g. steps or threads, may change)."""
+    from hacpo.engine.run_config import config_diff, fingerprint_dict, load_config
+    cfg = load_config("tiny3")
+    a = fingerprint_dict(cfg)
+    changes = {"seed": 3, "prompts_per_step": 5, "rollout.temperature": 0.7,
+               "rollout.top_p": 0.9, "rollout.group_size": 3, "rollout.max_new_tokens": 9,
+               "rollout.engine": "ray", "data.seed": 1, "data.train_size": 150,
+               "reward.name": "exact", "algorithm.loss.alpha": 0.5,
+               "agents.1.optim.lr": 5e-4, "agents.2.policy.seed": 9,
+               "drop_unencodable": False, "max_nonfinite": 2}
+    for key, value in changes.items():
+        assert config_diff(a, fingerprint_dict(cfg.override({key: value}))) == [key], key
+    assert config_diff(a, fingerprint_dict(cfg.override({"steps": 9, "threads": 1}))) == []
+
+
+def test_the_default_preset_is_the_documented_run():
+    """README, "The embedded default": char-small (character tokenizer) and qwen3-large (Qwen3
+    BPE, vocabulary reduced to the task), each warmed up for 300 steps, then HACPO: 60 steps of
+    64 prompts x G=8, two minibatches, sampled at temperature 0.7, 500 held-out problems."""
+    from hacpo.engine.run_config import load_config
+    cfg = load_config("default")
+    pols = [(a.policy.name, a.policy.tokenizer, a.policy.reduce_vocab, a.warmup.steps)
+            for a in cfg.agents]
+    assert pols == [("char-small", "char", False, 300), ("qwen3-large", "qwen3", True, 300)]
+    assert (cfg.algorithm.name, cfg.algorithm.num_minibatches) == ("hacpo", 2)
+    assert (cfg.steps, cfg.prompts_per_step, cfg.rollout.group_size) == (60, 64, 8)
+    assert (cfg.rollout.temperature, cfg.data.eval_size, cfg.data.task) == \
+        (0.7, 500, "arithmetic")
+
+
+@pytest.mark.parametrize("text,value", [("1", True), ("true", True), ("Yes", True),
+                                        ("on", True), ("0", False), ("false", False),
+                                        ("NO", False), ("off", False)])
+def test_boolean_spellings_parse(text, value):
+    """--set takes a boolean as 1/0, true/false, yes/no or on/off (any case)."""
+    from hacpo.engine.run_config import load_config
+    cfg = load_config("tiny3", overrides={"progress": text, "drop_unencodable": text})
+    assert (cfg.progress, cfg.drop_unencodable) == (value, value)
+
+
+def test_set_values_may_contain_equals_signs():
+    """KEY=VALUE splits at the first '=': a value such as a run dir named after its settings
+    keeps its own '='; an item without '=' is an error naming it."""
+    from hacpo.engine.configtools import parse_overrides
+    assert parse_overrides(["out_dir=runs/lr=3e-4,g=4", " steps = 5 "]) == {
+        "out_dir": "runs/lr=3e-4,g=4", "steps": "5"}
+    with pytest.raises(ValueError, match="'steps' must look like key=value"):
+        parse_overrides(["steps"])
+
+
+def test_an_agent_index_past_the_list_is_a_clear_error():
+    """agents.N with N = the number of agents (one past the last) is a ValueError naming the
+    key and the allowed indices, as a larger N is (not an IndexError)."""
+    from hacpo.engine.run_config import load_config
+    for n in (3, 4):
+        with pytest.raises(ValueError, match=rf"config key 'agents.{n}.optim.lr': '{n}' is not "
+                                             rf"an index < 3"):
+            load_config("tiny3", overrides={f"agents.{n}.optim.lr": "1e-3"})

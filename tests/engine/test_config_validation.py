@@ -86,6 +86,38 @@ def test_lowest_allowed_values_load():
         (0, 1, 1, 0.0)
 
 
+def test_highest_allowed_values_load():
+    """The closed ends the error messages name load: loss.cross_clip_delta 1 ("in [0, 1]";
+    SPEC: lower clip bound 1 - delta), capability.ratio_min equal to ratio_max ("<="),
+    rollout.gpu_memory_utilization 1 ("in (0, 1]")."""
+    cfg = load_config("tiny3", overrides={
+        "algorithm.loss.cross_clip_delta": "1", "algorithm.capability.ratio_min": "2",
+        "algorithm.capability.ratio_max": "2"})
+    cap = cfg.algorithm.capability
+    assert (cfg.algorithm.loss.cross_clip_delta, cap.ratio_min, cap.ratio_max) == (1.0, 2.0, 2.0)
+    gpu = load_config("tiny3", overrides={"rollout.engine": "vllm", "rollout.device": "cuda",
+                                          "rollout.gpu_memory_utilization": "1"})
+    assert gpu.rollout.engine_memory_fraction() == 1.0
+
+
+def test_vllm_temperature_and_head_split_rules():
+    """vLLM samples at temperature 0 or in [0.01, 2] (both ends included), and splits a model
+    over tp workers when the attention heads divide by tp and the KV heads divide by tp or,
+    fewer than tp, divide it (None: as many KV heads as attention heads)."""
+    from hacpo.engine.run_config import check_vllm_temperature, engine_tp_problem
+    for ok in (0, 0.01, 1.0, 2.0):
+        check_vllm_temperature(ok)
+    for bad in (0.009, 2.001, -1.0):
+        with pytest.raises(ValueError, match="cannot be served"):
+            check_vllm_temperature(bad)
+    cases = [((2, 1, 3), "2 attention heads"), ((12, 3, 4), "3 KV heads"),
+             ((6, 3, 2), "3 KV heads"), ((12, None, 8), "12 attention heads"),
+             ((12, 4, 2), None), ((8, 2, 4), None), ((12, 3, 6), None), ((8, None, 4), None),
+             ((9, 3, 3), None), ((4, 4, 1), None)]
+    for args, want in cases:
+        assert engine_tp_problem(*args) == want, args
+
+
 @pytest.mark.parametrize("key,bad,msg", [
     ("rollout.temperature", "-1", r"rollout.temperature must be a finite number >= 0 "
                                   r"\(0: greedy\), got -1.0"),

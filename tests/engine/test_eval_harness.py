@@ -137,7 +137,7 @@ def test_run_reward_is_used_and_numbers_consistent(run):
     assert all(r["reward"] == "_test_even_length" for r in recs.values())
     assert 0.0 < sum(r["avg@4"] for r in recs.values()) < len(recs)
     for row in rep["rows"]:
-        vals = []
+        vals, ses = [], []
         for bench in ("gsm", "math"):
             rec = json.loads((run["tmp"] / "run2" / "eval" / f"{row['agent']}__{bench}.json")
                              .read_text())
@@ -151,7 +151,11 @@ def test_run_reward_is_used_and_numbers_consistent(run):
             assert rec["pass@4"] == pytest.approx(
                 sum(any(r > 0.5 for r in p["rewards"]) for p in rec["problems"]) / 6)
             vals.append(rec["avg@4"])
+            ses.append(rec["stderr"])
         assert row["mean"]["avg@4"] == pytest.approx(sum(vals) / 2)
+        # the mean of B benchmarks: SE = sqrt(sum SE_b^2) / B (README), CI 1.96 SE
+        assert row["mean"]["ci95"] == pytest.approx(1.96 * (ses[0] ** 2 + ses[1] ** 2) ** 0.5
+                                                    / 2)
         assert row["mean"]["pass@4"] == pytest.approx(
             sum(row["benchmarks"][b]["pass@4"] for b in ("gsm", "math")) / 2)
 
@@ -488,3 +492,44 @@ def test_a_run_that_sampled_its_eval_on_another_engine_gets_a_note(run, tmp_path
                 assert notes == [], said
             else:
                 assert len(notes) == 1 and want in notes[0], said
+
+
+def test_a_prompt_that_just_fits_is_scored_and_one_token_more_is_too_long(monkeypatch):
+    """``too_long`` is prompt + max_new_tokens > max_len, the sampler's own limit
+    (hacpo.models.generation refuses only more): a prompt that fills max_len exactly with
+    max_new_tokens is sampled; one token longer scores 0, counted."""
+    from types import SimpleNamespace
+
+    from hacpo.engine import eval_harness
+
+    tok = SimpleNamespace(prompt_ids=lambda q, errors="strict": list(range(len(q))))
+    policy = SimpleNamespace(tokenizer=tok, max_len=10)
+    sampled = []
+
+    def fake(pol, ids, golds, rc, **kw):
+        sampled.extend(ids)
+        return [[1.0] for _ in ids], [["r"] for _ in ids], {}
+    monkeypatch.setattr(eval_harness, "sample_and_score", fake)
+    per, counts = eval_harness._score_policy(
+        policy, ["x" * 5, "x" * 6, "x" * 7], ["1"] * 3, None, samples=1, temperature=0.0,
+        top_p=1.0, max_new_tokens=4, batch=8, seed=0, bench="b")
+    assert [len(i) for i in sampled] == [5, 6]
+    assert [p["status"] for p in per] == ["ok", "ok", "too_long"]
+    assert [p["rewards"] for p in per] == [[1.0], [1.0], [0.0]]
+    assert (counts["ok"], counts["too_long"]) == (2, 1)
+
+
+def test_table_counts_each_problem_once_with_rows_over_runs():
+    """The counts under the tables are the problems of the evaluated (run, agent) pairs; a
+    '(mean of N runs)' row repeats its runs' counts and adds none."""
+    from hacpo.engine.eval_harness import _markdown
+
+    cell = {"avg@1": 0.5, "ci95": 0.1, "pass@1": 0.5}
+    rows = [{"row": f"r{i}/a", "ci": "normal", "benchmarks": {"b": cell}, "mean": cell,
+             "fallback": fb, "unencodable": un, "too_long": tl}
+            for i, (fb, un, tl) in enumerate(((3, 1, 0), (0, 2, 4)))]
+    rows.append({"row": "a (mean of 2 runs)", "ci": "t", "benchmarks": {"b": cell},
+                 "mean": cell, "fallback": 3, "unencodable": 3, "too_long": 4})
+    md = _markdown({"rows": rows}, ["b"], 1)
+    assert ("Prompts encoded with the tokenizer fallback: 3; unencodable prompts (scored 0): 3; "
+            "prompts too long for the policy (scored 0): 4.") in md

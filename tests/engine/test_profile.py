@@ -128,6 +128,39 @@ def test_summarize_skips_first_steps():
         summarize_run(rows, ["a"], skip_steps=3)
 
 
+def test_summarize_splits_the_reward_and_counts_generated_samples():
+    """Per agent: T(a) = generate + old log-probs + re-tokenize + update + sync + reward / n
+    (the shared verifier split evenly over the n agents; module docstring), and the samples an
+    agent generated are its trained samples less the cross samples it learned from."""
+    stages = {"generate": 1.0, "old_logprobs": 0.5, "retokenize": 0.25, "update": 2.0,
+              "sync": 0.125}
+    rows = []
+    for s in range(2):
+        r = {"step": s, "time/step": 9.0, "time/reward": 0.6}
+        for a in ("a", "b", "c"):
+            r.update({f"time/{k}/{a}": v for k, v in stages.items()})
+            r.update({f"train/{a}/trained_samples": 24.0, f"train/{a}/trained_cross": 16.0})
+        rows.append(r)
+    m = summarize_run(rows, ["a", "b", "c"], skip_steps=0)
+    for a in ("a", "b", "c"):
+        d = m["agents"][a]
+        assert d["agent_time"] == pytest.approx(1.0 + 0.5 + 0.25 + 2.0 + 0.125 + 0.6 / 3)
+        assert d["generated_samples"] == 8.0 and d["trained_samples"] == 24.0
+    assert m["trained_samples"] == 72.0
+
+
+def test_report_marks_the_cross_scoring_target_inclusively():
+    """A cross-scoring share of exactly the 25% target is met ("target <= 25%")."""
+    meas = {"gspo": _run(64, 0), "hacpo": _run(64, 64)}
+    g = meas["gspo"]["agents"]["a0"]
+    for a in ("a0", "a1"):           # scoring = exactly a quarter of GSPO's agent time
+        meas["hacpo"]["agents"][a]["score_cross"] = 0.25 * g["agent_time"]
+        meas["hacpo"]["agents"][a]["retokenize"] = 0.0
+    rep = build_report(meas, ["a0", "a1"])
+    assert rep["agents"]["a0"]["cross_scoring_share"] == 0.25
+    assert render_report(rep).count("+25% (met)") == 2
+
+
 def test_profile_end_to_end_tiny(tmp_path):
     cfg = load_config("tiny3", overrides={"cache_dir": str(tmp_path / "cache"), "threads": 1})
     said = []
@@ -137,6 +170,10 @@ def test_profile_end_to_end_tiny(tmp_path):
     warned = [s for s in said if s.startswith("[profile] gspo2x: [warn]")]
     assert len(warned) == 2 and "minibatch" in warned[0], said     # once per round (a resume)
     assert not any(s.startswith("[eval]") or s.startswith("[warm-up]") for s in said), said
+    # the order rotates every round (module docstring, README): round 2 starts with gspo2x
+    order = [s.split(": ")[1] for s in said if s.startswith("[profile] round")]
+    assert order == ["gspo to step 1", "gspo2x to step 1", "hacpo to step 1",
+                     "gspo2x to step 2", "hacpo to step 2", "gspo to step 2"], said
     for f in ("profile.json", "profile.md", "profile.png"):
         assert (tmp_path / "prof" / f).exists()
     assert set(rep["measured"]) == {"gspo", "gspo2x", "hacpo"}
