@@ -391,7 +391,8 @@ def test_resumed_second_step_equals_torch_two_steps(cluster, tmp, torch_runs, me
     state moves by parameter name through HF names, as the weights do, and each DP rank takes
     its slice), with another weight bucket size (one bucket now) and log-prob path:
     ``parallel.lm_head = "logits"`` (megatron's output layer; step 1 used the fused default),
-    so both paths are checked inside the trainer."""
+    so both paths are checked inside the trainer. A copy of step 1 resumed on one rank per
+    agent (fewer ranks than wrote it) gives the same step 2."""
     with pytest.raises(ValueError, match=r"cannot resume.*agents\.0\.parallel\."
                                          r"make_vocab_size_divisible_by"):
         train(megatron_cfg(tmp, "meg", "megatron", steps=2).override(
@@ -407,6 +408,7 @@ def test_resumed_second_step_equals_torch_two_steps(cluster, tmp, torch_runs, me
         train(megatron_cfg(tmp, "meg-broken", "megatron", steps=2), resume=True,
               echo=lambda *_: None)
     free_cpus_back()
+    shutil.copytree(tmp / "meg", tmp / "meg-fewer")       # step 1, for a resume on 1 rank
     # what a crash between the ranks' writes and the checkpoint file would leave behind
     stale = tmp / "meg" / "checkpoint-megatron" / NAMES[0] / "crashed-save"
     stale.mkdir()
@@ -429,6 +431,18 @@ def test_resumed_second_step_equals_torch_two_steps(cluster, tmp, torch_runs, me
     for a in NAMES:     # one directory each: the step-2 save's (not step 1's, not the crash's)
         assert len(dirs2[a]) == 1 and dirs2[a] != dirs1[a] and dirs2[a] != ["crashed-save"]
         assert all((tmp / "meg" / f).is_file() for f in named2[a])
+    # the same step 1 resumed on fewer ranks than it was written by (2 -> 1 per agent: the
+    # checkpoint's shards, weights and Adam moments, are read by its own layout's count and
+    # cut for the new one): the same step 2
+    train(megatron_cfg(tmp, "meg-fewer", "megatron", steps=2).override(
+        {"agents.0.parallel.tp": 1, "agents.1.parallel.pp": 1}), resume=True,
+        echo=lambda *_: None)
+    free_cpus_back()
+    fewer = _rows(tmp, "meg-fewer")
+    assert [r["step"] for r in fewer] == [0, 1]
+    for a, b in zip(fewer, ref):
+        _check_metrics(a, b)
+    _check_weights(_weights(tmp, "meg-fewer"), _weights(tmp, "torch2"), before)
 
 
 KL = {"algorithm.loss.kl_coef": 1.0}
