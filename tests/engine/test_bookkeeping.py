@@ -440,6 +440,14 @@ def test_metrics_rows_are_strict_json_with_non_finite_values_as_null(tmp_path):
     assert json.loads(line, parse_constant=strict) == {"step": 0, "a": None, "b": None, "c": 1.5}
 
 
+def _quiet_tiny3(tmp_path, steps: int, **over):
+    """tiny3 in ``tmp_path/run`` for ``steps`` steps: one thread, no plots, no held-out set."""
+    return load_config("tiny3", overrides={
+        "out_dir": str(tmp_path / "run"), "cache_dir": str(tmp_path / "cache"),
+        "threads": "1", "steps": str(steps), "plots": "false", "tensorboard": "false",
+        "data.eval_size": "0", **over})
+
+
 def test_last_step_is_checkpointed_and_resume_keeps_the_nonfinite_count(tmp_path):
     """checkpoint_every=5 with steps=1: the run's last step is still checkpointed. A resume at
     steps equal to the checkpoint's step is allowed (nothing left to train), and a resume that
@@ -447,10 +455,7 @@ def test_last_step_is_checkpointed_and_resume_keeps_the_nonfinite_count(tmp_path
     from hacpo.engine import checkpoint as ckpt
 
     def cfg(steps):
-        return load_config("tiny3", overrides={
-            "out_dir": str(tmp_path / "run"), "cache_dir": str(tmp_path / "cache"),
-            "threads": "1", "steps": str(steps), "plots": "false", "tensorboard": "false",
-            "data.eval_size": "0", "checkpoint_every": "5"})
+        return _quiet_tiny3(tmp_path, steps, checkpoint_every="5")
 
     path = str(tmp_path / "run" / "checkpoint.pt")
     train(cfg(1), echo=lambda *_: None)
@@ -474,10 +479,7 @@ def test_resume_carries_a_nonfinite_streak_mid_way(tmp_path, monkeypatch):
     from hacpo.engine import update as upd
 
     def cfg(steps):
-        return load_config("tiny3", overrides={
-            "out_dir": str(tmp_path / "run"), "cache_dir": str(tmp_path / "cache"),
-            "threads": "1", "steps": str(steps), "plots": "false", "tensorboard": "false",
-            "data.eval_size": "0", "max_nonfinite": "3"})
+        return _quiet_tiny3(tmp_path, steps, max_nonfinite="3")
 
     path = str(tmp_path / "run" / "checkpoint.pt")
     train(cfg(1), echo=lambda *_: None)

@@ -10,7 +10,6 @@ reach, each checked without Ray against values worked out by hand:
   test_megatron_rank_update.py): the ranks' own streak of non-finite minibatches resets on a
   finite one and stops them at ``max_nonfinite`` in a row.
 """
-import dataclasses
 import math
 import os
 from types import SimpleNamespace
@@ -147,26 +146,15 @@ NAN_ROWS = [0, 1, 4, 5, 6, 7]
 
 
 def _streak_worker(rank, port, out):
-    import torch.distributed as dist
-
-    from hacpo.engine.run_config import ParallelConfig
-    from hacpo.launch.megatron_trainer import MegatronRank
-    from hacpo.models.megatron import ArchSpec, hf_to_megatron
-    from tests.launch.test_megatron_rank_update import ALGO, OPTIM, _inputs, _policy
+    from tests.launch.test_megatron_rank_update import ALGO, _inputs, _policy, one_rank
     from tests.megatron._cpu_megatron import cpu_patches
 
     torch.set_num_threads(1)
     with cpu_patches():
-        r = MegatronRank("a", 0, 1, 1, "")
-        r._store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False)
         pol = _policy()
         view, lp_old, _ = _inputs(pol)
         lp_old[NAN_ROWS] = float("nan")
-        shard = hf_to_megatron(pol.model.state_dict(), ArchSpec.from_hf(pol.model.config))
-        par = ParallelConfig()
-        r.setup(("127.0.0.1", port), pol.model.config, torch.float32, shard,
-                {**dataclasses.asdict(par), "recompute_kw": par.recompute_kwargs()}, OPTIM, 0,
-                60.0)
+        r = one_rank(port, pol, torch.float32)
         got = {}
         for streak, max_nonfinite in ((0, 2), (0, 3), (1, 2)):
             res = r.update({"algo": ALGO, "view": view, "lp_old": lp_old, "kl_coef": 0.0,

@@ -58,25 +58,32 @@ def _inputs(pol):
     return view, torch.stack([t.mean() for t in toks]), toks
 
 
-def _rank_worker(rank, world, port, dtype, out):
+def one_rank(port: int, pol, dtype: torch.dtype):
+    """A set-up 1-rank MegatronRank (default layout, OPTIM) holding ``pol``'s weights in
+    ``dtype`` (call inside cpu_patches, in a spawned process)."""
     import torch.distributed as dist
 
     from hacpo.launch.megatron_trainer import MegatronRank
     from hacpo.models.megatron import ArchSpec, hf_to_megatron
+
+    r = MegatronRank("a", 0, 1, 1, "")
+    r._store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False)
+    shard = hf_to_megatron(pol.model.state_dict(), ArchSpec.from_hf(pol.model.config))
+    par = ParallelConfig()
+    r.setup(("127.0.0.1", port), pol.model.config, dtype,
+            {k: v.to(dtype) for k, v in shard.items()},
+            {**dataclasses.asdict(par), "recompute_kw": par.recompute_kwargs()}, OPTIM, 0, 60.0)
+    return r
+
+
+def _rank_worker(rank, world, port, dtype, out):
     from tests.megatron._cpu_megatron import cpu_patches
 
     torch.set_num_threads(1)
     with cpu_patches():
-        r = MegatronRank("a", 0, 1, 1, "")
-        r._store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False)
         pol = _policy()
         view, lp_old, toks = _inputs(pol)
-        shard = hf_to_megatron(pol.model.state_dict(), ArchSpec.from_hf(pol.model.config))
-        par = ParallelConfig()
-        r.setup(("127.0.0.1", port), pol.model.config, dtype,
-                {k: v.to(dtype) for k, v in shard.items()},
-                {**dataclasses.asdict(par), "recompute_kw": par.recompute_kwargs()}, OPTIM, 0,
-                60.0)
+        r = one_rank(port, pol, dtype)
         res = r.update({"algo": ALGO, "view": view, "lp_old": lp_old, "kl_coef": 0.0,
                         "ref_token_logp": {}, "old_token_logp": [],
                         "minibatches": MINIBATCHES, "micro_batch": 2, "micro_batch_tokens": 0,
