@@ -242,6 +242,27 @@ def _eval(args) -> int:
     return 0
 
 
+def _export(args) -> int:
+    """Export agents as Hugging Face model directories; an error in the input (a checkpoint,
+    an agent that cannot be exported, an output dir) is one line on stderr and exit status 2
+    (HACPO_TRACEBACK=1: the traceback instead)."""
+    import os
+
+    from hacpo.engine.export import export_checkpoint
+    try:
+        dirs = export_checkpoint(args.checkpoint, args.out, agents=args.agents,
+                                 tokenizer=not args.no_tokenizer, dtype=args.dtype,
+                                 overwrite=args.force)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        if os.environ.get("HACPO_TRACEBACK") == "1":
+            raise
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"hacpo export: error: {msg}", file=sys.stderr)
+        return 2
+    print("[export] written: " + ", ".join(dirs.values()))
+    return 0
+
+
 def _int_at_least(low: int):
     """An argparse type: an integer >= ``low`` (else argparse's one-line usage error)."""
     def parse(text: str) -> int:
@@ -324,12 +345,25 @@ def main(argv: list[str] | None = None) -> int:
                    help="sampling seed (default: the run's evaluation seed, so --samples k on "
                         "its held-out set draws the samples of its eval_pass_k)")
     e.set_defaults(func=_eval)
+    x = sub.add_parser("export", help="write trained agents as Hugging Face model directories "
+                                      "(from_pretrained / vLLM load them without hacpo)")
+    x.add_argument("checkpoint", help="run dir or checkpoint.pt")
+    x.add_argument("--out", required=True, help="output dir: one <agent>/ folder per agent")
+    x.add_argument("--agents", nargs="+", default=None, help="agent names (default: all)")
+    x.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="weights' dtype (default: the policy's)")
+    x.add_argument("--no-tokenizer", action="store_true",
+                   help="the model alone (agents whose tokenizer is hacpo's char tokenizer or "
+                        "a reduced vocabulary have no tokenizer files)")
+    x.add_argument("--force", action="store_true",
+                   help="replace existing agent folders (once the new one is complete)")
+    x.set_defaults(func=_export)
     from .slurm import add_launch_parser
     add_launch_parser(sub)
     args = ap.parse_args(argv)
     if args.command in ("train", "compare", "profile"):
         return _run_command(args)
-    if args.command == "eval":          # reward workers too
+    if args.command in ("eval", "export"):    # eval: reward workers too
         return _stoppable(args, args.func)
     return args.func(args)
 

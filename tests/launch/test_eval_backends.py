@@ -1,8 +1,9 @@
 """`hacpo eval` of a run's checkpoint on the run's own held-out set equals the run's final
 greedy evaluation (summary.json), problem by problem, for the training backends other than the
 local trainer (tests/engine/test_eval_harness.py): Ray trainer actors with the Ray rollout pool
-(tiny3's first two agents) evaluating (eval_engine=rollout), and megatron-core rank groups (TP=2 and PP=2, the driver's HF
-copies evaluating, the checkpoint holding the weights the ranks trained)."""
+(tiny3's first two agents) evaluating (eval_engine=rollout), and megatron-core rank groups (TP=2
+and PP=2, the driver's HF copies evaluating, the checkpoint holding the weights the ranks
+trained); the megatron agents also exported (`hacpo export`) and run by transformers alone."""
 import dataclasses
 
 import pytest
@@ -12,6 +13,7 @@ from hacpo.engine.trainer import train
 
 from tests.engine.test_eval_harness import (OWN_RUN, assert_eval_equals_run,
                                             record_final_responses)
+from tests.engine.test_export import assert_export_answers_as_run
 
 from ._launch_helpers import free_cpus_back
 
@@ -44,3 +46,6 @@ def test_megatron_agents(cluster, tmp_path, monkeypatch):
     own = dict(own)
     assert sorted(own) == ["char-pp2", "llama-tp2"]
     assert_eval_equals_run(tmp_path / "run", summary, tmp_path / "ev", own)
+    # the megatron-trained agents exported (their checkpoint holds the HF copy gathered from
+    # the TP / PP shards): transformers alone answers as the run did
+    assert_export_answers_as_run(tmp_path / "run", tmp_path / "hf", own, "megatron")

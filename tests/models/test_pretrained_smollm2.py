@@ -307,7 +307,8 @@ def test_train_smollm2_next_to_a_tiny_agent(model_dir, tmp_path):
     """`hacpo train` with examples/smollm2.yaml's agents (SmolLM2, no warm-up, next to a tiny
     plain-torch agent of the char tokenizer), one RL step of 2 prompts x G=2: it finishes and
     both agents trained (finite losses, cross samples re-tokenized both ways; a gradient may be
-    zero: 2 prompts can have groups of equal rewards)."""
+    zero: 2 prompts can have groups of equal rewards); `hacpo export` of the run then gives
+    a folder transformers alone serves, answering as hacpo's policy does."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "hacpo.launch.cli", "train", "--preset", "tiny3",
@@ -328,3 +329,35 @@ def test_train_smollm2_next_to_a_tiny_agent(model_dir, tmp_path):
         assert np.isfinite(step[0][f"train/{agent}/loss"])
         assert step[0][f"train/{agent}/trained_cross"] > 0
     assert "[result] smollm2: held-out accuracy" in done.stdout + done.stderr
+
+    # `hacpo export` of the run: SmolLM2 as a folder transformers alone serves (char-small, a
+    # plain-torch decoder, is skipped, said); the standard chat-template route gives hacpo's
+    # prompt ids, and greedy generate hacpo's greedy answer
+    import transformers
+    from hacpo.engine import checkpoint as ckpt
+    from hacpo.models.generation import generate
+    from hacpo.models.policy import PolicyConfig, build_policy
+    done = subprocess.run([sys.executable, "-m", "hacpo.launch.cli", "export", str(out),
+                           "--out", str(tmp_path / "hf")], capture_output=True, text=True,
+                          timeout=300, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "skipping agent char-small: its policy is hacpo's plain-torch decoder" in done.stdout
+    assert os.listdir(tmp_path / "hf") == ["smollm2"]
+    d = str(tmp_path / "hf" / "smollm2")
+    model = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    saved = next(a for a in ckpt.load(str(out / "checkpoint.pt"))["agents"]
+                 if a["name"] == "smollm2")["model"]
+    got = model.state_dict()
+    assert all(torch.equal(got[k.removeprefix("model.")], v) for k, v in saved.items())
+    pol = build_policy(PolicyConfig(name="smollm2", kind="hf", tokenizer=model_dir, path=d))
+    q = "What is 2+2?"
+    ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                  tokenize=True, return_dict=False)
+    assert list(ids) == pol.tokenizer.prompt_ids(q)
+    theirs = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
+                            dtype=torch.long), do_sample=False, max_new_tokens=48)
+    ours = generate(pol, [list(ids)], num_samples=1, max_new_tokens=48, temperature=0)
+    assert theirs[0, len(ids):].tolist() == ours.response_ids[0]
+    answer = tok.decode(theirs[0, len(ids):], skip_special_tokens=True)
+    assert "4" in answer and theirs[0, -1] == tok.eos_token_id == pol.tokenizer.eos_id, answer

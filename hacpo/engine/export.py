@@ -1,0 +1,231 @@
+"""`hacpo export`: a trained agent as a standalone Hugging Face model directory.
+
+Each agent of a HACPO run stays a single model at inference time; this writes it where other
+tools read models: ``<out>/<agent>/`` with ``config.json``, ``generation_config.json`` and
+``model.safetensors`` (transformers' ``save_pretrained``), the tokenizer's own files when the
+agent trained on a whole Hugging Face tokenizer, and ``hacpo_export.json`` (the run, step and
+agent it came from, the policy settings, and the prompt format the agent was trained on).
+``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained`` (or a vLLM engine)
+load the directory with nothing of hacpo installed.
+
+The policies are rebuilt exactly as `hacpo eval` rebuilds them (the run's own config; a reduced
+vocabulary from the run's own corpus) and the checkpoint's weights are loaded, so every backend
+that writes the checkpoint exports alike: the local and Ray trainers, and megatron-core rank
+groups (their checkpoint holds the driver's Hugging Face copy, gathered from the TP / PP
+shards).
+
+What cannot be exported is refused up front with an error naming the agent and the reason
+(with no agents named, such agents are skipped, each with a line saying why, and the others
+exported; an error if none is left):
+
+- a plain-torch decoder policy (``policy.kind=decoder``) has no transformers architecture;
+- a tokenizer that is not a Hugging Face one (``char``) or a vocabulary reduced to the run's
+  corpus (``policy.reduce_vocab``: ids 0..V-1 renumber the tokenizer's, which no tokenizer
+  file can express) has no tokenizer files to write: ``tokenizer=False`` (``--no-tokenizer``)
+  writes the model alone, whose ids are hacpo's tokenizer's (recorded in hacpo_export.json).
+
+Each agent's directory is written under a temporary name and renamed into place when complete,
+so an interrupted export leaves no half-written model; an existing directory is an error unless
+``overwrite``, which replaces it only once the new one is complete.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from . import build, checkpoint as ckpt
+from .data import apply_prompt_template
+from .errors import StorageError
+from .eval_harness import _load_run
+
+__all__ = ["export_checkpoint", "EXPORT_FILE", "PLACEHOLDER"]
+
+EXPORT_FILE = "hacpo_export.json"
+PLACEHOLDER = "{question}"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DIR_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
+
+
+def _dir_name(name: str, index: int) -> str:
+    """The agent's directory: its name where that is a plain file name, else ``agent<index>``."""
+    return name if _DIR_RE.match(name) and name not in (".", "..") else f"agent{index}"
+
+
+def _why_not(pol_cfg, tokenizer: bool) -> Optional[str]:
+    """Why an agent with policy config ``pol_cfg`` cannot be exported (None if it can)."""
+    if pol_cfg.kind != "hf":
+        return (f"its policy is hacpo's plain-torch decoder (policy.kind={pol_cfg.kind}), which "
+                f"has no transformers architecture to write; its weights are in the run's "
+                f"checkpoint (hacpo eval reads them)")
+    if tokenizer and pol_cfg.tokenizer == "char":
+        return ("its tokenizer is hacpo's character tokenizer, not a Hugging Face one: no "
+                "tokenizer files can be written (--no-tokenizer writes the model alone)")
+    if tokenizer and pol_cfg.reduce_vocab:
+        return (f"its vocabulary is reduced to the run's corpus (policy.reduce_vocab=true): "
+                f"ids 0..V-1 renumber tokenizer {pol_cfg.tokenizer!r}'s, which its tokenizer "
+                f"files cannot express (--no-tokenizer writes the model alone, reading hacpo's "
+                f"ids)")
+    return None
+
+
+def _stored_trainer(state: dict, index: int) -> str:
+    """The trainer (torch / megatron) the run's config gave agent ``index``."""
+    a = state["config"]["agents"][index]
+    return a.get("trainer", "torch") if isinstance(a, dict) else "torch"
+
+
+def _prompt_record(tok, template: str) -> dict:
+    """How a prompt reaches the model in training: the text (the data template, then the
+    tokenizer's chat or plain template) with PLACEHOLDER where the question goes, and whether
+    a BOS id comes before its tokens (encoded with add_special_tokens=False)."""
+    text = tok.prompt_text(apply_prompt_template(template, PLACEHOLDER))
+    return {"text": text, "placeholder": PLACEHOLDER, "data_template": template,
+            "prepend_bos": bool(getattr(tok, "_add_bos", False)),
+            "encode": "tokenizer(text, add_special_tokens=False); special-token strings in "
+                      "the text are parsed as special tokens",
+            "example": tok.prompt_text(apply_prompt_template(template, "What is 2+3?"))}
+
+
+def _write_agent(pol, final: str, *, record: dict, tokenizer: bool,
+                 dtype: Optional[torch.dtype], overwrite: bool) -> None:
+    """Write one agent's directory to a temporary sibling, then rename it to ``final``."""
+    parent, tmp = os.path.dirname(final), None
+    try:
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.tmp-", dir=parent)
+        model, tok = pol.model, pol.tokenizer
+        if dtype is not None:
+            model = model.to(dtype)
+        # the ids the model reads and writes are the hacpo tokenizer's (EOS: the one hacpo
+        # stops sampling at, which may not be the tokenizer file's default eos_token)
+        for cfg in (model.config, model.generation_config):
+            cfg.eos_token_id, cfg.pad_token_id = tok.eos_id, tok.pad_id
+            if tok.bos_id is not None:
+                cfg.bos_token_id = tok.bos_id
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer:
+            tok.hf.save_pretrained(tmp)
+            eos = tok.hf.convert_ids_to_tokens(tok.eos_id)
+            if eos != tok.hf.eos_token:
+                path = os.path.join(tmp, "tokenizer_config.json")
+                with open(path, encoding="utf-8") as f:
+                    tc = json.load(f)
+                tc["eos_token"] = eos
+                with open(path, "w", encoding="utf-8") as f:
+                    json.dump(tc, f, indent=2, ensure_ascii=False)
+        with open(os.path.join(tmp, EXPORT_FILE), "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=1, ensure_ascii=False)
+        # the modes other files get (mkdtemp makes 0700; safetensors writes 0600)
+        umask = ckpt.current_umask()
+        for f in os.listdir(tmp):
+            os.chmod(os.path.join(tmp, f), 0o666 & ~umask)
+        os.chmod(tmp, 0o777 & ~umask)
+        if not os.path.lexists(final):
+            os.rename(tmp, final)
+        elif not overwrite:         # checked up front too: one made since then
+            raise FileExistsError(f"{final} exists (--force replaces it)")
+        else:                       # the old folder moves aside only for the rename
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.old-", dir=parent)
+            os.rename(final, os.path.join(old, "x"))
+            try:
+                os.rename(tmp, final)
+            except BaseException:
+                os.rename(os.path.join(old, "x"), final)
+                os.rmdir(old)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        tmp = None
+    except OSError as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, FileExistsError):
+            raise
+        raise StorageError.like(e, f"cannot write {final}: {e}", final) from None
+    except BaseException:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def export_checkpoint(checkpoint: str, out_dir: str, *, agents: Optional[Sequence[str]] = None,
+                      tokenizer: bool = True, dtype: Optional[str] = None,
+                      overwrite: bool = False, echo: Callable[[str], None] = print) -> dict:
+    """Export ``agents`` (default: every agent that can be; the others are skipped, said) of
+    a run (run dir or ``checkpoint.pt``) to ``out_dir/<agent>/`` (see the module docstring). ``dtype``: the saved weights' dtype
+    (float32, bfloat16, float16; default the policy's). ``tokenizer=False``: the model alone.
+    Returns ``{agent name: directory}``.
+
+    Raises ValueError (an agent that cannot be exported, an unknown agent or dtype, a
+    checkpoint whose weights do not fit the run's config), FileExistsError (an agent's
+    directory exists and not ``overwrite``), OSError / StorageError (reading or writing)."""
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; one of {', '.join(DTYPES)}")
+    ck_path, run_dir, state, cfg, notes = _load_run(checkpoint, temperature=False,
+                                                    max_new_tokens=False, top_p=False)
+    for n in notes:
+        echo(f"[export] {ck_path}: ignoring {n} (the run's policy build never used it)")
+    have = [a["name"] for a in state["agents"]]
+    chosen = list(dict.fromkeys(agents)) if agents else have
+    if missing := [a for a in chosen if a not in have]:
+        raise ValueError(f"unknown agent(s) {missing} in {ck_path}; it holds {have}")
+    by_name = {a.policy.name: (i, a.policy) for i, a in enumerate(cfg.agents)}
+    if set(by_name) != set(have):
+        raise ValueError(f"{ck_path}: its config names agents {sorted(by_name)} but its "
+                         f"weights are of {have}")
+    bad = {n: why for n in chosen if (why := _why_not(by_name[n][1], tokenizer)) is not None}
+    if bad and (agents or len(bad) == len(chosen)):
+        # agents named: each must be exported; none named: at least one
+        raise ValueError(f"cannot export from {ck_path}: "
+                         + "; ".join(f"agent {n}: {why}" for n, why in bad.items()))
+    for n, why in bad.items():      # no agent named: the others are exported
+        echo(f"[export] skipping agent {n}: {why}")
+    chosen = [n for n in chosen if n not in bad]
+    dirs = {n: os.path.join(out_dir, _dir_name(n, by_name[n][0])) for n in chosen}
+    if len(set(dirs.values())) != len(dirs):
+        dirs = {n: os.path.join(out_dir, f"agent{by_name[n][0]}") for n in chosen}
+    if not overwrite and (there := [d for d in dirs.values() if os.path.lexists(d)]):
+        raise FileExistsError(f"{', '.join(there)} already exist(s) (--force replaces them)")
+    try:
+        ckpt.ensure_dir(out_dir, "export output dir")
+    except OSError as e:
+        raise StorageError.like(e, f"{e} (--out chooses another)", out_dir) from None
+
+    echo(f"[export] rebuilding {len(cfg.agents)} policies from {ck_path}")
+    data = build.load_data(cfg)
+    policies = {p.name: p for p in build.build_policies(cfg, data)}
+    if why := build.tokenizer_mismatch(state, [policies[n] for n in chosen], cfg):
+        raise ValueError(f"cannot export from {ck_path}: {why}")
+    saved = {a["name"]: a for a in state["agents"]}
+    for n in chosen:
+        pol, (i, pol_cfg) = policies[n], by_name[n]
+        try:
+            pol.load_state_dict(saved[n]["model"])
+        except RuntimeError as e:
+            raise ValueError(f"cannot export from {ck_path}: agent {n}'s weights do not fit "
+                             f"its policy rebuilt from the run's config "
+                             f"({build.vocab_source(cfg)}): {e}") from None
+        tok = pol.tokenizer
+        record = {
+            "run_dir": os.path.abspath(run_dir), "checkpoint": os.path.abspath(ck_path),
+            "step": state.get("step"), "agent": n, "agent_index": i,
+            "trainer": _stored_trainer(state, i),
+            "trainer_backend": state["config"].get("trainer_backend", "local"),
+            "policy": {k: getattr(pol_cfg, k) for k in ("kind", "arch", "path", "tokenizer",
+                                                       "reduce_vocab", "dtype", "hf_config")},
+            "dtype": dtype or pol_cfg.dtype,
+            "tokenizer": {"name": tok.name, "files_written": tokenizer,
+                          "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
+                          "pad_id": tok.pad_id, "bos_id": tok.bos_id,
+                          "reduced": bool(getattr(tok, "reduced", False))},
+            "prompt": _prompt_record(tok, cfg.data.template),
+        }
+        _write_agent(pol, dirs[n], record=record, tokenizer=tokenizer,
+                     dtype=DTYPES[dtype] if dtype else None, overwrite=overwrite)
+        echo(f"[export] {n} (step {state.get('step')}) -> {dirs[n]}"
+             + ("" if tokenizer else " (model only: no tokenizer files)"))
+    return dirs
