@@ -2,11 +2,24 @@
 
 Each agent of a HACPO run stays a single model at inference time; this writes it where other
 tools read models: ``<out>/<agent>/`` with ``config.json``, ``generation_config.json`` and
-``model.safetensors`` (transformers' ``save_pretrained``), the tokenizer's own files when the
-agent trained on a whole Hugging Face tokenizer, and ``hacpo_export.json`` (the run, step and
-agent it came from, the policy settings, and the prompt format the agent was trained on).
-``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained`` (or a vLLM engine)
-load the directory with nothing of hacpo installed.
+``model.safetensors`` (transformers' ``save_pretrained``), the tokenizer's files, and
+``hacpo_export.json`` (the run, step and agent it came from, the policy settings, and the
+prompt format the agent was trained on). ``AutoModelForCausalLM.from_pretrained`` /
+``AutoTokenizer.from_pretrained`` (or a vLLM engine) load the directory with nothing of hacpo
+installed; the tokenizer's chat template renders a user message as the agent's prompts were.
+
+- HF policies (``policy.kind=hf``) are saved as they are; hacpo's plain-torch decoder
+  (``kind=decoder``) is Llama's architecture with fused projections and is saved as a
+  ``LlamaForCausalLM`` (:func:`hacpo.models.decoder.to_llama`).
+- A Hugging Face tokenizer is saved with hacpo's EOS (the one it samples to, e.g. Llama 3.2's
+  ``<|eot_id|>``) and, where hacpo does not use the tokenizer's own chat template, a chat
+  template of hacpo's prompt format; the ``char`` tokenizer as an equivalent transformers
+  tokenizer (:meth:`hacpo.models.tokenizer.CharTokenizer.to_hf`).
+- A vocabulary reduced to the run's corpus (``policy.reduce_vocab``: ids 0..V-1 renumber the
+  tokenizer's, which no tokenizer file can express) has no tokenizer files: such an agent is
+  refused (with no agents named: skipped, with a line saying why) unless ``tokenizer=False``
+  (``--no-tokenizer``), which writes the model alone, reading hacpo's ids (recorded in
+  hacpo_export.json).
 
 The policies are rebuilt exactly as `hacpo eval` rebuilds them (the run's own config; a reduced
 vocabulary from the run's own corpus) and the checkpoint's weights are loaded, so every backend
@@ -14,22 +27,13 @@ that writes the checkpoint exports alike: the local and Ray trainers, and megatr
 groups (their checkpoint holds the driver's Hugging Face copy, gathered from the TP / PP
 shards).
 
-What cannot be exported is refused up front with an error naming the agent and the reason
-(with no agents named, such agents are skipped, each with a line saying why, and the others
-exported; an error if none is left):
-
-- a plain-torch decoder policy (``policy.kind=decoder``) has no transformers architecture;
-- a tokenizer that is not a Hugging Face one (``char``) or a vocabulary reduced to the run's
-  corpus (``policy.reduce_vocab``: ids 0..V-1 renumber the tokenizer's, which no tokenizer
-  file can express) has no tokenizer files to write: ``tokenizer=False`` (``--no-tokenizer``)
-  writes the model alone, whose ids are hacpo's tokenizer's (recorded in hacpo_export.json).
-
 Each agent's directory is written under a temporary name and renamed into place when complete,
 so an interrupted export leaves no half-written model; an existing directory is an error unless
 ``overwrite``, which replaces it only once the new one is complete.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -38,6 +42,9 @@ import tempfile
 from typing import Callable, Optional, Sequence
 
 import torch
+
+from hacpo.models.decoder import to_llama
+from hacpo.models.tokenizer import CharTokenizer
 
 from . import build, checkpoint as ckpt
 from .data import apply_prompt_template
@@ -59,19 +66,47 @@ def _dir_name(name: str, index: int) -> str:
 
 def _why_not(pol_cfg, tokenizer: bool) -> Optional[str]:
     """Why an agent with policy config ``pol_cfg`` cannot be exported (None if it can)."""
-    if pol_cfg.kind != "hf":
-        return (f"its policy is hacpo's plain-torch decoder (policy.kind={pol_cfg.kind}), which "
-                f"has no transformers architecture to write; its weights are in the run's "
-                f"checkpoint (hacpo eval reads them)")
-    if tokenizer and pol_cfg.tokenizer == "char":
-        return ("its tokenizer is hacpo's character tokenizer, not a Hugging Face one: no "
-                "tokenizer files can be written (--no-tokenizer writes the model alone)")
     if tokenizer and pol_cfg.reduce_vocab:
         return (f"its vocabulary is reduced to the run's corpus (policy.reduce_vocab=true): "
                 f"ids 0..V-1 renumber tokenizer {pol_cfg.tokenizer!r}'s, which its tokenizer "
                 f"files cannot express (--no-tokenizer writes the model alone, reading hacpo's "
                 f"ids)")
     return None
+
+
+def _prepends_bos(tok) -> bool:
+    """Whether hacpo puts a BOS id before the prompt text's tokens."""
+    return isinstance(tok, CharTokenizer) or bool(getattr(tok, "_add_bos", False))
+
+
+def _chat_template(tok) -> Optional[str]:
+    """A Jinja chat template rendering a user message as hacpo's tokenizer template does
+    (BOS where hacpo prepends it; the text around the question as is), or None where hacpo
+    used the tokenizer's own chat template (it is kept)."""
+    if getattr(tok, "_use_chat", False):
+        return None
+    before, after = tok.prompt_text(PLACEHOLDER).split(PLACEHOLDER, 1)
+    if "{% endraw %}" in before + after:
+        raise ValueError(f"tokenizer {tok.name!r}: its prompt template holds '{{% endraw %}}'")
+
+    def raw(text):
+        return "{% raw %}" + text + "{% endraw %}" if text else ""
+    return ("{% for message in messages %}{% if message['role'] == 'user' %}"
+            + ("{{ bos_token }}" if _prepends_bos(tok) else "") + raw(before)
+            + "{{ message['content'] }}" + raw(after) + "{% endif %}{% endfor %}")
+
+
+def _hf_tokenizer(tok):
+    """The transformers tokenizer to save for hacpo tokenizer ``tok`` (a copy: hacpo's are
+    cached and shared): its EOS the one hacpo samples to, a pad token where it has none, and
+    hacpo's prompt format as its chat template unless hacpo used the tokenizer's own."""
+    hf = tok.to_hf() if isinstance(tok, CharTokenizer) else copy.deepcopy(tok.hf)
+    hf.eos_token = hf.convert_ids_to_tokens(tok.eos_id)
+    if hf.pad_token is None:
+        hf.pad_token = hf.convert_ids_to_tokens(tok.pad_id)
+    if (template := _chat_template(tok)) is not None:
+        hf.chat_template = template
+    return hf
 
 
 def _stored_trainer(state: dict, index: int) -> str:
@@ -86,7 +121,9 @@ def _prompt_record(tok, template: str) -> dict:
     a BOS id comes before its tokens (encoded with add_special_tokens=False)."""
     text = tok.prompt_text(apply_prompt_template(template, PLACEHOLDER))
     return {"text": text, "placeholder": PLACEHOLDER, "data_template": template,
-            "prepend_bos": bool(getattr(tok, "_add_bos", False)),
+            # the chat template's user message (apply_chat_template gives the same ids)
+            "chat_user_message": apply_prompt_template(template, PLACEHOLDER),
+            "prepend_bos": _prepends_bos(tok),
             "encode": "tokenizer(text, add_special_tokens=False); special-token strings in "
                       "the text are parsed as special tokens",
             "example": tok.prompt_text(apply_prompt_template(template, "What is 2+3?"))}
@@ -98,9 +135,12 @@ def _write_agent(pol, final: str, *, record: dict, tokenizer: bool,
     parent, tmp = os.path.dirname(final), None
     try:
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.tmp-", dir=parent)
-        model, tok = pol.model, pol.tokenizer
+        tok = pol.tokenizer
+        model = pol.model if pol.kind == "hf" else to_llama(
+            pol.model, eos_id=tok.eos_id, pad_id=tok.pad_id, bos_id=tok.bos_id)
         if dtype is not None:
             model = model.to(dtype)
+        record = {**record, "model_class": type(model).__name__}
         # the ids the model reads and writes are the hacpo tokenizer's (EOS: the one hacpo
         # stops sampling at, which may not be the tokenizer file's default eos_token)
         for cfg in (model.config, model.generation_config):
@@ -109,15 +149,7 @@ def _write_agent(pol, final: str, *, record: dict, tokenizer: bool,
                 cfg.bos_token_id = tok.bos_id
         model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer:
-            tok.hf.save_pretrained(tmp)
-            eos = tok.hf.convert_ids_to_tokens(tok.eos_id)
-            if eos != tok.hf.eos_token:
-                path = os.path.join(tmp, "tokenizer_config.json")
-                with open(path, encoding="utf-8") as f:
-                    tc = json.load(f)
-                tc["eos_token"] = eos
-                with open(path, "w", encoding="utf-8") as f:
-                    json.dump(tc, f, indent=2, ensure_ascii=False)
+            _hf_tokenizer(tok).save_pretrained(tmp)
         with open(os.path.join(tmp, EXPORT_FILE), "w", encoding="utf-8") as f:
             json.dump(record, f, indent=1, ensure_ascii=False)
         # the modes other files get (mkdtemp makes 0700; safetensors writes 0600)
@@ -156,8 +188,9 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, agents: Optional[Sequenc
                       tokenizer: bool = True, dtype: Optional[str] = None,
                       overwrite: bool = False, echo: Callable[[str], None] = print) -> dict:
     """Export ``agents`` (default: every agent that can be; the others are skipped, said) of
-    a run (run dir or ``checkpoint.pt``) to ``out_dir/<agent>/`` (see the module docstring). ``dtype``: the saved weights' dtype
-    (float32, bfloat16, float16; default the policy's). ``tokenizer=False``: the model alone.
+    a run (run dir or ``checkpoint.pt``) to ``out_dir/<agent>/`` (see the module docstring).
+    ``dtype``: the saved weights' dtype (float32, bfloat16, float16; default the policy's).
+    ``tokenizer=False``: the model alone.
     Returns ``{agent name: directory}``.
 
     Raises ValueError (an agent that cannot be exported, an unknown agent or dtype, a

@@ -353,8 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     x.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="weights' dtype (default: the policy's)")
     x.add_argument("--no-tokenizer", action="store_true",
-                   help="the model alone (agents whose tokenizer is hacpo's char tokenizer or "
-                        "a reduced vocabulary have no tokenizer files)")
+                   help="the model alone, reading hacpo's ids (agents with a reduced "
+                        "vocabulary have no tokenizer files)")
     x.add_argument("--force", action="store_true",
                    help="replace existing agent folders (once the new one is complete)")
     x.set_defaults(func=_export)

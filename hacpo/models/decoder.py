@@ -521,3 +521,51 @@ class Decoder(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def to_llama(model: Decoder, *, eos_id: int | None = None, pad_id: int | None = None,
+             bos_id: int | None = None):
+    """The same network as a transformers ``LlamaForCausalLM`` (``hacpo export``).
+
+    The decoder is Llama's architecture with fused projections: RMSNorm (normalized in float32,
+    then scaled), rotate-half rotary embeddings with ``rope_theta``, full multi-head attention
+    (as many key/value heads as heads), SwiGLU, no biases. The fused ``qkv`` ``[3D, D]`` holds
+    q, k and v row blocks of ``D`` (head-major inside each) and ``gate_up`` ``[2F, D]`` the gate
+    then the up rows, so the split is by rows; every tensor is copied (the result shares no
+    storage with ``model``), in the decoder's dtype. Tied embeddings stay tied."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    c = model.cfg
+    w = model.embed.weight
+    cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.d_model, intermediate_size=c.d_ff,
+                      num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads,
+                      num_key_value_heads=c.n_heads, max_position_embeddings=c.max_len,
+                      rms_norm_eps=c.norm_eps, tie_word_embeddings=c.tie_embeddings,
+                      hidden_act="silu", attention_bias=False, mlp_bias=False,
+                      rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+                      eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=bos_id)
+    cfg._attn_implementation = "sdpa"
+    with torch.random.fork_rng(devices=[]):     # its random init is overwritten below
+        llama = LlamaForCausalLM(cfg).to(device=w.device, dtype=w.dtype)
+    D, F_ = c.d_model, c.d_ff
+    sd = {"model.embed_tokens.weight": w, "model.norm.weight": model.norm.weight}
+    for i, b in enumerate(model.blocks):
+        p = f"model.layers.{i}."
+        q, k, v = b.attn.qkv.weight.split(D, dim=0)
+        gate, up = b.mlp.gate_up.weight.split(F_, dim=0)
+        sd.update({p + "input_layernorm.weight": b.attn_norm.weight,
+                   p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
+                   p + "self_attn.v_proj.weight": v,
+                   p + "self_attn.o_proj.weight": b.attn.out.weight,
+                   p + "post_attention_layernorm.weight": b.mlp_norm.weight,
+                   p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+                   p + "mlp.down_proj.weight": b.mlp.down.weight})
+    sd["lm_head.weight"] = model.output_weight     # tied: the embedding itself
+    params = dict(llama.named_parameters(remove_duplicate=False))
+    if set(params) != set(sd):
+        raise RuntimeError(f"to_llama: Llama's parameters {sorted(set(params) ^ set(sd))} "
+                           f"have no decoder tensor / no place")
+    with torch.no_grad():
+        for name, t in sd.items():
+            params[name].copy_(t)
+    return llama.eval()

@@ -163,6 +163,31 @@ class CharTokenizer(Tokenizer):
     def special_ids(self) -> frozenset[int]:
         return frozenset(range(len(CHAR_SPECIALS)))
 
+    def to_hf(self):
+        """The same vocabulary as a transformers fast tokenizer (``hacpo export``): a
+        word-level model over single characters (a character outside the set is ``<unk>``, as
+        ``errors="fallback"`` encodes it), the four special tokens at ids 0-3, decoding by
+        concatenation, ``<bos>`` first with ``add_special_tokens=True`` (as :meth:`prompt_ids`
+        puts it). Encodes every text as :meth:`encode` does (``add_special_tokens=False``)
+        except one that spells a special token (``"<eos>"``), which a transformers tokenizer
+        reads as that token."""
+        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+        from tokenizers import Tokenizer as Backend
+        from transformers import PreTrainedTokenizerFast
+
+        backend = Backend(models.WordLevel({s: i for i, s in enumerate(self._itos)},
+                                           unk_token="<unk>"))
+        backend.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")
+        backend.decoder = decoders.Fuse()
+        backend.add_special_tokens([AddedToken(s, special=True, normalized=False)
+                                    for s in CHAR_SPECIALS])
+        # add_special_tokens=True (the default, e.g. a text prompt given to vLLM): BOS first,
+        # as prompt_ids puts it
+        backend.post_processor = processors.TemplateProcessing(
+            single="<bos> $A", pair="<bos> $A $B:1", special_tokens=[("<bos>", self.bos_id)])
+        return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>",
+                                       bos_token="<bos>", eos_token="<eos>", unk_token="<unk>")
+
 
 # ----------------------------------------------------------------------------------------------
 # Hugging Face tokenizers (local files only)

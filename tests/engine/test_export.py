@@ -1,8 +1,9 @@
 """`hacpo export`: a 1-step run's agents written as Hugging Face model directories and read back
-by transformers alone (AutoModelForCausalLM / AutoTokenizer): the trained weights bit for bit,
-the same logits, log-probs and greedy answers as the hacpo policy, the prompt format of
-hacpo_export.json giving hacpo's prompt ids; what cannot be exported is refused naming the agent
-and why; an existing folder is kept unless --force; a failed write leaves nothing behind."""
+by transformers alone (AutoModelForCausalLM / AutoTokenizer): the trained weights bit for bit
+(the plain-torch decoder as a Llama), the same log-probs and greedy answers as the hacpo policy,
+the prompt format of hacpo_export.json and the chat template giving hacpo's prompt ids; what
+cannot be exported is refused naming the agent and why; an existing folder is kept unless
+--force; a failed write leaves nothing behind."""
 import dataclasses
 import json
 import os
@@ -28,10 +29,11 @@ QUESTIONS = ["What is 2 + 3?", "Ann has 4 eggs. She gets 3 more. How many eggs d
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """tiny3 plus two agents: char (plain-torch decoder), qwen3 (HF Qwen2 on the whole Qwen3
-    tokenizer: its chat template), llama (HF Llama on the whole Llama 3.2 tokenizer, whose EOS
-    for hacpo is <|eot_id|>, not the tokenizer file's eos_token), gpt2 (HF GPT-2 on the whole
-    GPT-2 tokenizer: plain template with BOS; loaded from policy.path), small (HF Qwen2 on a reduced Qwen3 vocabulary)."""
+    """tiny3 plus two agents: char (plain-torch decoder, char tokenizer), qwen3 (HF Qwen2 on the
+    whole Qwen3 tokenizer: its chat template), llama (HF Llama on the whole Llama 3.2 tokenizer,
+    whose EOS for hacpo is <|eot_id|>, not the tokenizer file's eos_token; hacpo's Llama 3
+    template), gpt2 (HF GPT-2 loaded from policy.path on the whole GPT-2 tokenizer: plain
+    template with BOS), small (HF Qwen2 on a reduced Qwen3 vocabulary)."""
     tmp = tmp_path_factory.mktemp("exportrun")
     cfg = load_config("tiny3", overrides={
         "out_dir": str(tmp / "run"), "cache_dir": str(tmp / "cache"), "threads": 1,
@@ -70,7 +72,7 @@ def _policies(run_dir):
 @pytest.fixture(scope="module")
 def exported(run):
     out = run / "export"
-    dirs = export_checkpoint(str(run / "run"), str(out), agents=["qwen3", "llama", "gpt2"],
+    dirs = export_checkpoint(str(run / "run"), str(out), agents=["qwen3", "llama", "gpt2", "char"],
                              echo=lambda *_: None)
     return dirs
 
@@ -79,7 +81,7 @@ def _hf(d, dtype=torch.float32):
     return transformers.AutoModelForCausalLM.from_pretrained(d, dtype=dtype).eval()
 
 
-@pytest.mark.parametrize("agent", ["qwen3", "llama", "gpt2"])
+@pytest.mark.parametrize("agent", ["qwen3", "llama", "gpt2", "char"])
 def test_transformers_reads_the_trained_agent(run, exported, agent):
     pols, state, cfg = _policies(run / "run")
     pol, d = pols[agent], exported[agent]
@@ -91,29 +93,44 @@ def test_transformers_reads_the_trained_agent(run, exported, agent):
     assert {f: os.stat(os.path.join(d, f)).st_mode & 0o777 for f in os.listdir(d)} == \
         {f: 0o666 & ~umask for f in os.listdir(d)}            # nor safetensors' 0600
     model = _hf(d)
-    # every weight is the checkpoint's, bit for bit (transformers ties the output layer)
     saved = {k.removeprefix("model."): v for k, v in
              next(a for a in state["agents"] if a["name"] == agent)["model"].items()}
-    got = model.state_dict()
-    assert set(got) == set(saved)
-    assert all(torch.equal(got[k], saved[k]) for k in saved)
-    # ... which are trained: the agent's initial weights differ (can fail: a wrong agent or
-    # the warm start's init would be equal here)
+    # the checkpoint's weights are trained: the agent's initial ones differ (can fail: a
+    # wrong agent or the warm start's init would be equal here)
     init = build.build_policies(cfg, build.load_data(cfg))[[a.policy.name for a in
                                                             cfg.agents].index(agent)]
     assert any(not torch.equal(v, init.model.state_dict()[k]) for k, v in saved.items())
+    got = model.state_dict()
+    if agent == "char":
+        # the plain-torch decoder as transformers' Llama (hacpo.models.decoder.to_llama;
+        # tests/models/test_decoder_to_llama.py maps every tensor)
+        assert type(model).__name__ == "LlamaForCausalLM"
+        assert torch.equal(got["model.embed_tokens.weight"], saved["embed.weight"])
+        assert torch.equal(got["lm_head.weight"], saved["embed.weight"])      # tied
+    else:
+        # every weight is the checkpoint's, bit for bit (transformers ties the output layer)
+        assert set(got) == set(saved)
+        assert all(torch.equal(got[k], saved[k]) for k in saved)
 
     tok = transformers.AutoTokenizer.from_pretrained(d)
     rec = json.loads(open(os.path.join(d, EXPORT_FILE)).read())
     assert (rec["agent"], rec["step"], rec["tokenizer"]["files_written"]) == (agent, 1, True)
-    assert rec["prompt"]["prepend_bos"] is (agent == "gpt2")
-    # the recorded prompt format, encoded by the exported tokenizer, is hacpo's prompt
-    for q in QUESTIONS:
+    assert rec["prompt"]["prepend_bos"] is (agent in ("gpt2", "char"))
+    # the recorded prompt format, encoded by the exported tokenizer, and the exported chat
+    # template (the tokenizer's own where hacpo used it: qwen3; else hacpo's format) give
+    # hacpo's prompt ids (char: no 'é', '|' in its character set)
+    for q in QUESTIONS[:2] if agent == "char" else QUESTIONS:
         text = rec["prompt"]["text"].replace(rec["prompt"]["placeholder"], q)
         ids = tok(text, add_special_tokens=False)["input_ids"]
         if rec["prompt"]["prepend_bos"]:
             ids = [tok.bos_token_id] + ids
         assert ids == pol.tokenizer.prompt_ids(q), q
+        user = rec["prompt"]["chat_user_message"].replace(rec["prompt"]["placeholder"], q)
+        chat = tok.apply_chat_template([{"role": "user", "content": user}], tokenize=True,
+                                       add_generation_prompt=True, return_dict=False)
+        assert list(chat) == pol.tokenizer.prompt_ids(q), q
+    assert tok.decode(pol.tokenizer.response_ids("4+3=7 #### 7", add_eos=True),
+                      skip_special_tokens=True) == "4+3=7 #### 7"
     assert tok.eos_token_id == pol.tokenizer.eos_id == model.generation_config.eos_token_id
     assert model.generation_config.pad_token_id == pol.tokenizer.pad_id
 
@@ -129,23 +146,20 @@ def test_transformers_reads_the_trained_agent(run, exported, agent):
     with torch.no_grad():
         want, mask = pol.response_logprobs(prompts, resp)
         for b, (p, r) in enumerate(zip(prompts, resp)):
-            logits = model(torch.tensor([p + r])).logits[0, len(p) - 1:-1, :pol.tokenizer.vocab_size]
+            logits = model(torch.tensor([p + r])).logits[0, len(p) - 1:-1,
+                                                         :pol.tokenizer.vocab_size]
             lp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(r)[:, None])[:, 0]
             torch.testing.assert_close(lp, want[b, :len(r)], rtol=0, atol=1e-5)
 
 
 def test_refused_agents_name_why_and_write_nothing(run):
     out = run / "refused"
-    with pytest.raises(ValueError, match=r"agent char: its policy is hacpo's plain-torch "
-                                         r"decoder \(policy.kind=decoder\)") as e:
-        export_checkpoint(str(run / "run"), str(out), agents=["small", "qwen3", "char"],
+    with pytest.raises(ValueError, match=r"cannot export from .*checkpoint.pt: agent small: its "
+                                         r"vocabulary is reduced to the run's corpus \(policy."
+                                         r"reduce_vocab=true\): .*--no-tokenizer") as e:
+        export_checkpoint(str(run / "run"), str(out), agents=["small", "qwen3"],
                           echo=lambda *_: None)
-    assert "agent small: its vocabulary is reduced" in str(e.value)
-    assert re.findall(r"[:;] agent (\w+): ", str(e.value)) == ["small", "char"]
-    assert not out.exists()
-    with pytest.raises(ValueError, match=r"agent char: .*decoder"):
-        export_checkpoint(str(run / "run"), str(out), agents=["char"], tokenizer=False,
-                          echo=lambda *_: None)
+    assert re.findall(r"[:;] agent (\w+): ", str(e.value)) == ["small"]
     with pytest.raises(ValueError, match=r"unknown agent\(s\) \['nope'\] .* holds \['char', "
                                          r"'qwen3', 'llama', 'gpt2', 'small'\]"):
         export_checkpoint(str(run / "run"), str(out), agents=["nope"], echo=lambda *_: None)
@@ -159,20 +173,19 @@ def test_no_agent_named_exports_those_that_can_be(run):
     line naming why; a run with none that can be is an error."""
     out, said = run / "all", []
     dirs = export_checkpoint(str(run / "run"), str(out), echo=said.append)
-    assert list(dirs) == ["qwen3", "llama", "gpt2"]
-    assert sorted(os.listdir(out)) == ["gpt2", "llama", "qwen3"]
+    assert list(dirs) == ["char", "qwen3", "llama", "gpt2"]
+    assert sorted(os.listdir(out)) == ["char", "gpt2", "llama", "qwen3"]
     skipped = [s for s in said if s.startswith("[export] skipping")]
-    assert len(skipped) == 2 and "agent char: its policy is hacpo's plain-torch" in skipped[0]
-    assert "agent small: its vocabulary is reduced" in skipped[1]
+    assert len(skipped) == 1 and "agent small: its vocabulary is reduced" in skipped[0]
     from hacpo.engine import checkpoint as ckpt
     state = ckpt.load(str(run / "run" / "checkpoint.pt"))
-    keep = [0, 4]                   # char (decoder) and small (reduced): nothing to export
+    keep = [4]                      # small (reduced): nothing to export with a tokenizer
     state["agents"] = [state["agents"][i] for i in keep]
     state["config"]["agents"] = [state["config"]["agents"][i] for i in keep]
     state["tokenizers"] = [state["tokenizers"][i] for i in keep]
     (run / "none").mkdir()
     ckpt.save_atomic(state, str(run / "none" / "checkpoint.pt"))
-    with pytest.raises(ValueError, match=r"agent char: .*; agent small: .*reduced"):
+    with pytest.raises(ValueError, match=r"agent small: .*reduced"):
         export_checkpoint(str(run / "none"), str(run / "none-out"), echo=lambda *_: None)
     assert not (run / "none-out").exists()
 
@@ -215,6 +228,37 @@ def test_vocabulary_of_other_data_is_refused(run):
         export_checkpoint(str(run / "edited"), str(run / "edited-out"), agents=["small"],
                           tokenizer=False, echo=lambda *_: None)
     assert not (run / "edited-out" / "small").exists()
+
+
+def test_a_run_with_another_data_template(run):
+    """A run whose prompts wrapped the question in a data template ("boxed"): the recorded
+    prompt text holds it, and the chat template given the recorded user message (the question
+    in that template) gives the run's prompt ids, for a tokenizer's own chat template (qwen3)
+    and hacpo's (llama)."""
+    from hacpo.engine import checkpoint as ckpt
+    from hacpo.engine.data import apply_prompt_template
+    state = ckpt.load(str(run / "run" / "checkpoint.pt"))
+    state["config"]["data"]["template"] = "boxed"
+    state["agents"], state["config"]["agents"], state["tokenizers"] = (
+        [x[i] for i in (1, 2)] for x in (state["agents"], state["config"]["agents"],
+                                         state["tokenizers"]))
+    (run / "boxed").mkdir()
+    ckpt.save_atomic(state, str(run / "boxed" / "checkpoint.pt"))
+    dirs = export_checkpoint(str(run / "boxed"), str(run / "boxed-out"), echo=lambda *_: None)
+    pols, _, _ = _policies(run / "run")
+    q = "What is 2 + 3?"
+    for agent, d in dirs.items():
+        rec = json.loads(open(os.path.join(d, EXPORT_FILE)).read())["prompt"]
+        assert rec["data_template"] == "boxed" and "\\boxed{}" in rec["text"]
+        want = pols[agent].tokenizer.prompt_ids(apply_prompt_template("boxed", q))
+        tok = transformers.AutoTokenizer.from_pretrained(d)
+        user = rec["chat_user_message"].replace(rec["placeholder"], q)
+        assert user == q + "\nPut the final answer in \\boxed{}."
+        assert list(tok.apply_chat_template([{"role": "user", "content": user}], tokenize=True,
+                                            add_generation_prompt=True,
+                                            return_dict=False)) == want, agent
+        assert tok(rec["text"].replace(rec["placeholder"], q),
+                   add_special_tokens=False)["input_ids"] == want, agent
 
 
 def test_existing_folder_kept_unless_force_and_failed_write_leaves_nothing(run, monkeypatch):

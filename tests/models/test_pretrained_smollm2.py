@@ -330,9 +330,9 @@ def test_train_smollm2_next_to_a_tiny_agent(model_dir, tmp_path):
         assert step[0][f"train/{agent}/trained_cross"] > 0
     assert "[result] smollm2: held-out accuracy" in done.stdout + done.stderr
 
-    # `hacpo export` of the run: SmolLM2 as a folder transformers alone serves (char-small, a
-    # plain-torch decoder, is skipped, said); the standard chat-template route gives hacpo's
-    # prompt ids, and greedy generate hacpo's greedy answer
+    # `hacpo export` of the run: SmolLM2 (and char-small, as a Llama) as folders transformers
+    # alone serves; the standard chat-template route gives hacpo's prompt ids, and greedy
+    # generate hacpo's greedy answer
     import transformers
     from hacpo.engine import checkpoint as ckpt
     from hacpo.models.generation import generate
@@ -341,8 +341,7 @@ def test_train_smollm2_next_to_a_tiny_agent(model_dir, tmp_path):
                            "--out", str(tmp_path / "hf")], capture_output=True, text=True,
                           timeout=300, cwd=root)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "skipping agent char-small: its policy is hacpo's plain-torch decoder" in done.stdout
-    assert os.listdir(tmp_path / "hf") == ["smollm2"]
+    assert sorted(os.listdir(tmp_path / "hf")) == ["char-small", "smollm2"]
     d = str(tmp_path / "hf" / "smollm2")
     model = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
     tok = transformers.AutoTokenizer.from_pretrained(d)

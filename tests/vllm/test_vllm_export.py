@@ -1,7 +1,8 @@
-"""A folder written by `hacpo export` served by a real vLLM engine the way users serve models
+"""Folders written by `hacpo export` served by a real vLLM engine the way users serve models
 (``LLM(model=folder)``: vLLM's own weight loader, tokenizer and generation config; no hacpo code
 in the engine's process): it tokenizes the recorded prompt and the chat template to hacpo's
-prompt ids, and its greedy answers and their log-probs are the trained policy's."""
+prompt ids, and its greedy answers and their log-probs are the trained policy's (an HF Qwen2,
+and the plain-torch decoder exported as a Llama with the char tokenizer)."""
 import dataclasses
 import json
 import os
@@ -30,7 +31,7 @@ import json, sys
 from vllm import LLM, SamplingParams
 folder, prompts, questions, max_new = sys.argv[1], json.loads(sys.argv[2]), \
     json.loads(sys.argv[3]), int(sys.argv[4])
-llm = LLM(model=folder, dtype="float32", max_model_len=256, enforce_eager=True, seed=0)
+llm = LLM(model=folder, dtype="float32", enforce_eager=True, seed=0)
 params = SamplingParams(temperature=0, max_tokens=max_new, logprobs=0)
 out = llm.generate(prompts, params, use_tqdm=False)
 chat = llm.chat([[{"role": "user", "content": q}] for q in questions], params, use_tqdm=False)
@@ -47,9 +48,10 @@ print("RESULT " + json.dumps({
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """A 1-step run of a tiny HF Qwen2 (the whole Qwen3 tokenizer, head dim 64 as vLLM's CPU
-    attention needs) next to tiny3's char agent; its checkpoint edited so that greedy answers
-    end with EOS (the tied EOS row set to 3x the row of the first question's first greedy
-    token: a random model never picks EOS among 151k tokens), then the Qwen2 agent exported."""
+    attention needs) next to tiny3's char agent (its decoder at head dim 64); the checkpoint
+    edited so that the Qwen2's greedy answers end with EOS (its tied EOS row set to 3x the row
+    of the first question's first greedy token: a random model never picks EOS among 151k
+    tokens), then both agents exported."""
     from hacpo.engine import checkpoint as ckpt
     from tests.engine.test_export import _policies
     tmp = tmp_path_factory.mktemp("vllmexport")
@@ -57,7 +59,9 @@ def exported(tmp_path_factory):
         "out_dir": str(tmp / "run"), "cache_dir": str(tmp / "cache"), "threads": 1,
         "steps": 1, "plots": False, "tensorboard": False,
         "agents.1.policy.kind": "hf", "agents.1.policy.arch": "qwen2",
-        "agents.1.policy.reduce_vocab": False, "agents.1.policy.hf_config": HF_TINY})
+        "agents.1.policy.reduce_vocab": False, "agents.1.policy.hf_config": HF_TINY,
+        # the char agent's plain-torch decoder, exported as a Llama: head dim 64 too
+        "agents.0.policy.d_model": 128, "agents.0.policy.n_heads": 2})
     cfg = dataclasses.replace(cfg, agents=cfg.agents[:2])
     train(cfg, echo=lambda *_: None)
     pol = _policies(tmp / "run")[0]["qwen3"]
@@ -71,13 +75,19 @@ def exported(tmp_path_factory):
     emb[tok.eos_id] = head[tok.eos_id] = 3 * emb[first]
     (tmp / "edited").mkdir()
     ckpt.save_atomic(state, str(tmp / "edited" / "checkpoint.pt"))
-    dirs = export_checkpoint(str(tmp / "edited"), str(tmp / "hf"), agents=["qwen3"],
-                             echo=lambda *_: None)
-    return dirs["qwen3"], _policies(tmp / "edited")[0]["qwen3"], tmp
+    dirs = export_checkpoint(str(tmp / "edited"), str(tmp / "hf"), echo=lambda *_: None)
+    assert list(dirs) == ["char", "qwen3"]
+    return dirs, _policies(tmp / "edited")[0], tmp
 
 
-def test_vllm_serves_the_exported_folder(exported):
-    folder, pol, tmp = exported
+@pytest.mark.parametrize("agent", ["qwen3", "char"])
+def test_vllm_serves_the_exported_folder(exported, agent):
+    """qwen3: the Qwen3 tokenizer's own chat template; char: the plain-torch decoder as a
+    Llama, the char tokenizer as a transformers one, hacpo's prompt format (with BOS) as the
+    chat template. Greedy answers end with EOS where the policy's do (qwen3: the edited
+    checkpoint; char: its warm start)."""
+    dirs, pols, tmp = exported
+    folder, pol = dirs[agent], pols[agent]
     rec = json.loads(open(os.path.join(folder, EXPORT_FILE)).read())
     texts = [rec["prompt"]["text"].replace(rec["prompt"]["placeholder"], q) for q in QUESTIONS]
     env = {**os.environ, **_actor_env(1, str(tmp))}
@@ -96,8 +106,9 @@ def test_vllm_serves_the_exported_folder(exported):
     assert got["ids"] == ours.response_ids == got["chat_ids"]
     # vLLM stopped at hacpo's EOS where the policy did (the exported generation config and
     # tokenizer), and ran to the length limit where it did not
-    assert ours.finished_eos[0] and ours.response_ids[0][-1] == pol.tokenizer.eos_id
-    assert not all(ours.finished_eos), ours.response_ids
+    if agent == "qwen3":
+        assert ours.finished_eos[0] and ours.response_ids[0][-1] == pol.tokenizer.eos_id
+        assert not all(ours.finished_eos), ours.response_ids
     with torch.no_grad():
         lp, mask = pol.response_logprobs(prompts, ours.response_ids)
     for b, row in enumerate(got["logprobs"]):
