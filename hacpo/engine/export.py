@@ -59,9 +59,23 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 _DIR_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 
 
-def _dir_name(name: str, index: int) -> str:
-    """The agent's directory: its name where that is a plain file name, else ``agent<index>``."""
-    return name if _DIR_RE.match(name) and name not in (".", "..") else f"agent{index}"
+def _dir_names(names: Sequence[str]) -> dict[str, str]:
+    """Each of a run's agents' folder: its name where that is a plain file name, else
+    ``agent<index>`` (``_`` appended while that is another agent's folder, compared
+    case-insensitively). Decided over all the run's agents, so an agent's folder does not
+    depend on which agents an export names, and no agent gets another's name."""
+    plain = [n for n in names if _DIR_RE.match(n) and n not in (".", "..")]
+    taken, out = {n.casefold() for n in plain}, {}
+    for i, n in enumerate(names):
+        if n in plain:
+            out[n] = n
+            continue
+        d = f"agent{i}"
+        while d.casefold() in taken:
+            d += "_"
+        taken.add(d.casefold())
+        out[n] = d
+    return out
 
 
 def _why_not(pol_cfg, tokenizer: bool) -> Optional[str]:
@@ -80,9 +94,10 @@ def _prepends_bos(tok) -> bool:
 
 
 def _chat_template(tok) -> Optional[str]:
-    """A Jinja chat template rendering a user message as hacpo's tokenizer template does
-    (BOS where hacpo prepends it; the text around the question as is), or None where hacpo
-    used the tokenizer's own chat template (it is kept)."""
+    """A Jinja chat template rendering one user message as hacpo's tokenizer template does
+    (BOS where hacpo prepends it; the text around the question as is; anything but one user
+    message is an error), or None where hacpo used the tokenizer's own chat template (it is
+    kept)."""
     if getattr(tok, "_use_chat", False):
         return None
     before, after = tok.prompt_text(PLACEHOLDER).split(PLACEHOLDER, 1)
@@ -91,9 +106,14 @@ def _chat_template(tok) -> Optional[str]:
 
     def raw(text):
         return "{% raw %}" + text + "{% endraw %}" if text else ""
-    return ("{% for message in messages %}{% if message['role'] == 'user' %}"
+    # the agent was trained on single-turn prompts: a system message or a conversation has
+    # no rendering in its format (an error, not a silently dropped message)
+    return ("{% if messages | length != 1 or messages[0]['role'] != 'user' %}"
+            "{{ raise_exception('this model was trained on prompts of one user message "
+            "(hacpo export); got ' ~ (messages | map(attribute='role') | join(', '))) }}"
+            "{% endif %}"
             + ("{{ bos_token }}" if _prepends_bos(tok) else "") + raw(before)
-            + "{{ message['content'] }}" + raw(after) + "{% endif %}{% endfor %}")
+            + "{{ messages[0]['content'] }}" + raw(after))
 
 
 def _hf_tokenizer(tok):
@@ -147,6 +167,11 @@ def _write_agent(pol, final: str, *, record: dict, tokenizer: bool,
             cfg.eos_token_id, cfg.pad_token_id = tok.eos_id, tok.pad_id
             if tok.bos_id is not None:
                 cfg.bos_token_id = tok.bos_id
+        # rows past the tokenizer's ids (a checkpoint's padded embedding): hacpo samples from
+        # the tokenizer's V only; transformers' generate leaves them out too
+        rows = model.get_output_embeddings().weight.shape[0]
+        if rows > tok.vocab_size:
+            model.generation_config.suppress_tokens = list(range(tok.vocab_size, rows))
         model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer:
             _hf_tokenizer(tok).save_pretrained(tmp)
@@ -178,6 +203,16 @@ def _write_agent(pol, final: str, *, record: dict, tokenizer: bool,
         if isinstance(e, FileExistsError):
             raise
         raise StorageError.like(e, f"cannot write {final}: {e}", final) from None
+    except Exception as e:
+        # safetensors (SafetensorError) and tokenizers (a bare Exception) report an I/O error
+        # (ENOSPC, EIO, ...) only as "... (os error N)" in their message
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if (m := re.search(r"\(os error (\d+)\)", str(e))) is None:
+            raise
+        err = int(m.group(1))
+        raise StorageError.like(OSError(err, os.strerror(err)),
+                                f"cannot write {final}: {e}", final) from None
     except BaseException:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -218,16 +253,28 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, agents: Optional[Sequenc
     for n, why in bad.items():      # no agent named: the others are exported
         echo(f"[export] skipping agent {n}: {why}")
     chosen = [n for n in chosen if n not in bad]
-    dirs = {n: os.path.join(out_dir, _dir_name(n, by_name[n][0])) for n in chosen}
-    if len(set(dirs.values())) != len(dirs):
-        dirs = {n: os.path.join(out_dir, f"agent{by_name[n][0]}") for n in chosen}
+    folder = _dir_names([a.policy.name for a in cfg.agents])
+    dirs = {n: os.path.join(out_dir, folder[n]) for n in chosen}
     if not overwrite and (there := [d for d in dirs.values() if os.path.lexists(d)]):
         raise FileExistsError(f"{', '.join(there)} already exist(s) (--force replaces them)")
+    made = not os.path.isdir(out_dir)
     try:
         ckpt.ensure_dir(out_dir, "export output dir")
     except OSError as e:
         raise StorageError.like(e, f"{e} (--out chooses another)", out_dir) from None
+    try:
+        _export(ck_path, run_dir, state, cfg, by_name, dirs, tokenizer=tokenizer, dtype=dtype,
+                overwrite=overwrite, echo=echo)
+    except BaseException:
+        if made and not os.listdir(out_dir):     # an error before any agent was written
+            os.rmdir(out_dir)
+        raise
+    return dirs
 
+
+def _export(ck_path, run_dir, state, cfg, by_name, dirs, *, tokenizer, dtype, overwrite, echo):
+    """export_checkpoint's work once its arguments are checked: rebuild, load, write."""
+    chosen = list(dirs)
     echo(f"[export] rebuilding {len(cfg.agents)} policies from {ck_path}")
     data = build.load_data(cfg)
     policies = {p.name: p for p in build.build_policies(cfg, data)}
@@ -261,4 +308,3 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, agents: Optional[Sequenc
                      dtype=DTYPES[dtype] if dtype else None, overwrite=overwrite)
         echo(f"[export] {n} (step {state.get('step')}) -> {dirs[n]}"
              + ("" if tokenizer else " (model only: no tokenizer files)"))
-    return dirs

@@ -349,7 +349,9 @@ def main(argv: list[str] | None = None) -> int:
                                       "(from_pretrained / vLLM load them without hacpo)")
     x.add_argument("checkpoint", help="run dir or checkpoint.pt")
     x.add_argument("--out", required=True, help="output dir: one <agent>/ folder per agent")
-    x.add_argument("--agents", nargs="+", default=None, help="agent names (default: all)")
+    x.add_argument("--agents", nargs="+", default=None,
+                   help="agent names (default: every agent that can be exported; the others "
+                        "are skipped, each with a line saying why)")
     x.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="weights' dtype (default: the policy's)")
     x.add_argument("--no-tokenizer", action="store_true",

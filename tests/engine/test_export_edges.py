@@ -1,0 +1,273 @@
+"""`hacpo export` edge cases not pinned by test_export.py: an HF agent with an untied output
+layer and a GPT-2 (Conv1D) agent export bit for bit and answer as the policy does; exporting
+changes nothing in the run dir nor in hacpo's cached tokenizers; --force replaces a file or a
+symbolic link at an agent's path (not the link's target); a Ctrl-C mid-write leaves no temporary
+folder and the old folder whole; an agent whose name is no plain file name gets agent<index>
+(and no agent another's name); a full disk is the one-line storage error; hacpo's own prompt
+format as a chat template takes exactly one user message; padded embedding rows are never
+generated."""
+import dataclasses
+import hashlib
+import json
+import os
+
+import pytest
+import torch
+
+from hacpo.engine import build, checkpoint as ckpt
+from hacpo.engine.eval_harness import _load_run
+from hacpo.engine.export import EXPORT_FILE, export_checkpoint
+from hacpo.engine.run_config import load_config
+from hacpo.engine.trainer import train
+from hacpo.launch import cli
+from hacpo.models.generation import generate
+from hacpo.models.tokenizer import _load_hf, tokenizer_path
+
+transformers = pytest.importorskip("transformers")
+
+QUESTIONS = ["What is 2 + 3?", "Ann has 4 eggs. She gets 3 more. How many eggs does Ann have?"]
+
+
+def _quiet(*_):
+    pass
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A 1-step run of two HF agents: untied (Qwen2 with tie_word_embeddings=false on the whole
+    Qwen3 tokenizer) and g2 (transformers' GPT-2, Conv1D layers, on the whole GPT-2 tokenizer)."""
+    tmp = tmp_path_factory.mktemp("exportedges")
+    cfg = load_config("tiny3", overrides={
+        "out_dir": str(tmp / "run"), "cache_dir": str(tmp / "cache"), "threads": 1,
+        "steps": 1, "plots": False, "tensorboard": False,
+        "agents.1.policy.kind": "hf", "agents.1.policy.arch": "qwen2",
+        "agents.1.policy.reduce_vocab": False,
+        "agents.1.policy.hf_config": {"tie_word_embeddings": False}})
+    a = cfg.agents[1]
+    g2 = dataclasses.replace(a, policy=dataclasses.replace(
+        a.policy, name="g2", tokenizer="gpt2", arch="gpt2", hf_config={}, seed=4))
+    untied = dataclasses.replace(a, policy=dataclasses.replace(a.policy, name="untied"))
+    train(dataclasses.replace(cfg, agents=[untied, g2]), echo=_quiet)
+    return tmp
+
+
+def _policies(run_dir):
+    _, _, state, cfg, _ = _load_run(str(run_dir))
+    pols = {p.name: p for p in build.build_policies(cfg, build.load_data(cfg))}
+    for a in state["agents"]:
+        pols[a["name"]].load_state_dict(a["model"])
+    return pols, state
+
+
+def _tree(path):
+    """Every file under ``path``: its bytes' sha256 and mtime."""
+    out = {}
+    for root, _, files in os.walk(path):
+        for f in files:
+            p = os.path.join(root, f)
+            with open(p, "rb") as fh:
+                out[os.path.relpath(p, path)] = (hashlib.sha256(fh.read()).hexdigest(),
+                                                 os.stat(p).st_mtime_ns)
+    return out
+
+
+@pytest.fixture(scope="module")
+def exported(run):
+    """Both agents exported; the run dir's files and the cached GPT-2 / Qwen3 tokenizer
+    objects as they were before."""
+    cached = {n: _load_hf(os.path.abspath(tokenizer_path(n))) for n in ("gpt2", "qwen3")}
+    before = {n: (h.eos_token, h.pad_token, h.chat_template, h.backend_tokenizer.to_str())
+              for n, h in cached.items()}
+    tree = _tree(run / "run")
+    dirs = export_checkpoint(str(run / "run"), str(run / "out"), echo=_quiet)
+    return dirs, cached, before, tree
+
+
+@pytest.mark.parametrize("agent", ["untied", "g2"])
+def test_untied_and_conv1d_agents_export_as_trained(run, exported, agent):
+    dirs, *_ = exported
+    pols, state = _policies(run / "run")
+    pol = pols[agent]
+    model = transformers.AutoModelForCausalLM.from_pretrained(dirs[agent],
+                                                              dtype=torch.float32).eval()
+    assert type(model).__name__ == {"untied": "Qwen2ForCausalLM",
+                                    "g2": "GPT2LMHeadModel"}[agent]
+    saved = {k.removeprefix("model."): v for k, v in
+             next(a for a in state["agents"] if a["name"] == agent)["model"].items()}
+    got = model.state_dict()
+    assert set(got) == set(saved) and all(torch.equal(got[k], saved[k]) for k in saved)
+    if agent == "untied":       # its own output layer, not the embedding (can fail: tied)
+        assert model.config.tie_word_embeddings is False
+        assert not torch.equal(got["lm_head.weight"], got["model.embed_tokens.weight"])
+    tok = pol.tokenizer
+    for q in QUESTIONS:
+        p = tok.prompt_ids(q)
+        ours = generate(pol, [p], num_samples=1, max_new_tokens=8, temperature=0.0)
+        theirs = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p),
+                                dtype=torch.long), do_sample=False, max_new_tokens=8)
+        assert theirs[0, len(p):].tolist() == ours.response_ids[0]
+        r = tok.response_ids(" 5", add_eos=True)
+        with torch.no_grad():
+            want, _ = pol.response_logprobs([p], [r])
+            logits = model(torch.tensor([p + r])).logits[0, len(p) - 1:-1]
+        lp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(r)[:, None])[:, 0]
+        torch.testing.assert_close(lp, want[0, :len(r)], rtol=0, atol=1e-5)
+
+
+def test_export_changes_neither_the_run_nor_hacpos_cached_tokenizers(run, exported):
+    dirs, cached, before, tree = exported
+    assert _tree(run / "run") == tree
+    # the exported GPT-2 tokenizer got a pad token and hacpo's prompt format as its chat
+    # template; hacpo's cached one (shared by every policy of the process) did not
+    hf = transformers.AutoTokenizer.from_pretrained(dirs["g2"])
+    assert hf.pad_token == "<|endoftext|>" and hf.chat_template
+    for n, h in cached.items():
+        assert _load_hf(os.path.abspath(tokenizer_path(n))) is h
+        assert (h.eos_token, h.pad_token, h.chat_template, h.backend_tokenizer.to_str()) == \
+            before[n], n
+    assert before["gpt2"][1] is None and before["gpt2"][2] is None   # can fail: were edited
+
+
+def test_force_replaces_a_file_or_link_at_the_agent_path_not_its_target(run, exported):
+    out, target = run / "force", run / "target"
+    out.mkdir()
+    target.mkdir()
+    (target / "keep.txt").write_text("keep")
+    (out / "untied").write_text("a file")
+    os.symlink(target, out / "g2")
+    with pytest.raises(FileExistsError, match=r"untied, .*g2 already exist\(s\)"):
+        export_checkpoint(str(run / "run"), str(out), echo=_quiet)
+    assert (out / "untied").is_file() and (out / "g2").is_symlink()
+    export_checkpoint(str(run / "run"), str(out), overwrite=True, echo=_quiet)
+    assert sorted(os.listdir(out)) == ["g2", "untied"]
+    for a in ("g2", "untied"):
+        assert not (out / a).is_symlink() and (out / a / "model.safetensors").is_file()
+    assert sorted(os.listdir(target)) == ["keep.txt"]
+
+
+def test_ctrl_c_mid_write_leaves_no_temp_folder(run, exported, monkeypatch):
+    out = run / "interrupted"
+    real = transformers.PreTrainedTokenizerBase.save_pretrained
+
+    def interrupted(self, *a, **kw):
+        real(self, *a, **kw)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(transformers.PreTrainedTokenizerBase, "save_pretrained", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        export_checkpoint(str(run / "run"), str(out), agents=["g2"], echo=_quiet)
+    assert not out.exists()      # no temp folder; the output folder it made is gone too
+    monkeypatch.undo()
+    export_checkpoint(str(run / "run"), str(out), agents=["g2"], echo=_quiet)
+    (out / "g2" / "mine.txt").write_text("old")
+    monkeypatch.setattr(transformers.PreTrainedTokenizerBase, "save_pretrained", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        export_checkpoint(str(run / "run"), str(out), agents=["g2"], overwrite=True,
+                          echo=_quiet)
+    assert os.listdir(out) == ["g2"] and (out / "g2" / "mine.txt").read_text() == "old"
+
+
+def test_an_agent_name_that_is_no_plain_file_name_gets_agent_index(run, exported):
+    """A stored run may hold an agent named "g 2" (a space: refused for new runs only); its
+    folder is agent<index>, and hacpo_export.json names it."""
+    state = ckpt.load(str(run / "run" / "checkpoint.pt"))
+    state["agents"][1]["name"] = state["config"]["agents"][1]["policy"]["name"] = "g 2"
+    (run / "renamed").mkdir()
+    ckpt.save_atomic(state, str(run / "renamed" / "checkpoint.pt"))
+    out = run / "renamed-out"
+    dirs = export_checkpoint(str(run / "renamed"), str(out), agents=["g 2"], echo=_quiet)
+    assert dirs == {"g 2": str(out / "agent1")} and os.listdir(out) == ["agent1"]
+    rec = json.loads((out / "agent1" / EXPORT_FILE).read_text())
+    assert (rec["agent"], rec["agent_index"]) == ("g 2", 1)
+
+
+def test_disk_full_is_one_line_and_exit_2_and_leaves_no_folder(run, exported, monkeypatch,
+                                                               capsys):
+    """safetensors reports ENOSPC as a SafetensorError ("... (os error 28)"), tokenizers as a
+    bare Exception: both are the one-line storage error (exit status 2), and the output folder
+    the export made is gone again (before: a traceback, exit status 1)."""
+    import transformers.modeling_utils as mu
+    from safetensors import SafetensorError
+
+    def full(*a, **kw):     # what safetensors raises on ENOSPC (seen on a full tmpfs)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device "
+                              "(os error 28)")
+    monkeypatch.setattr(mu, "safe_save_file", full)
+    assert cli.main(["export", str(run / "run"), "--out", str(run / "full")]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("hacpo")]
+    assert len(err) == 1 and err[0].startswith("hacpo export: error: cannot write ")
+    assert "No space left on device" in err[0]
+    assert not (run / "full").exists()
+    monkeypatch.undo()
+    # an error that is no I/O error keeps its type (a bug keeps its traceback)
+    monkeypatch.setattr(mu, "safe_save_file", lambda *a, **kw: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        export_checkpoint(str(run / "run"), str(run / "full"), echo=_quiet)
+    (run / "kept").mkdir()                  # a folder that was there stays, even if empty
+    with pytest.raises(ZeroDivisionError):
+        export_checkpoint(str(run / "run"), str(run / "kept"), echo=_quiet)
+    assert os.listdir(run / "kept") == [] and not (run / "full").exists()
+
+
+def test_agent_folder_is_its_own_and_never_another_agents_name(run, exported):
+    """Folders are decided over all the run's agents: an agent named "agent1" keeps its name,
+    and "g 2" (no plain file name) gets another, whichever agents an export names (before:
+    "g 2" alone went to agent1, another agent's name, and a clash renamed every folder)."""
+    state = ckpt.load(str(run / "run" / "checkpoint.pt"))
+    for i, n in ((0, "agent1"), (1, "g 2")):
+        state["agents"][i]["name"] = state["config"]["agents"][i]["policy"]["name"] = n
+    (run / "clash").mkdir()
+    ckpt.save_atomic(state, str(run / "clash" / "checkpoint.pt"))
+    one = export_checkpoint(str(run / "clash"), str(run / "clash-a"), agents=["g 2"],
+                            echo=_quiet)
+    both = export_checkpoint(str(run / "clash"), str(run / "clash-b"), echo=_quiet)
+    assert os.path.basename(both["agent1"]) == "agent1"        # its own name, always
+    assert os.path.basename(one["g 2"]) == os.path.basename(both["g 2"]) == "agent1_"
+
+
+def test_hacpos_own_prompt_format_as_chat_template_takes_one_user_message(run, exported):
+    """g2 (GPT-2: hacpo's plain template with BOS): one user message renders the trained
+    prompt; a system message or a conversation, which that format cannot hold, is an error
+    naming the roles (not a prompt with messages silently left out)."""
+    dirs = exported[0]
+    tok = transformers.AutoTokenizer.from_pretrained(dirs["g2"])
+    pols, _ = _policies(run / "run")
+    q = QUESTIONS[0]
+    assert list(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True,
+                                        add_generation_prompt=True, return_dict=False)) == \
+        pols["g2"].tokenizer.prompt_ids(q)
+    for msgs, roles in (([{"role": "system", "content": "Be brief."},
+                          {"role": "user", "content": q}], "system, user"),
+                        ([{"role": "user", "content": q}, {"role": "assistant", "content": "5"},
+                          {"role": "user", "content": q}], "user, assistant, user"),
+                        ([{"role": "assistant", "content": "5"}], "assistant")):
+        with pytest.raises(Exception, match=f"one user message .*got {roles}"):
+            tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+
+def test_padded_embedding_rows_are_never_generated(tmp_path):
+    """A policy.path model with more embedding rows than its tokenizer has ids (as Qwen ships
+    them): hacpo samples from the tokenizer's ids only, and so does transformers' generate on
+    the export (generation_config.suppress_tokens), even where a padded row has the largest
+    logit (before: transformers generated ids hacpo never samples)."""
+    from hacpo.engine.export import _write_agent
+    from hacpo.models.hf import build_hf_model
+    from hacpo.models.policy import PolicyConfig, build_policy
+    from hacpo.models.tokenizer import load_tokenizer
+    V = load_tokenizer("qwen3").vocab_size
+    base = build_hf_model({"arch": "qwen2"}, vocab_size=V + 37, eos_id=0, pad_id=0, seed=2)
+    with torch.no_grad():       # the padded rows dominate every logit
+        base.model.embed_tokens.weight[V:] = base.model.embed_tokens.weight[:V].sum(0) * 5
+    base.save_pretrained(tmp_path / "base")
+    pol = build_policy(PolicyConfig(name="padded", kind="hf", arch="qwen2", tokenizer="qwen3",
+                                    path=str(tmp_path / "base")))
+    _write_agent(pol, str(tmp_path / "padded"), record={}, tokenizer=True, dtype=None,
+                 overwrite=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "padded").eval()
+    assert model.generation_config.suppress_tokens == list(range(V, V + 37))
+    p = pol.tokenizer.prompt_ids(QUESTIONS[0])
+    with torch.no_grad():
+        assert int(model(torch.tensor([p])).logits[0, -1].argmax()) >= V   # can fail
+    ours = generate(pol, [p], num_samples=1, max_new_tokens=6, temperature=0.0)
+    out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p),
+                         dtype=torch.long), do_sample=False, max_new_tokens=6)
+    assert out[0, len(p):].tolist() == ours.response_ids[0]
