@@ -295,8 +295,10 @@ def _export(ck_path, run_dir, state, cfg, by_name, dirs, *, tokenizer, dtype, ov
             "step": state.get("step"), "agent": n, "agent_index": i,
             "trainer": _stored_trainer(state, i),
             "trainer_backend": state["config"].get("trainer_backend", "local"),
-            "policy": {k: getattr(pol_cfg, k) for k in ("kind", "arch", "path", "tokenizer",
-                                                       "reduce_vocab", "dtype", "hf_config")},
+            "policy": {k: getattr(pol_cfg, k) for k in (
+                ("kind", "arch", "path", "hf_config") if pol_cfg.kind == "hf" else
+                ("kind", "d_model", "n_layers", "n_heads", "max_len"))
+                + ("tokenizer", "reduce_vocab", "dtype")},
             "dtype": dtype or pol_cfg.dtype,
             "tokenizer": {"name": tok.name, "files_written": tokenizer,
                           "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,

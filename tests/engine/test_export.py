@@ -116,6 +116,9 @@ def test_transformers_reads_the_trained_agent(run, exported, agent):
     rec = json.loads(open(os.path.join(d, EXPORT_FILE)).read())
     assert (rec["agent"], rec["step"], rec["tokenizer"]["files_written"]) == (agent, 1, True)
     assert rec["prompt"]["prepend_bos"] is (agent in ("gpt2", "char"))
+    assert rec["model_class"] == type(model).__name__
+    assert (rec["policy"]["kind"], "arch" in rec["policy"], "d_model" in rec["policy"]) == \
+        (("decoder", False, True) if agent == "char" else ("hf", True, False))
     # the recorded prompt format, encoded by the exported tokenizer, and the exported chat
     # template (the tokenizer's own where hacpo used it: qwen3; else hacpo's format) give
     # hacpo's prompt ids (char: no 'é', '|' in its character set)
