@@ -188,7 +188,11 @@ def _write_agent(pol, final: str, *, record: dict, tokenizer: bool,
             raise FileExistsError(f"{final} exists (--force replaces it)")
         else:                       # the old folder moves aside only for the rename
             old = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.old-", dir=parent)
-            os.rename(final, os.path.join(old, "x"))
+            try:
+                os.rename(final, os.path.join(old, "x"))
+            except BaseException:
+                os.rmdir(old)
+                raise
             try:
                 os.rename(tmp, final)
             except BaseException:

@@ -264,6 +264,9 @@ def test_padded_embedding_rows_are_never_generated(tmp_path):
                  overwrite=False)
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "padded").eval()
     assert model.generation_config.suppress_tokens == list(range(V, V + 37))
+    # config.json names hacpo's EOS / pad too, not the base model's (id 0; vLLM reads it)
+    for c in (model.config, model.generation_config):
+        assert (c.eos_token_id, c.pad_token_id) == (pol.tokenizer.eos_id, pol.tokenizer.pad_id)
     p = pol.tokenizer.prompt_ids(QUESTIONS[0])
     with torch.no_grad():
         assert int(model(torch.tensor([p])).logits[0, -1].argmax()) >= V   # can fail
@@ -271,3 +274,223 @@ def test_padded_embedding_rows_are_never_generated(tmp_path):
     out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p),
                          dtype=torch.long), do_sample=False, max_new_tokens=6)
     assert out[0, len(p):].tolist() == ours.response_ids[0]
+
+
+def test_cli_flags_reach_the_export(run, exported, capsys):
+    """`hacpo export --agents g2 --no-tokenizer --dtype bfloat16 --force` over an existing
+    folder: the model alone, in bf16, replacing the folder (each flag reaches the export)."""
+    out = run / "cli-flags"
+    (out / "g2").mkdir(parents=True)
+    (out / "g2" / "old.txt").write_text("old")
+    assert cli.main(["export", str(run / "run"), "--out", str(out), "--agents", "g2",
+                     "--no-tokenizer", "--dtype", "bfloat16", "--force"]) == 0
+    assert f"[export] written: {out / 'g2'}" in capsys.readouterr().out
+    d = out / "g2"
+    assert os.listdir(out) == ["g2"] and not (d / "old.txt").exists()
+    assert not [f for f in os.listdir(d) if f.startswith("tokenizer")]
+    rec = json.loads((d / EXPORT_FILE).read_text())
+    assert (rec["dtype"], rec["tokenizer"]["files_written"]) == ("bfloat16", False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=None)
+    assert model.dtype == torch.bfloat16
+
+
+def test_cli_key_error_is_its_message(monkeypatch, capsys):
+    """A KeyError (a checkpoint missing a field) is its message on one line, not its repr."""
+    import hacpo.engine.export as export
+
+    def missing(*a, **kw):
+        raise KeyError("checkpoint.pt has no 'agents'")
+    monkeypatch.setattr(export, "export_checkpoint", missing)
+    assert cli.main(["export", "somewhere", "--out", "elsewhere"]) == 2
+    assert capsys.readouterr().err.strip() == "hacpo export: error: checkpoint.pt has no 'agents'"
+
+
+def test_file_modes_follow_the_umask(run, exported):
+    """The folder and its files get the modes the umask gives new ones (here 027: 0750 and
+    0640, not mkdtemp's 0700 / safetensors' 0600, nor a fixed 0644)."""
+    old = os.umask(0o027)
+    try:
+        d = export_checkpoint(str(run / "run"), str(run / "umask"), agents=["g2"],
+                              echo=_quiet)["g2"]
+    finally:
+        os.umask(old)
+    assert os.stat(d).st_mode & 0o777 == 0o750
+    assert {f: os.stat(os.path.join(d, f)).st_mode & 0o777 for f in os.listdir(d)} == \
+        {f: 0o640 for f in os.listdir(d)}
+
+
+def test_a_folder_made_while_writing_is_kept_unless_force(run, exported, monkeypatch):
+    """A folder that appears at the agent's path during the write (another export, a user) is
+    an error, kept whole, and no temporary folder is left; with --force it is replaced."""
+    out = run / "race"
+    real = transformers.PreTrainedModel.save_pretrained
+
+    def and_theirs(self, path, **kw):
+        real(self, path, **kw)
+        (out / "g2").mkdir(exist_ok=True)
+        (out / "g2" / "theirs.txt").write_text("theirs")
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", and_theirs)
+    with pytest.raises(FileExistsError) as e:
+        export_checkpoint(str(run / "run"), str(out), agents=["g2"], tokenizer=False,
+                          echo=_quiet)
+    assert str(e.value) == f"{out / 'g2'} exists (--force replaces it)"
+    assert os.listdir(out) == ["g2"] and os.listdir(out / "g2") == ["theirs.txt"]
+    export_checkpoint(str(run / "run"), str(out), agents=["g2"], tokenizer=False,
+                      overwrite=True, echo=_quiet)
+    assert os.listdir(out) == ["g2"] and (out / "g2" / "model.safetensors").is_file()
+    assert not (out / "g2" / "theirs.txt").exists()
+
+
+def test_the_record_names_the_trainer_the_run_gave_each_agent():
+    from hacpo.engine.export import _stored_trainer
+    state = {"config": {"agents": [{"trainer": "megatron"}, {"policy": {}}]}}
+    assert [_stored_trainer(state, i) for i in (0, 1)] == ["megatron", "torch"]
+
+
+class _Format:
+    """A hacpo tokenizer stand-in whose plain prompt format is ``fmt``."""
+    name, _use_chat, _add_bos = "fmt", False, False
+
+    def __init__(self, fmt):
+        self.fmt = fmt
+
+    def prompt_text(self, question):
+        return self.fmt.replace("{question}", question)
+
+
+def test_a_prompt_format_with_jinja_syntax_is_rendered_as_text():
+    """Text around the question that reads as Jinja ("{{", "{% if") is rendered as is (raw);
+    one holding "{% endraw %}", which raw cannot hold, is refused."""
+    from hacpo.engine.export import _chat_template
+    from hacpo.models.tokenizer import load_tokenizer
+    hf = load_tokenizer("char").to_hf()
+    fmt = "{% if x %}{{ q }} Q: {question}\nA: {#"
+    hf.chat_template = _chat_template(_Format(fmt))
+    assert hf.apply_chat_template([{"role": "user", "content": "2+3?"}], tokenize=False,
+                                  add_generation_prompt=True) == fmt.replace("{question}", "2+3?")
+    with pytest.raises(ValueError, match="endraw"):
+        _chat_template(_Format("{% endraw %}Q: {question}"))
+
+
+def test_a_tokenizers_own_chat_template_is_kept(run, exported):
+    """untied trained on Qwen3's own chat template: the export keeps it (a system message
+    renders as Qwen3 renders it), not hacpo's one-user-message rendering of it."""
+    dirs, _, before, _ = exported
+    tok = transformers.AutoTokenizer.from_pretrained(dirs["untied"])
+    assert before["qwen3"][2] and tok.chat_template == before["qwen3"][2]
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+3?"}]
+    assert "Be brief." in tok.apply_chat_template(msgs, tokenize=False,
+                                                  add_generation_prompt=True)
+
+
+def test_weights_of_agents_the_config_does_not_name_are_refused(run, exported):
+    """A checkpoint whose weights name another agent than its config: the error says so
+    (not a KeyError on the name), and nothing is written."""
+    state = ckpt.load(str(run / "run" / "checkpoint.pt"))
+    state["agents"][0]["name"] = "other"
+    (run / "misnamed").mkdir()
+    ckpt.save_atomic(state, str(run / "misnamed" / "checkpoint.pt"))
+    with pytest.raises(ValueError, match=r"its config names agents \['g2', 'untied'\] but its "
+                                         r"weights are of \['other', 'g2'\]"):
+        export_checkpoint(str(run / "misnamed"), str(run / "misnamed-out"), echo=_quiet)
+    assert not (run / "misnamed-out").exists()
+
+
+def test_folder_names_never_clash_even_case_insensitively():
+    """agent<index> takes as many "_" as it needs to be no other agent's folder, compared
+    case-insensitively (macOS / Windows file systems): never two agents in one folder."""
+    from hacpo.engine.export import _dir_names
+    assert _dir_names(["agent1_", "g 2", "agent1"]) == \
+        {"agent1_": "agent1_", "g 2": "agent1__", "agent1": "agent1"}
+    assert _dir_names(["Agent1", "g 2"]) == {"Agent1": "Agent1", "g 2": "agent1_"}
+    assert _dir_names(["..", "a/b", "ok"]) == {"..": "agent0", "a/b": "agent1", "ok": "ok"}
+
+
+def test_weights_that_do_not_fit_the_rebuilt_policy_are_a_value_error(run, exported):
+    """A checkpoint whose weights lack a tensor of the policy its config builds: ValueError
+    naming the agent (export's contract), and nothing is written."""
+    state = ckpt.load(str(run / "run" / "checkpoint.pt"))
+    model = state["agents"][1]["model"]
+    del model[next(iter(model))]
+    (run / "unfit").mkdir()
+    ckpt.save_atomic(state, str(run / "unfit" / "checkpoint.pt"))
+    with pytest.raises(ValueError, match=r"agent g2's weights do not fit its policy rebuilt"):
+        export_checkpoint(str(run / "unfit"), str(run / "unfit-out"), agents=["g2"],
+                          echo=_quiet)
+    assert not (run / "unfit-out").exists()
+
+
+def test_an_error_after_an_agent_was_written_keeps_it_and_its_output_folder(run, exported,
+                                                                           monkeypatch):
+    """Ctrl-C while writing the second agent into an output folder the export made: the
+    interrupt propagates (not an OSError from removing the non-empty folder), and the first
+    agent's folder stays, complete."""
+    out = run / "second-fails"
+    real, calls = transformers.PreTrainedTokenizerBase.save_pretrained, []
+
+    def second_interrupted(self, *a, **kw):
+        calls.append(1)
+        real(self, *a, **kw)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+    monkeypatch.setattr(transformers.PreTrainedTokenizerBase, "save_pretrained",
+                        second_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        export_checkpoint(str(run / "run"), str(out), echo=_quiet)
+    assert os.listdir(out) == ["untied"] and (out / "untied" / "model.safetensors").is_file()
+
+
+def test_the_record_and_the_echo_name_the_checkpoints_step(run, exported):
+    """hacpo_export.json and the echoed line name the step the checkpoint was saved at (this
+    one edited to step 7: the run itself has one step only)."""
+    state = ckpt.load(str(run / "run" / "checkpoint.pt"))
+    state["step"] = 7
+    (run / "step7").mkdir()
+    ckpt.save_atomic(state, str(run / "step7" / "checkpoint.pt"))
+    said = []
+    d = export_checkpoint(str(run / "step7"), str(run / "step7-out"), agents=["g2"],
+                          tokenizer=False, echo=said.append)["g2"]
+    assert json.loads(open(os.path.join(d, EXPORT_FILE)).read())["step"] == 7
+    assert f"[export] g2 (step 7) -> {d} (model only: no tokenizer files)" in said
+
+
+def test_a_single_padded_embedding_row_is_suppressed(tmp_path):
+    """The boundary of the padded rows: one row past the tokenizer's ids is suppressed too."""
+    from hacpo.engine.export import _write_agent
+    from hacpo.models.hf import build_hf_model
+    from hacpo.models.policy import PolicyConfig, build_policy
+    from hacpo.models.tokenizer import load_tokenizer
+    V = load_tokenizer("qwen3").vocab_size
+    build_hf_model({"arch": "qwen2"}, vocab_size=V + 1, eos_id=0, pad_id=0,
+                   seed=2).save_pretrained(tmp_path / "base")
+    pol = build_policy(PolicyConfig(name="one", kind="hf", arch="qwen2", tokenizer="qwen3",
+                                    path=str(tmp_path / "base")))
+    _write_agent(pol, str(tmp_path / "one"), record={}, tokenizer=False, dtype=None,
+                 overwrite=False)
+    cfg = json.loads((tmp_path / "one" / "generation_config.json").read_text())
+    assert cfg["suppress_tokens"] == [V]
+
+
+def test_force_when_the_old_folder_cannot_move_aside_leaves_it_and_nothing_else(tmp_path,
+                                                                                 monkeypatch):
+    """--force, and the old folder cannot be moved aside (EBUSY: a mount point): the error
+    names the folder, which stays as it was, with no temporary or `.old-` folder beside it
+    (before: an empty `.old-` folder was left)."""
+    from hacpo.engine.export import _write_agent
+    from hacpo.models.policy import PolicyConfig, build_policy
+    pol = build_policy(PolicyConfig(name="c", kind="decoder", tokenizer="char", d_model=32,
+                                    n_layers=1, n_heads=2))
+    final = tmp_path / "c"
+    final.mkdir()
+    (final / "mine.txt").write_text("old")
+    real = os.rename
+
+    def rename(src, dst):
+        if str(src) == str(final):
+            raise OSError(16, "Device or resource busy", src)
+        real(src, dst)
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(OSError, match=r"cannot write .*/c: .*Device or resource busy"):
+        _write_agent(pol, str(final), record={}, tokenizer=False, dtype=None, overwrite=True)
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == ["c"] and os.listdir(final) == ["mine.txt"]

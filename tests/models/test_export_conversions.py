@@ -94,3 +94,18 @@ def test_char_tokenizer_as_a_transformers_tokenizer(tmp_path):
     # the one difference: a text spelling a special token is that token for transformers
     assert hf("<eos>", add_special_tokens=False)["input_ids"] == [tok.eos_id]
     assert tok.encode("<eos>") == [tok._stoi[ch] for ch in "<eos>"]
+
+
+def test_to_llama_names_the_special_ids_and_leaves_the_random_stream():
+    """The Llama's config and generation config carry the ids given (what generate stops and
+    pads at), it is in eval mode, and building it draws nothing from torch's global random
+    stream (its random init is overwritten: an export must not change a run's later draws)."""
+    d = _decoder(True)
+    torch.manual_seed(7)
+    want = torch.rand(4)
+    torch.manual_seed(7)
+    llama = to_llama(d, eos_id=2, pad_id=0, bos_id=1)
+    assert torch.equal(torch.rand(4), want)
+    for c in (llama.config, llama.generation_config):
+        assert (c.eos_token_id, c.pad_token_id, c.bos_token_id) == (2, 0, 1)
+    assert not llama.training
