@@ -218,11 +218,23 @@ def _raise_terminated(signum, frame):
     raise SystemExit(TERMINATED)
 
 
-def _eval(args) -> int:
-    """Evaluate; an error in the input (a checkpoint, benchmark file, option or output dir)
-    is one line on stderr and exit status 2 (HACPO_TRACEBACK=1: the traceback instead)."""
+def _input_error(command: str, e: BaseException) -> int:
+    """An error in a command's input (a checkpoint, benchmark file, agent, option or output
+    dir): one line on stderr, exit status 2; HACPO_TRACEBACK=1 raises it instead."""
     import os
 
+    if os.environ.get("HACPO_TRACEBACK") == "1":
+        raise e
+    msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+    print(f"hacpo {command}: error: {msg}", file=sys.stderr)
+    return 2
+
+
+INPUT_ERRORS = (OSError, ValueError, KeyError, RuntimeError)
+
+
+def _eval(args) -> int:
+    """Evaluate; an error in the input is :func:`_input_error`."""
     from hacpo.engine.eval_harness import evaluate_checkpoints
     try:
         out = evaluate_checkpoints(
@@ -230,12 +242,8 @@ def _eval(args) -> int:
             temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
             limit=args.limit, template=args.template, out_dir=args.out_dir, batch=args.batch,
             seed=args.seed)
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
-        if os.environ.get("HACPO_TRACEBACK") == "1":
-            raise
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"hacpo eval: error: {msg}", file=sys.stderr)
-        return 2
+    except INPUT_ERRORS as e:
+        return _input_error("eval", e)
     print()
     print(out["table"])
     print("[eval] written to " + ", ".join(out["out_dirs"]))
@@ -244,21 +252,14 @@ def _eval(args) -> int:
 
 def _export(args) -> int:
     """Export agents as Hugging Face model directories; an error in the input (a checkpoint,
-    an agent that cannot be exported, an output dir) is one line on stderr and exit status 2
-    (HACPO_TRACEBACK=1: the traceback instead)."""
-    import os
-
+    an agent that cannot be exported, an output dir) is :func:`_input_error`."""
     from hacpo.engine.export import export_checkpoint
     try:
         dirs = export_checkpoint(args.checkpoint, args.out, agents=args.agents,
                                  tokenizer=not args.no_tokenizer, dtype=args.dtype,
                                  overwrite=args.force)
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
-        if os.environ.get("HACPO_TRACEBACK") == "1":
-            raise
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"hacpo export: error: {msg}", file=sys.stderr)
-        return 2
+    except INPUT_ERRORS as e:
+        return _input_error("export", e)
     print("[export] written: " + ", ".join(dirs.values()))
     return 0
 

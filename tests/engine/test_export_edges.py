@@ -14,14 +14,15 @@ import os
 import pytest
 import torch
 
-from hacpo.engine import build, checkpoint as ckpt
-from hacpo.engine.eval_harness import _load_run
+from hacpo.engine import checkpoint as ckpt
 from hacpo.engine.export import EXPORT_FILE, export_checkpoint
 from hacpo.engine.run_config import load_config
 from hacpo.engine.trainer import train
 from hacpo.launch import cli
 from hacpo.models.generation import generate
 from hacpo.models.tokenizer import _load_hf, tokenizer_path
+
+from .test_export import _policies
 
 transformers = pytest.importorskip("transformers")
 
@@ -51,14 +52,6 @@ def run(tmp_path_factory):
     return tmp
 
 
-def _policies(run_dir):
-    _, _, state, cfg, _ = _load_run(str(run_dir))
-    pols = {p.name: p for p in build.build_policies(cfg, build.load_data(cfg))}
-    for a in state["agents"]:
-        pols[a["name"]].load_state_dict(a["model"])
-    return pols, state
-
-
 def _tree(path):
     """Every file under ``path``: its bytes' sha256 and mtime."""
     out = {}
@@ -86,7 +79,7 @@ def exported(run):
 @pytest.mark.parametrize("agent", ["untied", "g2"])
 def test_untied_and_conv1d_agents_export_as_trained(run, exported, agent):
     dirs, *_ = exported
-    pols, state = _policies(run / "run")
+    pols, state, _ = _policies(run / "run")
     pol = pols[agent]
     model = transformers.AutoModelForCausalLM.from_pretrained(dirs[agent],
                                                               dtype=torch.float32).eval()
@@ -230,7 +223,7 @@ def test_hacpos_own_prompt_format_as_chat_template_takes_one_user_message(run, e
     naming the roles (not a prompt with messages silently left out)."""
     dirs = exported[0]
     tok = transformers.AutoTokenizer.from_pretrained(dirs["g2"])
-    pols, _ = _policies(run / "run")
+    pols, _, _ = _policies(run / "run")
     q = QUESTIONS[0]
     assert list(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True,
                                         add_generation_prompt=True, return_dict=False)) == \
@@ -494,3 +487,13 @@ def test_force_when_the_old_folder_cannot_move_aside_leaves_it_and_nothing_else(
         _write_agent(pol, str(final), record={}, tokenizer=False, dtype=None, overwrite=True)
     monkeypatch.undo()
     assert os.listdir(tmp_path) == ["c"] and os.listdir(final) == ["mine.txt"]
+
+
+def test_hacpo_traceback_raises_the_input_error(tmp_path, monkeypatch, capsys):
+    """HACPO_TRACEBACK=1: the error itself (its traceback), not the one line and exit 2."""
+    monkeypatch.setenv("HACPO_TRACEBACK", "1")
+    with pytest.raises((OSError, ValueError), match="nowhere"):
+        cli.main(["export", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out")])
+    assert "hacpo export: error" not in capsys.readouterr().err
+    monkeypatch.delenv("HACPO_TRACEBACK")
+    assert cli.main(["export", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out")]) == 2
