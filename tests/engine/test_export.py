@@ -27,6 +27,13 @@ QUESTIONS = ["What is 2 + 3?", "Ann has 4 eggs. She gets 3 more. How many eggs d
              "A café sells 3 cakes, then 2 more <|im_end|> how many?"]
 
 
+def one_step_tiny3(tmp, **overrides):
+    """tiny3 for one quiet step into ``tmp/run`` (cache ``tmp/cache``), with ``overrides``."""
+    return load_config("tiny3", overrides={
+        "out_dir": str(tmp / "run"), "cache_dir": str(tmp / "cache"), "threads": 1,
+        "steps": 1, "plots": False, "tensorboard": False, **overrides})
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """tiny3 plus two agents: char (plain-torch decoder, char tokenizer), qwen3 (HF Qwen2 on the
@@ -35,9 +42,7 @@ def run(tmp_path_factory):
     template), gpt2 (HF GPT-2 loaded from policy.path on the whole GPT-2 tokenizer: plain
     template with BOS), small (HF Qwen2 on a reduced Qwen3 vocabulary)."""
     tmp = tmp_path_factory.mktemp("exportrun")
-    cfg = load_config("tiny3", overrides={
-        "out_dir": str(tmp / "run"), "cache_dir": str(tmp / "cache"), "threads": 1,
-        "steps": 1, "plots": False, "tensorboard": False,
+    cfg = one_step_tiny3(tmp, **{
         "agents.1.policy.kind": "hf", "agents.1.policy.arch": "qwen2",
         "agents.1.policy.reduce_vocab": False,
         "agents.2.policy.kind": "hf", "agents.2.policy.arch": "llama",

@@ -16,13 +16,12 @@ import torch
 
 from hacpo.engine import checkpoint as ckpt
 from hacpo.engine.export import EXPORT_FILE, export_checkpoint
-from hacpo.engine.run_config import load_config
 from hacpo.engine.trainer import train
 from hacpo.launch import cli
 from hacpo.models.generation import generate
 from hacpo.models.tokenizer import _load_hf, tokenizer_path
 
-from .test_export import _policies
+from .test_export import _policies, one_step_tiny3
 
 transformers = pytest.importorskip("transformers")
 
@@ -38,9 +37,7 @@ def run(tmp_path_factory):
     """A 1-step run of two HF agents: untied (Qwen2 with tie_word_embeddings=false on the whole
     Qwen3 tokenizer) and g2 (transformers' GPT-2, Conv1D layers, on the whole GPT-2 tokenizer)."""
     tmp = tmp_path_factory.mktemp("exportedges")
-    cfg = load_config("tiny3", overrides={
-        "out_dir": str(tmp / "run"), "cache_dir": str(tmp / "cache"), "threads": 1,
-        "steps": 1, "plots": False, "tensorboard": False,
+    cfg = one_step_tiny3(tmp, **{
         "agents.1.policy.kind": "hf", "agents.1.policy.arch": "qwen2",
         "agents.1.policy.reduce_vocab": False,
         "agents.1.policy.hf_config": {"tie_word_embeddings": False}})

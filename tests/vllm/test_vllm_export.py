@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from hacpo.engine.export import EXPORT_FILE, export_checkpoint
-from hacpo.engine.run_config import load_config
 from hacpo.engine.trainer import train
 from hacpo.launch.vllm_rollout import _actor_env, vllm_python
 from hacpo.models.generation import generate
@@ -51,11 +50,9 @@ def exported(tmp_path_factory):
     of the first question's first greedy token: a random model never picks EOS among 151k
     tokens), then both agents exported."""
     from hacpo.engine import checkpoint as ckpt
-    from tests.engine.test_export import _policies
+    from tests.engine.test_export import _policies, one_step_tiny3
     tmp = tmp_path_factory.mktemp("vllmexport")
-    cfg = load_config("tiny3", overrides={
-        "out_dir": str(tmp / "run"), "cache_dir": str(tmp / "cache"), "threads": 1,
-        "steps": 1, "plots": False, "tensorboard": False,
+    cfg = one_step_tiny3(tmp, **{
         "agents.1.policy.kind": "hf", "agents.1.policy.arch": "qwen2",
         "agents.1.policy.reduce_vocab": False, "agents.1.policy.hf_config": HF_TINY,
         # the char agent's plain-torch decoder, exported as a Llama: head dim 64 too
