@@ -64,8 +64,9 @@ __all__ = [
 _BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*")
 _GSM8K_RE = re.compile(r"####\s*((?:(?!####)[^\n])*)")   # to the next marker or line end
 _ANSWER_IS_RE = re.compile(r"answer\s*(?:is|:|=)\s*:?\s*([^\n]*)", re.IGNORECASE)
-# The end of a sentence: ".", "!" or "?" before a space (not a decimal point: "3.5").
-_SENTENCE_END_RE = re.compile(r"[.!?](?=\s)")
+# The end of a sentence: ".", "!" or "?" before a space or at the end of the line (not a decimal
+# point: "3.5"): "The answer is 42!" is 42, not 42 factorial.
+_SENTENCE_END_RE = re.compile(r"[.!?](?=\s|$)")
 # A number: \frac{a}{b}, 1,234.5, 12.5, 3/4, .5 -- with an optional leading minus.
 _NUMBER_RE = re.compile(
     r"-?\\[dt]?frac\{\d+\}\{\d+\}"

@@ -107,13 +107,23 @@ def unpermute_rope(w, n_heads: int):
             .reshape(w.shape))
 
 
+def _reader(path: str):
+    """The gguf package's reader of ``path``; a file it cannot read (bad magic, truncated) is a
+    :class:`GGUFConversionError` naming it (the package raises a bare ValueError)."""
+    gguf = _require_gguf()
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, OSError, IndexError) as e:
+        raise GGUFConversionError(f"{path}: not a readable GGUF file ({e})") from None
+
+
 def read_llama_gguf(path: str) -> tuple[dict, dict]:
     """A llama GGUF -> (transformers LlamaConfig kwargs, {HF name: float32 torch tensor})."""
     import numpy as np
     import torch
 
     gguf = _require_gguf()
-    reader = gguf.GGUFReader(path)
+    reader = _reader(path)
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise GGUFConversionError(f"{path}: GGUF architecture {arch!r}; only 'llama' is handled")
@@ -161,9 +171,8 @@ def _tokenizer(path: str):
     from tokenizers import pre_tokenizers
     from transformers import AutoTokenizer
 
-    gguf = _require_gguf()
+    pre = _field(_reader(path), "tokenizer.ggml.pre")
     tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    pre = _field(gguf.GGUFReader(path), "tokenizer.ggml.pre")
     if pre == "smollm":
         # llama.cpp splits \p{N} (one digit each) before the GPT-2 regex; transformers' GGUF
         # conversion keeps only the byte-level split (the same pieces for this vocabulary,
