@@ -260,9 +260,7 @@ def load(path: str):
         # holds other objects; anything else is not a (whole) checkpoint
         if not trusted and not zipfile.is_zipfile(path):
             # torch's message here advises weights_only=False, unsafe for a foreign file
-            raise RuntimeError(f"checkpoint {path} cannot be read: it is not the zip archive "
-                               f"torch.save writes (a truncated file, or another kind of "
-                               f"file)") from None
+            raise _not_a_torch_zip(path) from None
         if trusted:
             raise RuntimeError(f"checkpoint {path} cannot be read (UnpicklingError: "
                                f"{str(e).splitlines()[0]})") from e
@@ -274,6 +272,17 @@ def load(path: str):
             f"loaded; not loaded. If you trust it, set {TRUST_ENV}=1"
             + (f" (torch: {detail[:300]})" if detail else "")) from None
     except OSError as e:    # unreadable (permissions, an I/O error)
+        if e.filename is None and not zipfile.is_zipfile(path):
+            # torch's zip reader on a file cut short in its last bytes (the zip directory): a
+            # bare "[Errno 22] Invalid argument" that would read as an I/O error
+            raise _not_a_torch_zip(path) from None
         raise RuntimeError(f"checkpoint {path} cannot be read: {describe_os_error(e)}") from e
     except Exception as e:  # truncated or foreign file
+        if not zipfile.is_zipfile(path):   # torch: "failed finding central directory" etc.
+            raise _not_a_torch_zip(path) from None
         raise RuntimeError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e})") from e
+
+
+def _not_a_torch_zip(path: str) -> RuntimeError:
+    return RuntimeError(f"checkpoint {path} cannot be read: it is not the zip archive torch.save "
+                        f"writes (a truncated file, or another kind of file)")
