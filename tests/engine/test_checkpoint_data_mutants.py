@@ -2,11 +2,11 @@
 test pinning: the order of an atomic write (file fsync before the rename, directory fsync
 after), the writer's lock on its temp file, temp-file cleanup on a file system without locks,
 a second error on closing a half-written file, a checkpoint cut short (a truncated file, not an
-I/O error), the messages of a failed first write, of a
-directory or unwritable target, and HACPO_TRUSTED_CHECKPOINTS=0; for data: the other file
-extensions, ``limit`` (0, and rows counted), bad prompts and ids named by line and field, one
-layout detection per file, the cap on kept problems, gold-answer edge cases, the content digest
-over prompts and order, sampler/template/FieldMap argument checks; input checks' types."""
+I/O error), the messages of a failed first write, of a directory or unwritable target, and
+HACPO_TRUSTED_CHECKPOINTS=0; for data: the other file extensions, ``limit`` (0, and rows
+counted), bad prompts and ids named by line and field, one layout detection per file, the cap
+on kept problems, gold-answer edge cases, the content digest over prompts and order,
+sampler/template/FieldMap argument checks; input checks' types."""
 import errno
 import os
 import socket

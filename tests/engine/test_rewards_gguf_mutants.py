@@ -429,4 +429,4 @@ def test_unreadable_gguf_is_a_conversion_error(tmp_path, damage, capsys):
     assert main([str(out), "--gguf", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and str(path) in err and "not a readable GGUF" in err
-    assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]   # no output, no temp
