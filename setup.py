@@ -1,5 +1,12 @@
 """hacpo: heterogeneous agent collaborative policy optimization (arXiv 2603.02604)."""
+import re
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+# hacpo/__init__.py's __version__, read as text (importing hacpo here would need its dependencies)
+VERSION = re.search(r'^__version__ = "([^"]+)"', (Path(__file__).parent / "hacpo" / "__init__.py")
+                    .read_text(), re.M).group(1)
 
 # Extras name groups of *direct* dependencies. Exact versions for CI live in
 # requirements/constraints.txt (install with `-c requirements/constraints.txt`): never let pip
@@ -20,7 +27,7 @@ CPU = [
 ]
 setup(
     name="hacpo",
-    version="0.1.0",
+    version=VERSION,
     description="Heterogeneous agent collaborative RL training engine (HACPO)",
     packages=find_packages(include=["hacpo", "hacpo.*"]),
     package_data={"hacpo": ["py.typed"]},

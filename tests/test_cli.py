@@ -388,3 +388,17 @@ def test_every_run_and_eval_flag_reaches_its_command(tmp_path, monkeypatch, caps
     with pytest.raises(SystemExit):           # --pass-k: an integer >= 0
         main(["compare", "--preset", "tiny3", "--pass-k", "-1"])
     assert "must be an integer >= 0, got -1" in capsys.readouterr().err
+
+
+def test_version_is_the_package_s_own(capsys):
+    """`hacpo --version` prints hacpo.__version__, the one version setup.py installs (the
+    installed distribution's metadata says the same)."""
+    import importlib.metadata
+    import re
+    import hacpo
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"hacpo {hacpo.__version__}"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", hacpo.__version__)
+    assert importlib.metadata.version("hacpo") == hacpo.__version__

@@ -3,10 +3,10 @@
 Each agent of a HACPO run stays a single model at inference time; this writes it where other
 tools read models: ``<out>/<agent>/`` with ``config.json``, ``generation_config.json`` and
 ``model.safetensors`` (transformers' ``save_pretrained``), the tokenizer's files, and
-``hacpo_export.json`` (the run, step and agent it came from, the policy settings, and the
-prompt format the agent was trained on). ``AutoModelForCausalLM.from_pretrained`` /
-``AutoTokenizer.from_pretrained`` (or a vLLM engine) load the directory with nothing of hacpo
-installed; the tokenizer's chat template renders a user message as the agent's prompts were.
+``hacpo_export.json`` (the hacpo version that wrote it, the run, step and agent it came from,
+the policy settings, and the prompt format the agent was trained on).
+``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained`` (or a vLLM engine)
+load the directory with nothing of hacpo installed; the tokenizer's chat template renders a user message as the agent's prompts were.
 
 - HF policies (``policy.kind=hf``) are saved as they are; hacpo's plain-torch decoder
   (``kind=decoder``) is Llama's architecture with fused projections and is saved as a
@@ -43,6 +43,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from hacpo import __version__
 from hacpo.models.decoder import to_llama
 from hacpo.models.tokenizer import CharTokenizer
 
@@ -295,6 +296,7 @@ def _export(ck_path, run_dir, state, cfg, by_name, dirs, *, tokenizer, dtype, ov
                              f"({build.vocab_source(cfg)}): {e}") from None
         tok = pol.tokenizer
         record = {
+            "hacpo_version": __version__,
             "run_dir": os.path.abspath(run_dir), "checkpoint": os.path.abspath(ck_path),
             "step": state.get("step"), "agent": n, "agent_index": i,
             "trainer": _stored_trainer(state, i),

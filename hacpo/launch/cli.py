@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+import hacpo
+
 
 def _demo(args) -> int:
     from hacpo.engine.config import available_presets
@@ -292,6 +294,7 @@ def _add_run_args(p):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="hacpo", description="Heterogeneous agent collaborative RL")
+    ap.add_argument("--version", action="version", version=f"hacpo {hacpo.__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="seconds-long toy demo of the algorithm library (no LM)")
     d.add_argument("--algorithms", nargs="+", default=["gspo", "hacpo"])

@@ -440,7 +440,10 @@ def test_the_record_and_the_echo_name_the_checkpoints_step(run, exported):
     said = []
     d = export_checkpoint(str(run / "step7"), str(run / "step7-out"), agents=["g2"],
                           tokenizer=False, echo=said.append)["g2"]
-    assert json.loads(open(os.path.join(d, EXPORT_FILE)).read())["step"] == 7
+    record = json.loads(open(os.path.join(d, EXPORT_FILE)).read())
+    assert record["step"] == 7
+    import hacpo
+    assert record["hacpo_version"] == hacpo.__version__ and hacpo.__version__.count(".") == 2
     assert f"[export] g2 (step 7) -> {d} (model only: no tokenizer files)" in said
 
 
