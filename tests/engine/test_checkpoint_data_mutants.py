@@ -211,7 +211,6 @@ def test_only_the_value_1_trusts_a_checkpoint(tmp_path, monkeypatch):
     assert ckpt.load(path)["a"].value == 3
 
 
-# -- data: files and rows --------------------------------------------------------------------
 @pytest.mark.parametrize("cut", [1, 10, 300, "half"])
 def test_a_checkpoint_cut_short_says_it_is_truncated(tmp_path, cut):
     # A cut in the last ~1.4 KB (the zip directory) made torch raise a bare "[Errno 22]
@@ -230,11 +229,12 @@ def test_a_checkpoint_cut_short_says_it_is_truncated(tmp_path, cut):
     assert "miniz" not in str(e.value)
 
 
+# -- data: files and rows --------------------------------------------------------------------
 def test_ndjson_and_pq_extensions_load(tmp_path):
     exs, _ = load_examples(_write_jsonl(tmp_path / "g.ndjson", GSM_ROWS))
     assert [e.answer for e in exs] == ["7", "1000", "-3"] and exs[0].id == "g:1"
-    pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
     pq.write_table(pa.table({"problem": ["A?"], "answer": ["4"]}), tmp_path / "m.pq")
     exs, _ = load_examples(tmp_path / "m.pq")
     assert [(e.id, e.answer) for e in exs] == [("m:0", "4")]
