@@ -6,6 +6,9 @@ import os
 import pytest
 import torch
 
+# CI on a CPU machine: a skip for any reason but needing a GPU fails the session
+from tests._strict_skips import pytest_runtest_logreport, pytest_sessionfinish  # noqa: F401
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
