@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from hacpo.engine.signals import signals_deferred
+
 from .ray_cluster import new_auth_env, use_auth_env
 from .ray_wait import ClusterTimeout, Node, log_tail, wait_for_cluster
 from .slurm import (LaunchError, WaitTimeout, check_resources, check_wait_timeout, driver_argv,
@@ -253,11 +255,12 @@ def _launch_local(args) -> int:
 
     def start(name, extra):
         log = log_dir / f"ray-{name}.log"
-        with open(log, "w") as f:
+        # a Ctrl-C / SIGTERM while it starts is handled once it is recorded (then stopped)
+        with signals_deferred(signal.SIGINT, signal.SIGTERM), open(log, "w") as f:
             p = subprocess.Popen([str(ray_bin), "start", *extra, *node_args], stdout=f,
                                  stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        procs.append(p)
-        nodes.append(Node(name, None, p.pid, str(log)))   # Ray registers it under the host IP
+            procs.append(p)
+            nodes.append(Node(name, None, p.pid, str(log)))   # Ray registers it under the host IP
 
     try:
         print(f"[hacpo launch] local Ray head at {address}, {args.workers} worker node(s); "
@@ -273,7 +276,8 @@ def _launch_local(args) -> int:
         print("[hacpo launch] driver: " + " ".join(argv), flush=True)
         # its own session: on a timeout (or if this launcher is interrupted) the whole driver
         # process group is ended, whatever it started
-        driver = subprocess.Popen(argv, env=env, start_new_session=True)
+        with signals_deferred(signal.SIGINT, signal.SIGTERM):    # recorded, then stopped
+            driver = subprocess.Popen(argv, env=env, start_new_session=True)
         try:
             rc, lost = _wait_driver(driver, procs, nodes, wall)
         except subprocess.TimeoutExpired:
