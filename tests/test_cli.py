@@ -402,3 +402,23 @@ def test_version_is_the_package_s_own(capsys):
     assert capsys.readouterr().out.strip() == f"hacpo {hacpo.__version__}"
     assert re.fullmatch(r"\d+\.\d+\.\d+", hacpo.__version__)
     assert importlib.metadata.version("hacpo") == hacpo.__version__
+
+
+def test_a_run_that_fails_before_writing_leaves_no_folder_it_made(tmp_path, capsys, monkeypatch):
+    """A new run refused after its run dir was made and locked (an agent name new runs may not
+    use is checked there) removes the folders it made; a run dir that existed is kept, with
+    what it held."""
+    monkeypatch.delenv("HACPO_TRACEBACK", raising=False)
+    bad = ["train", "--preset", "tiny3", "--set", "agents.0.policy.name=a b",
+           f"cache_dir={tmp_path / 'cache'}", "--out-dir"]
+    assert main(bad + [str(tmp_path / "new" / "sub" / "run")]) == 2
+    assert "agents.0.policy.name='a b'" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    mine = tmp_path / "mine"
+    (mine / "keep").mkdir(parents=True)
+    assert main(bad + [str(mine / "keep" / "run")]) == 2
+    assert sorted(p.name for p in mine.iterdir()) == ["keep"]
+    assert list((mine / "keep").iterdir()) == []
+    (mine / "notes.txt").write_text("mine")
+    assert main(bad + [str(mine)]) == 2
+    assert (mine / "notes.txt").read_text() == "mine" and (mine / "keep").is_dir()
