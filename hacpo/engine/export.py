@@ -6,7 +6,8 @@ tools read models: ``<out>/<agent>/`` with ``config.json``, ``generation_config.
 ``hacpo_export.json`` (the hacpo version that wrote it, the run, step and agent it came from,
 the policy settings, and the prompt format the agent was trained on).
 ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained`` (or a vLLM engine)
-load the directory with nothing of hacpo installed; the tokenizer's chat template renders a user message as the agent's prompts were.
+load the directory with nothing of hacpo installed; the tokenizer's chat template renders a
+user message as the agent's prompts were.
 
 - HF policies (``policy.kind=hf``) are saved as they are; hacpo's plain-torch decoder
   (``kind=decoder``) is Llama's architecture with fused projections and is saved as a
