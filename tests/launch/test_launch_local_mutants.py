@@ -228,7 +228,9 @@ def test_wait_timeout_ends_the_driver_with_sigterm_and_names_it(monkeypatch, tmp
             "    time.sleep(0.5); sys.exit(3)\n"
             "signal.signal(signal.SIGTERM, stop)\n"
             "time.sleep(60)\n")
-    f = _Fake(monkeypatch, tmp_path, code, workers=0, wait_timeout=4)
+    # 8 s: the driver's Python must be up with its handler in place before the limit passes,
+    # also on a loaded machine
+    f = _Fake(monkeypatch, tmp_path, code, workers=0, wait_timeout=8)
     try:
         with pytest.raises(WaitTimeout) as e:
             ll.launch_local(f.args)
