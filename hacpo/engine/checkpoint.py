@@ -214,6 +214,40 @@ def ensure_dir(path: str, what: str) -> None:
                                     else "permission denied") + ")", path)
 
 
+def first_missing(path: str) -> str | None:
+    """The outermost folder of ``path`` (``path`` itself or an ancestor) that does not exist,
+    i.e. the one :func:`ensure_dir` would create; None if ``path`` exists."""
+    path, missing = os.path.abspath(path), None
+    while not os.path.lexists(path):
+        missing, parent = path, os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return missing
+
+
+def remove_made_dirs(path: str, made: str | None, leave: tuple[str, ...] = ()) -> None:
+    """Undo :func:`ensure_dir` for work that failed before writing: remove ``path`` if it holds
+    nothing but the names in ``leave`` (removed with it), then the empty folders above it up to
+    ``made`` (from :func:`first_missing` before; None: nothing was made, nothing removed).
+    Never raises: a folder something else filled meanwhile is kept."""
+    if made is None:
+        return
+    d = os.path.abspath(path)
+    try:
+        if sorted(os.listdir(d)) != sorted(leave):
+            return
+        for name in leave:
+            os.unlink(os.path.join(d, name))
+        while True:
+            os.rmdir(d)
+            if d == made:
+                return
+            d = os.path.dirname(d)
+    except OSError:
+        pass
+
+
 def _read_only(path: str) -> bool:
     try:
         return bool(os.statvfs(path).f_flag & os.ST_RDONLY)

@@ -263,7 +263,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, agents: Optional[Sequenc
     dirs = {n: os.path.join(out_dir, folder[n]) for n in chosen}
     if not overwrite and (there := [d for d in dirs.values() if os.path.lexists(d)]):
         raise FileExistsError(f"{', '.join(there)} already exist(s) (--force replaces them)")
-    made = not os.path.isdir(out_dir)
+    made = out_dir if not os.path.isdir(out_dir) else None   # its own folder, not its parents
     try:
         ckpt.ensure_dir(out_dir, "export output dir")
     except OSError as e:
@@ -272,8 +272,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, agents: Optional[Sequenc
         _export(ck_path, run_dir, state, cfg, by_name, dirs, tokenizer=tokenizer, dtype=dtype,
                 overwrite=overwrite, echo=echo)
     except BaseException:
-        if made and not os.listdir(out_dir):     # an error before any agent was written
-            os.rmdir(out_dir)
+        ckpt.remove_made_dirs(out_dir, made)     # an error before any agent was written
         raise
     return dirs
 

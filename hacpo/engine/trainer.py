@@ -101,47 +101,19 @@ def train(cfg: TrainConfig, *, resume: bool = False, echo=print) -> dict:
     still runs) is an error, never two writers of one metrics.jsonl and checkpoint."""
     with user_errors():
         cfg.check_runnable()               # before the warm-up, not at the engines' start
-        made = _first_missing(cfg.out_dir)    # the folder lock_run_dir creates, if any
+        made = ckpt.first_missing(cfg.out_dir)    # the folder lock_run_dir creates, if any
         lock = lock_run_dir(cfg.out_dir)
     try:
         with RewardComputer(cfg.reward.name, num_workers=cfg.reward.num_workers,
                             timeout_s=cfg.reward.timeout_s) as rc:   # no worker outlives the run
             return _train(cfg, rc, resume, echo)
     except BaseException:
-        if made:        # a run dir this run made and that holds nothing else: not left behind
-            _remove_bare_run_dir(cfg.out_dir, made)
+        # a new run refused before its config.json (an agent name new runs may not use, a
+        # missing data file): the folders it made, holding only the lock, are not left behind
+        ckpt.remove_made_dirs(cfg.out_dir, made, leave=(RUN_LOCK,))
         raise
     finally:
         lock.close()
-
-
-def _first_missing(path: str) -> str | None:
-    """The outermost missing folder of ``path`` (``path`` itself, or an ancestor), or None."""
-    path, missing = os.path.abspath(path), None
-    while not os.path.lexists(path):
-        missing, parent = path, os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    return missing
-
-
-def _remove_bare_run_dir(out_dir: str, made: str) -> None:
-    """Remove ``out_dir`` if it holds only the run lock (a run refused before it wrote its
-    config.json: an agent name new runs may not use, a missing data file), and the empty
-    folders above it up to ``made``, the outermost one this run created."""
-    d = os.path.abspath(out_dir)
-    try:
-        if os.listdir(d) != [RUN_LOCK]:
-            return
-        os.unlink(os.path.join(d, RUN_LOCK))
-        while True:
-            os.rmdir(d)               # fails (and stops) on a folder something else filled
-            if d == made:
-                return
-            d = os.path.dirname(d)
-    except OSError:
-        pass
 
 
 RUN_LOCK = ".hacpo-run.lock"
