@@ -406,8 +406,8 @@ def test_version_is_the_package_s_own(capsys):
 
 def test_a_run_that_fails_before_writing_leaves_no_folder_it_made(tmp_path, capsys, monkeypatch):
     """A new run refused after its run dir was made and locked (an agent name new runs may not
-    use is checked there) removes the folders it made; a run dir that existed is kept, with
-    what it held."""
+    use is checked there) removes the folders it made and its lock file; a run dir that existed
+    is kept, with what it held."""
     monkeypatch.delenv("HACPO_TRACEBACK", raising=False)
     bad = ["train", "--preset", "tiny3", "--set", "agents.0.policy.name=a b",
            f"cache_dir={tmp_path / 'cache'}", "--out-dir"]
@@ -422,3 +422,7 @@ def test_a_run_that_fails_before_writing_leaves_no_folder_it_made(tmp_path, caps
     (mine / "notes.txt").write_text("mine")
     assert main(bad + [str(mine)]) == 2
     assert (mine / "notes.txt").read_text() == "mine" and (mine / "keep").is_dir()
+    assert sorted(p.name for p in mine.iterdir()) == ["keep", "notes.txt"]   # no lock file left
+    (mine / ".hacpo-run.lock").write_text("")      # an earlier run's lock file is not its to remove
+    assert main(bad + [str(mine)]) == 2
+    assert sorted(p.name for p in mine.iterdir()) == [".hacpo-run.lock", "keep", "notes.txt"]

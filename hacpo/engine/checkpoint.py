@@ -226,19 +226,15 @@ def first_missing(path: str) -> str | None:
     return missing
 
 
-def remove_made_dirs(path: str, made: str | None, leave: tuple[str, ...] = ()) -> None:
-    """Undo :func:`ensure_dir` for work that failed before writing: remove ``path`` if it holds
-    nothing but the names in ``leave`` (removed with it), then the empty folders above it up to
-    ``made`` (from :func:`first_missing` before; None: nothing was made, nothing removed).
-    Never raises: a folder something else filled meanwhile is kept."""
+def remove_made_dirs(path: str, made: str | None) -> None:
+    """Undo :func:`ensure_dir` for work that failed before writing: remove ``path`` if it is
+    empty, then the empty folders above it up to ``made`` (from :func:`first_missing` before;
+    None: nothing was made, nothing removed). Never raises: a folder something else filled
+    meanwhile is kept."""
     if made is None:
         return
     d = os.path.abspath(path)
     try:
-        if sorted(os.listdir(d)) != sorted(leave):
-            return
-        for name in leave:
-            os.unlink(os.path.join(d, name))
         while True:
             os.rmdir(d)
             if d == made:

@@ -18,6 +18,7 @@ in-process (trainer_backend=local) or one Ray actor per agent (ray, launch/ray_t
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import errno
 import json
@@ -102,6 +103,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, echo=print) -> dict:
     with user_errors():
         cfg.check_runnable()               # before the warm-up, not at the engines' start
         made = ckpt.first_missing(cfg.out_dir)    # the folder lock_run_dir creates, if any
+        lock_path = os.path.join(cfg.out_dir, RUN_LOCK)
+        new_lock = not os.path.lexists(lock_path)
         lock = lock_run_dir(cfg.out_dir)
     try:
         with RewardComputer(cfg.reward.name, num_workers=cfg.reward.num_workers,
@@ -109,8 +112,12 @@ def train(cfg: TrainConfig, *, resume: bool = False, echo=print) -> dict:
             return _train(cfg, rc, resume, echo)
     except BaseException:
         # a new run refused before its config.json (an agent name new runs may not use, a
-        # missing data file): the folders it made, holding only the lock, are not left behind
-        ckpt.remove_made_dirs(cfg.out_dir, made, leave=(RUN_LOCK,))
+        # missing data file) leaves nothing it made: its lock file, and the folders it made
+        # if they hold nothing else; a run dir that existed keeps what it held
+        if new_lock and not os.path.lexists(os.path.join(cfg.out_dir, "config.json")):
+            with contextlib.suppress(OSError):
+                os.unlink(lock_path)
+            ckpt.remove_made_dirs(cfg.out_dir, made)
         raise
     finally:
         lock.close()
