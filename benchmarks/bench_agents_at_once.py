@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 
@@ -62,29 +63,33 @@ def main(argv=None) -> int:
     tmp = tempfile.mkdtemp(prefix="hacpo-bench-at-once-")
     times = {m: {p: [] for p in PHASES} for m in MODES}
     reference = None
-    for r in range(a.runs):
-        order = list(MODES) if r % 2 == 0 else list(reversed(MODES))
-        for mode in order:
-            out = os.path.join(tmp, f"run{r}-{MODES[mode]}")
-            cfg = load_config("tiny3", overrides={
-                "out_dir": out, "cache_dir": os.path.join(tmp, "cache"), "threads": 1,
-                "plots": False, "tensorboard": False, "progress": False, "steps": a.steps,
-                "prompts_per_step": a.prompts, "rollout.group_size": a.group,
-                "rollout.max_new_tokens": a.max_new_tokens, "rollout.engine": "ray",
-                "trainer_backend": "ray", "checkpoint_every": a.steps,
-                "agents_at_once": MODES[mode]})
-            cfg = dataclasses.replace(cfg, agents=cfg.agents[:a.agents])
-            train(cfg, echo=lambda *_: None)
-            with open(os.path.join(out, "metrics.jsonl")) as f:
-                rows = [json.loads(line) for line in f]
-            if reference is None:
-                reference = [_comparable(row) for row in rows]
-            elif [_comparable(row) for row in rows] != reference:
-                print(f"run {r} ({mode}): metrics differ from the first run's", file=sys.stderr)
-                return 1
-            for row in rows[1:]:
-                for p in PHASES:
-                    times[mode][p].append(row[p])
+    try:
+        for r in range(a.runs):
+            order = list(MODES) if r % 2 == 0 else list(reversed(MODES))
+            for mode in order:
+                out = os.path.join(tmp, f"run{r}-{MODES[mode]}")
+                cfg = load_config("tiny3", overrides={
+                    "out_dir": out, "cache_dir": os.path.join(tmp, "cache"), "threads": 1,
+                    "plots": False, "tensorboard": False, "progress": False, "steps": a.steps,
+                    "prompts_per_step": a.prompts, "rollout.group_size": a.group,
+                    "rollout.max_new_tokens": a.max_new_tokens, "rollout.engine": "ray",
+                    "trainer_backend": "ray", "checkpoint_every": a.steps,
+                    "agents_at_once": MODES[mode]})
+                cfg = dataclasses.replace(cfg, agents=cfg.agents[:a.agents])
+                train(cfg, echo=lambda *_: None)
+                with open(os.path.join(out, "metrics.jsonl")) as f:
+                    rows = [json.loads(line) for line in f]
+                if reference is None:
+                    reference = [_comparable(row) for row in rows]
+                elif [_comparable(row) for row in rows] != reference:
+                    print(f"run {r} ({mode}): metrics differ from the first run's",
+                          file=sys.stderr)
+                    return 1
+                for row in rows[1:]:
+                    for p in PHASES:
+                        times[mode][p].append(row[p])
+    finally:                     # the runs' folders (checkpoints, metrics) go with the benchmark
+        shutil.rmtree(tmp, ignore_errors=True)
 
     res = {"agents": a.agents, "steps": a.steps, "runs": a.runs, "prompts": a.prompts,
            "group": a.group, "max_new_tokens": a.max_new_tokens, "cpus": os.cpu_count(),

@@ -25,6 +25,7 @@ import dataclasses
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -69,51 +70,55 @@ def main(argv=None) -> int:
     from hacpo.launch.ray_rollout import RayRolloutEngine
 
     tmp = tempfile.mkdtemp(prefix="hacpo-bench-rollout-")
-    cfg = load_config("tiny3", overrides={
-        "out_dir": os.path.join(tmp, "run"), "cache_dir": os.path.join(tmp, "cache"),
-        "threads": 1, "plots": False, "tensorboard": False, "rollout.engine": "ray"})
-    cfg = dataclasses.replace(cfg, agents=cfg.agents[:a.agents])
-    size = {**({"d_model": a.d_model} if a.d_model else {}),
-            **({"n_layers": a.layers} if a.layers else {})}
-    cfg = cfg.override({f"agents.{k}.policy.{key}": v for k in range(a.agents)
-                        for key, v in size.items()})
-    data = build.load_data(cfg)
-    policies = build.build_policies(cfg, data)
-    prompts = [[p.tokenizer.prompt_ids(build.prompt_text(cfg, e)) for e in data.train[:a.prompts]]
-               for p in policies]
-    kw = dict(num_samples=a.group, max_new_tokens=a.max_new_tokens, temperature=1.0, top_p=1.0)
-    engine = RayRolloutEngine(policies, cfg)
-    times: dict[str, list[float]] = {"at once": [], "one after another": []}
-    syncs: dict[str, list[float]] = {"at once": [], "one after another": []}
     try:
-        for k in range(len(policies)):
-            engine.sync_weights(k)
-        start = engine.state_dict()
-        generate_agents(engine, prompts, timer=Stopwatch(), **kw)   # warm-up (both paths run
-        for rep in range(a.reps):                                    # the same actors)
-            modes = list(times) if rep % 2 == 0 else list(reversed(times))
-            got = {}
-            for mode in modes:
-                engine.load_state_dict(start)
-                engine.concurrent_agents = mode == "at once"
-                sw = Stopwatch()
-                t0 = time.perf_counter()
-                got[mode] = generate_agents(engine, prompts,
-                                            timer=lambda k: sw(f"time/generate/{k}"), **kw)
-                times[mode].append(time.perf_counter() - t0)
-            for x, y in zip(*got.values()):
-                if (x.response_ids, x.sampler_logprobs) != (y.response_ids, y.sampler_logprobs):
-                    raise AssertionError(f"agent {x.policy_name!r}: the two modes sampled "
-                                         f"different rollouts")
+        cfg = load_config("tiny3", overrides={
+            "out_dir": os.path.join(tmp, "run"), "cache_dir": os.path.join(tmp, "cache"),
+            "threads": 1, "plots": False, "tensorboard": False, "rollout.engine": "ray"})
+        cfg = dataclasses.replace(cfg, agents=cfg.agents[:a.agents])
+        size = {**({"d_model": a.d_model} if a.d_model else {}),
+                **({"n_layers": a.layers} if a.layers else {})}
+        cfg = cfg.override({f"agents.{k}.policy.{key}": v for k in range(a.agents)
+                            for key, v in size.items()})
+        data = build.load_data(cfg)
+        policies = build.build_policies(cfg, data)
+        prompts = [[p.tokenizer.prompt_ids(build.prompt_text(cfg, e))
+                    for e in data.train[:a.prompts]] for p in policies]
+        kw = dict(num_samples=a.group, max_new_tokens=a.max_new_tokens, temperature=1.0,
+                  top_p=1.0)
+        engine = RayRolloutEngine(policies, cfg)
+        times: dict[str, list[float]] = {"at once": [], "one after another": []}
+        syncs: dict[str, list[float]] = {"at once": [], "one after another": []}
+        try:
+            for k in range(len(policies)):
+                engine.sync_weights(k)
             start = engine.state_dict()
-        for rep in range(a.sync_reps):
-            for mode in (list(syncs) if rep % 2 == 0 else list(reversed(syncs))):
-                engine.concurrent_agents = mode == "at once"
-                t0 = time.perf_counter()
-                sync_agents(None, engine, len(policies), timer=Stopwatch(), pull=False)
-                syncs[mode].append(time.perf_counter() - t0)
-    finally:
-        engine.close()
+            generate_agents(engine, prompts, timer=Stopwatch(), **kw)   # warm-up (both paths run
+            for rep in range(a.reps):                                    # the same actors)
+                modes = list(times) if rep % 2 == 0 else list(reversed(times))
+                got = {}
+                for mode in modes:
+                    engine.load_state_dict(start)
+                    engine.concurrent_agents = mode == "at once"
+                    sw = Stopwatch()
+                    t0 = time.perf_counter()
+                    got[mode] = generate_agents(engine, prompts,
+                                                timer=lambda k: sw(f"time/generate/{k}"), **kw)
+                    times[mode].append(time.perf_counter() - t0)
+                for x, y in zip(*got.values()):
+                    if (x.response_ids, x.sampler_logprobs) != (y.response_ids, y.sampler_logprobs):
+                        raise AssertionError(f"agent {x.policy_name!r}: the two modes sampled "
+                                             f"different rollouts")
+                start = engine.state_dict()
+            for rep in range(a.sync_reps):
+                for mode in (list(syncs) if rep % 2 == 0 else list(reversed(syncs))):
+                    engine.concurrent_agents = mode == "at once"
+                    t0 = time.perf_counter()
+                    sync_agents(None, engine, len(policies), timer=Stopwatch(), pull=False)
+                    syncs[mode].append(time.perf_counter() - t0)
+        finally:
+            engine.close()
+    finally:                                   # the run's cache and out_dir
+        shutil.rmtree(tmp, ignore_errors=True)
 
     tokens = sum(len(r) for ro in got["at once"] for r in ro.response_ids)
     res = {"agents": a.agents, "prompts": a.prompts, "group": a.group,

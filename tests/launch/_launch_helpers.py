@@ -2,12 +2,14 @@
 tiny run, finding processes that mention a path."""
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -19,14 +21,19 @@ TINY_STEPS = 2
 INHERITED_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
-def run_benchmark(script: str, args: list[str], *, timeout: float = 300
-                  ) -> subprocess.CompletedProcess:
+def run_benchmark(script: str, args: list[str], *, timeout: float = 300,
+                  temp_prefix: str | None = None) -> subprocess.CompletedProcess:
     """``benchmarks/SCRIPT ARGS`` in a fresh interpreter (repo root on PYTHONPATH, one OpenMP
-    thread), output captured; asserts it exited 0 (its output tails in the message)."""
+    thread), output captured; asserts it exited 0 (its output tails in the message) and, given
+    ``temp_prefix``, that it left no new ``<temp dir>/<temp_prefix>*`` behind."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    pattern = os.path.join(tempfile.gettempdir(), f"{temp_prefix}*")
+    before = set(glob.glob(pattern)) if temp_prefix else set()
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *args],
                           capture_output=True, text=True, env=env, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    if temp_prefix:
+        assert set(glob.glob(pattern)) <= before, f"{script} left {pattern} behind"
     return proc
 
 

@@ -10,7 +10,7 @@ from ._launch_helpers import run_benchmark
 def test_bench_agents_at_once_tiny(tmp_path):
     proc = run_benchmark("bench_agents_at_once.py", [
         str(tmp_path), "--steps", "2", "--prompts", "2", "--group", "2", "--max-new-tokens", "4"],
-        timeout=600)
+        timeout=600, temp_prefix="hacpo-bench-at-once-")
     res = json.loads((tmp_path / "agents_at_once.json").read_text())
     assert res["identical_metrics"] is True and res["agents"] == 2 and res["steps"] == 2
     for mode in ("at once", "one after another"):

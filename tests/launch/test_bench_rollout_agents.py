@@ -10,7 +10,7 @@ from ._launch_helpers import run_benchmark
 def test_bench_rollout_agents_tiny(tmp_path):
     proc = run_benchmark("bench_rollout_agents.py", [
         str(tmp_path), "--reps", "2", "--prompts", "2", "--group", "2", "--max-new-tokens", "4",
-        "--sync-reps", "2"])
+        "--sync-reps", "2"], temp_prefix="hacpo-bench-rollout-")
     res = json.loads((tmp_path / "rollout_agents.json").read_text())
     assert res["agents"] == 2 and res["reps"] == 2 and res["tokens_per_call"] > 0
     assert {m: len(ts) for m, ts in res["seconds"].items()} == {"at once": 2,
