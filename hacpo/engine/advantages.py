@@ -24,7 +24,7 @@ def _groups(prompt: torch.Tensor) -> tuple[torch.Tensor, int]:
         uniq, inv = torch.unique(prompt, return_inverse=True)
         return inv, uniq.numel()
     # dense ids: O(N) compaction without a sort (the sort dominated at N = 1e6)
-    shifted = (prompt - lo).long()
+    shifted = prompt.long() - lo       # in int64: an int8/int16 difference can wrap
     present = torch.zeros(span, dtype=torch.bool, device=prompt.device)
     present[shifted] = True
     remap = torch.cumsum(present, 0) - 1
@@ -34,9 +34,9 @@ def _groups(prompt: torch.Tensor) -> tuple[torch.Tensor, int]:
 def _group_stats(r: torch.Tensor, g: torch.Tensor, num_groups: int, eps: float):
     """r [N], g [N] in 0..P-1 -> per-group count [P], mean [P], sigma [P] (unbiased std + eps;
     0 + eps for size-1 groups), and whether the group's rewards are all equal [P] bool."""
-    if not eps > 0:
-        raise ValueError(f"eps must be > 0 (a uniform or one-sample group's sigma is eps), got "
-                         f"{eps}")
+    if not 0 < eps < float("inf"):
+        raise ValueError(f"eps must be finite and > 0 (a uniform or one-sample group's sigma "
+                         f"is eps), got {eps}")
     cnt = torch.bincount(g, minlength=num_groups).to(r.dtype)
     mean = torch.zeros(num_groups, dtype=r.dtype, device=r.device).index_add_(0, g, r) / cnt
     hi = torch.full_like(mean, -torch.inf).scatter_reduce_(0, g, r, "amax")

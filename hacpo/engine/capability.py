@@ -31,9 +31,9 @@ class CapabilityTracker:
         if metric not in D.CAPABILITY_METRICS:
             raise ValueError(f"unknown capability metric {metric!r}; choose one of "
                              f"{D.CAPABILITY_METRICS}")
-        if not (minimum > 0):
-            raise ValueError(f"capability minimum must be > 0, got {minimum}")
-        if not (0 < ratio_min <= ratio_max):
+        if not (0 < minimum < 1):      # >= 1 floors every agent's capability: every ratio 1
+            raise ValueError(f"capability minimum must be in (0, 1), got {minimum}")
+        if not (0 < ratio_min <= ratio_max and ratio_min < float("inf")):
             raise ValueError(f"need 0 < ratio_min <= ratio_max, got {ratio_min}, {ratio_max}")
         self.num_agents, self.window, self.metric = num_agents, window, metric
         self.minimum, self.ratio_min, self.ratio_max = minimum, ratio_min, ratio_max

@@ -7,6 +7,7 @@ named presets, validated overrides.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,8 +36,11 @@ class CapabilityConfig:
                  f"capability.window must be an integer >= 1, got {self.window!r}")
         _require(self.metric in D.CAPABILITY_METRICS,
                  f"capability.metric {self.metric!r} unknown; choose one of {D.CAPABILITY_METRICS}")
-        _require(self.minimum > 0, f"capability.minimum must be > 0, got {self.minimum}")
-        _require(self.ratio_min > 0, f"capability.ratio_min must be > 0, got {self.ratio_min}")
+        # a floor of 1 or more is every agent's capability: every ratio 1, the weighting off
+        _require(0 < self.minimum < 1, f"capability.minimum must be in (0, 1) (a floor under "
+                                       f"success rates), got {self.minimum}")
+        _require(0 < self.ratio_min < math.inf,
+                 f"capability.ratio_min must be finite and > 0, got {self.ratio_min}")
         _require(self.ratio_min <= self.ratio_max,
                  f"capability.ratio_min ({self.ratio_min}) must be <= ratio_max "
                  f"({self.ratio_max})")
@@ -51,8 +55,9 @@ class AdvantageConfig:
     capability_baseline: bool = True  # off: every w_i = 1 (plain mean baseline over the pool)
 
     def __post_init__(self):
-        _require(self.eps > 0, f"advantage.eps must be > 0 (a uniform or one-sample group's "
-                                f"sigma is eps), got {self.eps}")
+        _require(0 < self.eps < math.inf,
+                 f"advantage.eps must be finite and > 0 (a uniform or one-sample group's sigma "
+                 f"is eps; an infinite one makes every advantage 0), got {self.eps}")
         _require(self.cross_baseline in D.CROSS_BASELINES,
                  f"advantage.cross_baseline {self.cross_baseline!r} unknown; choose one of "
                  f"{D.CROSS_BASELINES}")
@@ -73,11 +78,12 @@ class LossConfig:
     kl_coef: float = D.KL_COEF
 
     def __post_init__(self):
-        _require(self.alpha >= 0, f"loss.alpha must be >= 0, got {self.alpha}")
+        _require(0 <= self.alpha < math.inf,
+                 f"loss.alpha must be finite and >= 0, got {self.alpha}")
         _require(0 <= self.cross_clip_delta <= 1,
                  f"loss.cross_clip_delta must be in [0, 1], got {self.cross_clip_delta}")
-        _require(self.cross_clip_step >= 0,
-                 f"loss.cross_clip_step must be >= 0, got {self.cross_clip_step}")
+        _require(0 <= self.cross_clip_step < math.inf,
+                 f"loss.cross_clip_step must be finite and >= 0, got {self.cross_clip_step}")
         _require(self.cross_clip in D.CROSS_CLIPS,
                  f"loss.cross_clip {self.cross_clip!r} unknown; choose one of {D.CROSS_CLIPS}")
         for name in ("self_clip_low", "self_clip_high", "grpo_clip_low", "grpo_clip_high"):
@@ -85,9 +91,11 @@ class LossConfig:
             _require(0 <= v, f"loss.{name} must be >= 0, got {v}")
         _require(self.self_clip_low < 1 and self.grpo_clip_low < 1,
                  "loss.self_clip_low and loss.grpo_clip_low must be < 1")
-        _require(self.max_abs_log_ratio > 0,
-                 f"loss.max_abs_log_ratio must be > 0, got {self.max_abs_log_ratio}")
-        _require(self.kl_coef >= 0, f"loss.kl_coef must be >= 0, got {self.kl_coef}")
+        _require(0 < self.max_abs_log_ratio < math.inf,
+                 f"loss.max_abs_log_ratio must be finite and > 0 (it bounds the log-ratio that "
+                 f"is exponentiated), got {self.max_abs_log_ratio}")
+        _require(0 <= self.kl_coef < math.inf,
+                 f"loss.kl_coef must be finite and >= 0, got {self.kl_coef}")
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ result does not depend on the split. Metrics are detached tensors (no host sync)
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from . import defaults as D
@@ -32,10 +34,23 @@ def sequence_mean_logprob(token_logp: torch.Tensor, mask: torch.Tensor) -> torch
     return (token_logp * m).sum(dim=-1) / count
 
 
-def _divide(total: torch.Tensor, divisor, default: int) -> torch.Tensor:
+def _divide(total: torch.Tensor, divisor, default) -> torch.Tensor:
+    """total / divisor (None: ``default``). A number (numpy's too) or a CPU tensor must be one
+    finite value > 0; a device tensor's value is not checked (that would be a host sync)."""
     d = default if divisor is None else divisor
-    if isinstance(d, (int, float)) and d <= 0:
-        raise ValueError(f"loss divisor must be > 0 (an empty minibatch has no loss), got {d}")
+    if torch.is_tensor(d):
+        if d.numel() != 1:
+            raise ValueError(f"loss divisor must be one count, got a tensor of shape "
+                             f"{tuple(d.shape)}")
+        value = float(d) if d.device.type == "cpu" else 1.0
+    elif isinstance(d, numbers.Real):
+        value = float(d)
+    else:
+        raise TypeError(f"loss divisor must be a number or a one-element tensor, got "
+                        f"{type(d).__name__}")
+    if not 0 < value < float("inf"):
+        raise ValueError(f"loss divisor must be finite and > 0 (an empty minibatch has no "
+                         f"loss), got {value:g}")
     return total / d
 
 
@@ -44,7 +59,8 @@ def _divide(total: torch.Tensor, divisor, default: int) -> torch.Tensor:
 _CLIP_RULES = {"clip_low": ("in [0, 1)", lambda v: 0 <= v < 1),
                "self_clip_low": ("in [0, 1)", lambda v: 0 <= v < 1),
                "cross_clip_delta": ("in [0, 1]", lambda v: 0 <= v <= 1),
-               "max_abs_log_ratio": ("> 0", lambda v: v > 0)}
+               "cross_clip_step": ("finite and >= 0", lambda v: 0 <= v < float("inf")),
+               "max_abs_log_ratio": ("finite and > 0", lambda v: 0 < v < float("inf"))}
 
 
 def _check_clip(**settings: float) -> None:
@@ -148,8 +164,8 @@ def hacpo_policy_loss(new_lp: torch.Tensor, old_lp: torch.Tensor, advantages: to
     """
     n = check_same_length(new_lp=new_lp, old_lp=old_lp, advantages=advantages, is_self=is_self,
                           omega=omega)
-    if alpha < 0:
-        raise ValueError(f"alpha must be >= 0, got {alpha}")
+    if not 0 <= alpha < float("inf"):        # NaN fails it too
+        raise ValueError(f"alpha must be finite and >= 0, got {alpha}")
     if minibatch_index < 0:
         raise ValueError(f"minibatch_index must be >= 0, got {minibatch_index}")
     _check_clip(self_clip_low=self_clip_low, self_clip_high=self_clip_high,

@@ -135,14 +135,32 @@ def test_uniform_float32_groups_give_exactly_zero(val, size):
                            torch.zeros(size))
 
 
-@pytest.mark.parametrize("eps", [0.0, -1e-6, float("nan")])
+@pytest.mark.parametrize("eps", [0.0, -1e-6, float("nan"), float("inf")])
 def test_eps_must_be_positive(eps):
-    """eps = 0 made uniform and one-sample groups 0 / 0 = NaN advantages."""
+    """eps = 0 made uniform and one-sample groups 0 / 0 = NaN advantages; an infinite eps made
+    every advantage 0 (no gradient at all)."""
     r, p = torch.tensor([1.0, 1.0, 0.5]), torch.tensor([0, 0, 1])
-    with pytest.raises(ValueError, match="eps must be > 0"):
+    with pytest.raises(ValueError, match="eps must be finite and > 0"):
         group_advantages(r, p, eps=eps)
-    with pytest.raises(ValueError, match="eps must be > 0"):
+    with pytest.raises(ValueError, match="eps must be finite and > 0"):
         hacpo_advantages(r, p, torch.tensor([0, 1, 0]), learner=0, ratios=OMEGA2, eps=eps)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.int32, torch.uint8])
+def test_narrow_prompt_ids_keep_their_groups(dtype):
+    """Prompt ids of any integer dtype are grouped as their values: an int8 span past 127
+    (-100 .. 45) wrapped in the dense compaction and merged two uniform groups into one with
+    nonzero advantages."""
+    r = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0])
+    ids = [-100, -100, -65, -65, 45, 45] if dtype != torch.uint8 else [0, 0, 130, 130, 255, 255]
+    p = torch.tensor(ids, dtype=dtype)
+    want = group_advantages(r, p.long())
+    assert want[2:].tolist() == [0.0] * 4           # two uniform groups
+    torch.testing.assert_close(group_advantages(r, p), want, rtol=0, atol=0)
+    a = torch.tensor([0, 1, 0, 1, 0, 1])
+    torch.testing.assert_close(hacpo_advantages(r, p, a, learner=0, ratios=OMEGA2),
+                               hacpo_advantages(r, p.long(), a, learner=0, ratios=OMEGA2),
+                               rtol=0, atol=0)
 
 
 def test_single_sample_groups_are_finite_zero():

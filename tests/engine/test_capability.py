@@ -1,4 +1,6 @@
 """CapabilityTracker: windows, floor, ratio clamping, state — numbers computed by hand."""
+import math
+
 import pytest
 import torch
 
@@ -94,6 +96,11 @@ def test_bad_agents_and_config():
         CapabilityTracker(2, window=0)
     with pytest.raises(ValueError, match="ratio_min"):
         CapabilityTracker(2, ratio_min=5.0, ratio_max=2.0)
+    with pytest.raises(ValueError, match="ratio_min"):       # an infinite floor: NaN ratios
+        CapabilityTracker(2, ratio_min=math.inf, ratio_max=math.inf)
+    for minimum in (1.0, 5.0, math.inf, 0.0, math.nan):     # >= 1: every ratio 1
+        with pytest.raises(ValueError, match=r"capability minimum must be in \(0, 1\)"):
+            CapabilityTracker(2, minimum=minimum)
     # a float or bool size is an error naming it (was torch.ones' TypeError / window=True as 1)
     for kwargs, name in (({"window": 2.5}, "window"), ({"window": True}, "window"),
                          ({"num_agents": 2.0}, "num_agents")):

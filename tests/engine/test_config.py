@@ -1,5 +1,6 @@
 """Algorithm config: presets, overrides, validation errors."""
 import json
+import math
 
 import pytest
 
@@ -59,7 +60,20 @@ def test_optional_fields_parse_from_strings():
 
 @pytest.mark.parametrize("overrides,match", [
     ({"name": "ppo"}, "unknown algorithm 'ppo'"),
-    ({"loss.alpha": -0.1}, "alpha must be >= 0"),
+    ({"loss.alpha": -0.1}, "alpha must be finite and >= 0"),
+    # infinite values: every advantage 0 (eps), a NaN loss (alpha, kl_coef), no bound on the
+    # exponentiated log-ratio, a stepwise bound of 1 - delta + 0 * inf = NaN; a capability
+    # floor of 1 or more: every agent's capability the floor, every ratio 1
+    ({"advantage.eps": math.inf}, r"advantage.eps must be finite and > 0"),
+    ({"loss.alpha": math.inf}, r"loss.alpha must be finite and >= 0, got inf"),
+    ({"loss.kl_coef": math.inf}, r"loss.kl_coef must be finite and >= 0, got inf"),
+    ({"loss.max_abs_log_ratio": math.inf}, r"loss.max_abs_log_ratio must be finite and > 0"),
+    ({"loss.cross_clip_step": math.inf}, r"loss.cross_clip_step must be finite and >= 0"),
+    ({"capability.minimum": 5.0}, r"capability.minimum must be in \(0, 1\)"),
+    ({"capability.minimum": 1.0}, r"capability.minimum must be in \(0, 1\)"),
+    ({"capability.minimum": math.inf}, r"capability.minimum must be in \(0, 1\)"),
+    ({"capability.ratio_min": math.inf, "capability.ratio_max": math.inf},
+     r"capability.ratio_min must be finite and > 0"),
     ({"loss.cross_clip_delta": 1.2}, r"cross_clip_delta must be in \[0, 1\]"),
     ({"loss.cross_clip_delta": -0.1}, r"cross_clip_delta must be in \[0, 1\]"),
     ({"capability.window": 0}, "window must be an integer >= 1"),

@@ -59,8 +59,11 @@ def _yaml(tmp_path, text: str) -> str:
     ("agents.0.optim.beta2", "-0.5", r"optim.beta2 must be in \[0, 1\), got -0.5"),
     ("agents.0.optim.grad_clip", "nan", r"optim.grad_clip must be >= 0 \(0: no clipping\), "
                                         r"got nan"),
-    ("algorithm.advantage.eps", "0", r"advantage.eps must be > 0 \(a uniform or one-sample "
-                                     r"group's sigma is eps\), got 0"),
+    ("algorithm.advantage.eps", "0", r"advantage.eps must be finite and > 0 \(a uniform or "
+                                     r"one-sample group's sigma is eps; "),
+    ("algorithm.advantage.eps", "inf", r"advantage.eps must be finite and > 0 .*, got inf"),
+    ("algorithm.capability.minimum", "5", r"capability.minimum must be in \(0, 1\) .*, got 5"),
+    ("algorithm.loss.alpha", "inf", r"loss.alpha must be finite and >= 0, got inf"),
     ("agents.0.policy.n_layers", "0", r"policy.n_layers must be an integer >= 1, got 0"),
     ("agents.0.policy.max_len", "0", r"policy.max_len must be an integer >= 1, got 0"),
     ("agents.0.policy.dtype", "fp8", r"policy.dtype must be one of float32, bfloat16, "

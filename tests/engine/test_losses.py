@@ -2,6 +2,7 @@
 gradcheck in float64, micro-batch invariance in-process."""
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -115,6 +116,50 @@ def test_grpo_explicit_zero_divisor_is_an_error():
     z = torch.zeros(1, 2)
     with pytest.raises(ValueError, match="divisor"):
         grpo_policy_loss(z, z, torch.ones(1, 2, dtype=torch.bool), torch.ones(1), divisor=0)
+
+
+@pytest.mark.parametrize("divisor", [torch.tensor(0), torch.tensor(-2.0), np.int64(0),
+                                     np.float32(-1.0), math.nan, math.inf, torch.tensor(math.nan)])
+def test_a_divisor_that_is_no_count_is_an_error(divisor):
+    """A count passed as a CPU tensor (a mask's sum) or a numpy number is checked like an int:
+    a zero one gave a NaN or -inf loss, a negative one flipped the loss's sign."""
+    lp, A = _t([-1.0, -2.0]), _t([1.0, -0.5])
+    for loss in (lambda d: gspo_policy_loss(lp + 0.1, lp, A, divisor=d),
+                 lambda d: hacpo_policy_loss(lp + 0.1, lp, A, torch.tensor([True, False]),
+                                             _t([1.0, 1.0]), minibatch_index=0, divisor=d),
+                 lambda d: grpo_policy_loss(lp[:, None], lp[:, None] - 0.1,
+                                            torch.ones(2, 1, dtype=torch.bool), A, divisor=d)):
+        with pytest.raises(ValueError, match="loss divisor must be finite and > 0"):
+            loss(divisor)
+
+
+def test_a_divisor_is_one_count():
+    lp, A = _t([-1.0, -2.0]), _t([1.0, -0.5])
+    with pytest.raises(ValueError, match=r"loss divisor must be one count, got a tensor of "
+                                         r"shape \(2,\)"):
+        gspo_policy_loss(lp + 0.1, lp, A, divisor=torch.tensor([2, 2]))
+    with pytest.raises(TypeError, match="loss divisor must be a number"):
+        gspo_policy_loss(lp + 0.1, lp, A, divisor="2")
+    # counts of every accepted kind give the same loss as the int
+    want = gspo_policy_loss(lp + 0.1, lp, A, divisor=4)[0]
+    for d in (4.0, np.int64(4), torch.tensor(4), torch.tensor([4])):
+        torch.testing.assert_close(gspo_policy_loss(lp + 0.1, lp, A, divisor=d)[0].reshape(()),
+                                   want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kw,match", [({"alpha": math.nan}, "alpha must be finite and >= 0"),
+                                      ({"alpha": math.inf}, "alpha must be finite and >= 0"),
+                                      ({"max_abs_log_ratio": math.inf},
+                                       "max_abs_log_ratio must be finite and > 0"),
+                                      ({"cross_clip_step": math.inf},
+                                       "cross_clip_step must be finite and >= 0")])
+def test_hacpo_loss_refuses_non_finite_settings(kw, match):
+    """alpha = NaN passed the old `alpha < 0` check and made a NaN loss whenever a cross
+    ratio was clipped below 1."""
+    lp, A = _t([-1.0, -2.0]), _t([1.0, -0.5])
+    with pytest.raises(ValueError, match=match):
+        hacpo_policy_loss(lp + 0.1, lp, A, torch.tensor([True, False]), _t([1.0, 1.0]),
+                          minibatch_index=0, **kw)
 
 
 def test_sequence_mean_logprob():
