@@ -14,14 +14,15 @@ from hacpo.models.policy import Policy, build_policy
 
 from . import checkpoint as ckpt
 from .data import DataError, Example, GSM8K_FIELDS, LoadStats, MATH_ANSWER_FIELDS, \
-    MATH_FIELDS, apply_prompt_template, load_examples
+    MATH_FIELDS, QUESTION_ANSWER_FIELDS, apply_prompt_template, load_examples
 from .errors import describe_os_error
 from .run_config import TrainConfig, config_hash
 from .tasks import ArithmeticTask, reference_solution
 from .warmup import supervised_warmup
 
 log = logging.getLogger("hacpo")
-_FIELD_MAPS = {"gsm8k": GSM8K_FIELDS, "math": MATH_FIELDS, "math_answer": MATH_ANSWER_FIELDS}
+_FIELD_MAPS = {"gsm8k": GSM8K_FIELDS, "math": MATH_FIELDS, "math_answer": MATH_ANSWER_FIELDS,
+               "question_answer": QUESTION_ANSWER_FIELDS}
 
 
 @dataclass

@@ -26,7 +26,8 @@ from typing import Iterable, Iterator, Optional, Sequence, Union
 from hacpo.engine.rewards import extract_boxed
 
 __all__ = [
-    "Example", "FieldMap", "GSM8K_FIELDS", "MATH_FIELDS", "MATH_ANSWER_FIELDS", "DataError",
+    "Example", "FieldMap", "GSM8K_FIELDS", "MATH_FIELDS", "MATH_ANSWER_FIELDS",
+    "QUESTION_ANSWER_FIELDS", "DataError",
     "LoadStats", "load_examples", "parse_gold", "PROMPT_TEMPLATES", "register_prompt_template",
     "apply_prompt_template", "PromptSampler",
 ]
@@ -65,11 +66,17 @@ class FieldMap:
 GSM8K_FIELDS = FieldMap("question", "answer", "gsm8k")
 MATH_FIELDS = FieldMap("problem", "solution", "boxed")
 MATH_ANSWER_FIELDS = FieldMap("problem", "answer", "raw")
+# question + the final answer itself ({"question": ..., "answer": 42}: SVAMP-, GSM-hard-style)
+QUESTION_ANSWER_FIELDS = FieldMap("question", "answer", "raw")
 
 
 def _detect_field_map(row: dict) -> Optional[FieldMap]:
     if "question" in row and "answer" in row:
-        return GSM8K_FIELDS
+        # GSM8K answers are worked solutions ending "#### x"; an answer without one is the
+        # answer itself (a row of GSM8K without it, read this way, is caught: _to_example)
+        a = row["answer"]
+        return GSM8K_FIELDS if not isinstance(a, (str, int, float)) or isinstance(a, bool) \
+            or "####" in str(a) else QUESTION_ANSWER_FIELDS
     if "problem" in row and "answer" in row:
         return MATH_ANSWER_FIELDS
     if "problem" in row and "solution" in row:
@@ -156,6 +163,8 @@ def _iter_jsonl(path: str) -> Iterator[tuple[str, object]]:
                 yield loc, json.loads(line)
             except json.JSONDecodeError as e:
                 yield loc, DataError(f"{loc}: invalid JSON ({e.msg} at column {e.colno})")
+            except (ValueError, RecursionError) as e:   # a number past Python's digit limit,
+                yield loc, DataError(f"{loc}: unreadable JSON ({e})")   # nesting too deep
 
 
 def _iter_parquet(path: str) -> Iterator[tuple[str, object]]:
@@ -179,7 +188,8 @@ def load_examples(path: Union[str, os.PathLike], field_map: Union[FieldMap, str]
     """Load a ``.jsonl``/``.ndjson`` or ``.parquet`` file of math problems.
 
     field_map: a :class:`FieldMap`, or ``"auto"`` (detected from the first good row:
-        ``question``+``answer`` -> GSM8K; ``problem``+``answer`` -> raw answer;
+        ``question``+``answer`` -> GSM8K, or the answer itself when the first row's answer
+        has no ``####``; ``problem``+``answer`` -> raw answer;
         ``problem``+``solution`` -> boxed).
     source: the examples' ``source`` (default: the file name without extension).
     limit: stop after this many examples.
@@ -187,6 +197,7 @@ def load_examples(path: Union[str, os.PathLike], field_map: Union[FieldMap, str]
     path = os.fspath(path)
     name = os.path.basename(path)
     stem, ext = os.path.splitext(name)
+    ext = ext.lower()                   # data.JSONL too
     if ext in (".jsonl", ".ndjson"):
         rows: Iterable = _iter_jsonl(path)
     elif ext in (".parquet", ".pq"):
@@ -213,8 +224,9 @@ def load_examples(path: Union[str, os.PathLike], field_map: Union[FieldMap, str]
                 if fm is None:
                     raise DataError(
                         f"{loc}: cannot detect the fields (keys {sorted(row)}): auto-detection "
-                        f"knows question/answer (gsm8k), problem/answer (math_answer) and "
-                        f"problem/solution (math); name the layout (data.field_map, hacpo "
+                        f"knows question/answer (gsm8k: an answer with '#### x'; "
+                        f"question_answer: the answer itself), problem/answer (math_answer) "
+                        f"and problem/solution (math); name the layout (data.field_map, hacpo "
                         f"eval's NAME=PATH:FIELDMAP) or pass a FieldMap")
             out.append(_to_example(row, fm, loc, source))
         except DataError as e:
@@ -238,7 +250,14 @@ def _to_example(row: dict, fm: FieldMap, loc: str, source: str) -> Example:
     try:
         gold = parse_gold(row[fm.answer], fm.answer_format)
     except ValueError as e:
-        raise DataError(f"{loc}: field {fm.answer!r}: {e}") from None
+        hint = " (data.field_map=question_answer reads answers that are the answer itself)" \
+            if fm == GSM8K_FIELDS and "####" in str(e) else ""
+        raise DataError(f"{loc}: field {fm.answer!r}: {e}{hint}") from None
+    if fm == QUESTION_ANSWER_FIELDS and "####" in gold:
+        raise DataError(f"{loc}: field {fm.answer!r}: a GSM8K solution ('#### x') where the "
+                        f"answer itself was expected (field map question_answer: auto-detected "
+                        f"when a file's first row has no '####'); data.field_map=gsm8k reads "
+                        f"GSM8K answers")
     if fm.id is not None:
         if row.get(fm.id) is None:
             raise DataError(f"{loc}: missing field {fm.id!r}")

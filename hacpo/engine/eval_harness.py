@@ -45,7 +45,7 @@ __all__ = ["Benchmark", "parse_benchmark_spec", "resolve_checkpoint", "prompt_id
            "evaluate_checkpoints", "eval_config", "FIELD_MAP_NAMES"]
 
 CHECKPOINT = "checkpoint.pt"
-FIELD_MAP_NAMES = ("auto", "gsm8k", "math", "math_answer")
+FIELD_MAP_NAMES = ("auto", "gsm8k", "math", "math_answer", "question_answer")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 
 
@@ -58,7 +58,7 @@ class Benchmark:
 
 def parse_benchmark_spec(spec: str) -> Benchmark:
     """``NAME=PATH[:FIELDMAP]`` -> :class:`Benchmark` (FIELDMAP: auto, gsm8k, math,
-    math_answer; default auto). ValueError on a malformed spec."""
+    math_answer, question_answer; default auto). ValueError on a malformed spec."""
     usage = f"malformed benchmark spec {spec!r}: expected NAME=PATH[:FIELDMAP] with FIELDMAP " \
             f"one of {', '.join(FIELD_MAP_NAMES)}"
     if "=" not in spec:

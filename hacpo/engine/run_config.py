@@ -595,7 +595,7 @@ class DataConfig:
     wording: str = "word"
     train_path: str | None = None  # JSONL/parquet (task="files")
     eval_path: str | None = None
-    field_map: str = "auto"        # auto | gsm8k | math | math_answer
+    field_map: str = "auto"        # auto | gsm8k | math | math_answer | question_answer
     template: str = "plain"
     skip_bad_rows: bool = False
     train_size: int = 20000        # embedded task's problems (task="files": every row)

@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("checkpoints", nargs="+", help="run dirs or checkpoint.pt files")
     e.add_argument("--bench", nargs="+", required=True, metavar="NAME=PATH[:FIELDMAP]",
                    help="benchmark file (.jsonl/.parquet); FIELDMAP: auto (default), gsm8k, "
-                        "math, math_answer")
+                        "math, math_answer, question_answer")
     e.add_argument("--agents", nargs="+", default=None, help="agent names (default: all)")
     e.add_argument("--samples", type=int, default=1, help="k: avg@k and pass@k (default 1)")
     e.add_argument("--temperature", type=float, default=None,

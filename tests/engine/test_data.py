@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from hacpo.engine.data import (DataError, Example, FieldMap, PromptSampler,
-                               apply_prompt_template, load_examples, register_prompt_template)
+from hacpo.engine.data import (GSM8K_FIELDS, QUESTION_ANSWER_FIELDS, DataError, Example,
+                               FieldMap, PromptSampler, apply_prompt_template, load_examples,
+                               register_prompt_template)
 
 
 def _write_jsonl(path, rows):
@@ -56,7 +57,8 @@ def test_field_mapping(tmp_path):
     # the error names the layouts auto-detection knows and where to name one
     with pytest.raises(DataError, match=r"custom.jsonl:line 1: cannot detect the fields \(keys "
                                         r"\['q', 'target'\]\): auto-detection knows "
-                                        r"question/answer \(gsm8k\).*data.field_map"):
+                                        r"question/answer \(gsm8k: an answer with '#### x'; "
+                                        r"question_answer: the answer itself\).*data.field_map"):
         load_examples(path)
 
 
@@ -71,12 +73,49 @@ def test_bad_rows_name_file_and_line(tmp_path):
     with pytest.raises(DataError, match=r"bad2.jsonl:line 2: missing field 'answer'"):
         load_examples(ok)
     nomark = _write_jsonl(tmp_path / "bad3.jsonl", [{"question": "q", "answer": "text"}])
-    with pytest.raises(DataError, match=r"bad3.jsonl:line 1: field 'answer': no '####"):
-        load_examples(nomark)
+    with pytest.raises(DataError, match=r"bad3.jsonl:line 1: field 'answer': no '####.*"
+                                        r"data.field_map=question_answer reads answers"):
+        load_examples(nomark, GSM8K_FIELDS)
     examples, stats = load_examples(path, skip_bad_rows=True)
     assert [e.answer for e in examples] == ["7", "1000"]
     assert (stats.rows, stats.loaded, stats.skipped) == (6, 2, 4)
     assert any("line 6" in p and "expected a JSON object" in p for p in stats.problems)
+
+
+def test_question_and_the_answer_itself_is_detected(tmp_path):
+    """{"question": ..., "answer": 42} (the answer itself, no worked solution) loads: before,
+    auto-detection read question/answer as GSM8K and every row was "no '####'". A GSM8K row
+    further down such a file is an error naming it, not a worked solution taken as a gold."""
+    path = _write_jsonl(tmp_path / "qa.jsonl", [{"question": "2+2?", "answer": 4},
+                                                {"question": "Half?", "answer": "1/2"},
+                                                {"question": "Ten?", "answer": "1,000"}])
+    examples, _ = load_examples(path)
+    assert [(e.prompt, e.answer) for e in examples] == [("2+2?", "4"), ("Half?", "1/2"),
+                                                         ("Ten?", "1000")]
+    assert load_examples(path, QUESTION_ANSWER_FIELDS)[0] == examples
+    mixed = _write_jsonl(tmp_path / "mixed.jsonl", [{"question": "2+2?", "answer": 4},
+                                                    {"question": "3+3?", "answer": "3+3=6\n#### 6"}])
+    with pytest.raises(DataError, match=r"mixed.jsonl:line 2: field 'answer': a GSM8K solution "
+                                        r"\('#### x'\) where the answer itself was expected.*"
+                                        r"data.field_map=gsm8k"):
+        load_examples(mixed)
+    # a GSM8K file is still GSM8K (its first row's answer has the marker)
+    gsm = _write_jsonl(tmp_path / "gsm.jsonl", GSM_ROWS)
+    assert [e.answer for e in load_examples(gsm)[0]] == ["7", "1000", "-3"]
+
+
+def test_unreadable_json_rows_name_their_line_and_can_be_skipped(tmp_path):
+    """A number past Python's int-digit limit and nesting deeper than the decoder's recursion
+    limit escaped as bare ValueError / RecursionError (no file, no line, not skippable)."""
+    path = tmp_path / "odd.JSONL"                      # the extension's case does not matter
+    path.write_text(json.dumps(GSM_ROWS[0]) + "\n" + '{"question": "q", "answer": "#### '
+                    + "9" * 5000 + '", "n": ' + "9" * 5000 + "}\n" + "[" * 200_000 + "\n"
+                    + json.dumps(GSM_ROWS[1]) + "\n")
+    with pytest.raises(DataError, match=r"odd.JSONL:line 2: unreadable JSON \(.*digits"):
+        load_examples(path)
+    examples, stats = load_examples(path, skip_bad_rows=True)
+    assert [e.answer for e in examples] == ["7", "1000"]
+    assert stats.bad_rows == ["line 2", "line 3"] and "recursion" in stats.problems[1]
 
 
 def test_parquet(tmp_path):
