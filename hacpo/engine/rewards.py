@@ -77,7 +77,10 @@ _NUMBER_RE = re.compile(
 
 # Minus signs that are not ASCII: U+2212 (the minus sign, common in LLM output and copied text),
 # U+2013 (an en dash typeset as a minus). Read as "-" everywhere: U+2212 then 7 is -7, not 7.
-_MINUS_TRANS = str.maketrans({"\u2212": "-", "\u2013": "-"})
+# Spaces that are not ASCII (no-break U+00A0, narrow no-break U+202F, thin U+2009: thousands
+# separators in "1 000" as typeset) are spaces.
+_MINUS_TRANS = str.maketrans({"\u2212": "-", "\u2013": "-", "\u00a0": " ", "\u202f": " ",
+                              "\u2009": " "})
 
 
 def _ascii_minus(text: str) -> str:
@@ -157,16 +160,25 @@ def _last_number(text: str) -> Optional[str]:
 _CURRENCY_RE = re.compile(r"^(-?)\\\$\s*(?=\.?\d)")
 
 
+_MATH_DELIMITERS = (("\\(", "\\)"), ("\\[", "\\]"))
+
+
 def _clean(ans: str) -> str:
-    """Strip whitespace, surrounding ``$``, markdown emphasis (``**42**``) and trailing periods
-    (repeatedly); a ``$`` after a leading minus goes too (``-$5`` -> ``-5``), and so does a
-    LaTeX dollar sign before a number (``\\$40``, ``-\\$5``: currency, as in ``$40``)."""
+    """Strip whitespace, surrounding ``$`` or LaTeX math delimiters (``\\(...\\)``,
+    ``\\[...\\]``), markdown emphasis (``**42**``) and trailing periods (repeatedly); a ``$``
+    after a leading minus goes too (``-$5`` -> ``-5``), and so does a LaTeX dollar sign before a
+    number (``\\$40``, ``-\\$5``: currency, as in ``$40``)."""
     prev = None
     while ans != prev:
         prev = ans
         ans = _CURRENCY_RE.sub(r"\1", ans.strip().strip("$*").rstrip("."))
         if ans.startswith("-$"):
             ans = "-" + ans[2:]
+        for left, right in _MATH_DELIMITERS:
+            inner = ans[2:-2]
+            if ans.startswith(left) and ans.endswith(right) and len(ans) >= 4 \
+                    and left not in inner and right not in inner:    # "\(2\) and \(3\)": kept
+                ans = inner
     return ans
 
 
@@ -227,7 +239,7 @@ def extract_answer(response: str) -> Optional[str]:
             inner = _ANSWER_IS_RE.search(frag)
         # Its first sentence: "The answer is 7. Check: 7 + 3 = 10" is 7, not 10.
         frag = _SENTENCE_END_RE.split(frag, 1)[0]
-        frag = _clean(frag.rsplit("=", 1)[-1])
+        frag = _clean(_clean(frag).rsplit("=", 1)[-1])     # "\(x = 5\)" is 5
         num = _fragment_answer(frag) if frag else None
         if num is not None:
             return num

@@ -93,9 +93,26 @@ def test_builtins_registered():
     ("#### 2 3/4", "5.75", 0.0),
     ("#### 2 3/4 cups", "2.75", 1.0),
     ("The answer is 3 4", "34", 0.0),
+    # LaTeX inline / display math delimiters around the answer (Qwen- and DeepSeek-style
+    # outputs): "\(1{,}000\)" was read as the tuple (1, 000) and scored 0
+    (r"The answer is \(1{,}000\).", "1000", 1.0),
+    (r"#### \(1,000\)", "1000", 1.0),
+    (r"The answer is \[12{,}345\]", "12345", 1.0),
+    (r"The answer is \(\frac{3}{4}\).", "0.75", 1.0),
+    (r"The answer is \(1{,}000\).", "100", 0.0),
+    # thousands apart by a no-break, narrow no-break or thin space, as typeset
+    ("#### 1\u00a0000", "1000", 1.0),
+    ("The answer is 12\u202f345.", "12345", 1.0),
+    ("#### 1\u2009000", "1000", 1.0),
+    ("#### 1\u00a0000", "1", 0.0),
 ])
 def test_math_reward(response, gold, expected):
     assert math_reward(response, gold) == expected
+
+
+def test_math_delimiters_are_stripped_only_around_one_expression():
+    assert extract_answer(r"The answer is \(x = 5\).") == "5"
+    assert extract_answer(r"#### \(2\) and \(3\)") == r"\(2\) and \(3\)"   # two, kept
 
 
 def test_fast_path_decides_plain_numbers_without_math_verify():
