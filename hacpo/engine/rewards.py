@@ -189,7 +189,10 @@ _LEADING_NUMBER_RE = re.compile(r"(-?\d+ +\d+/\d+|" + _NUMBER_RE.pattern + r")(?
 _MATH_CHARS = "\\^_=+*/()[]{}"
 # What may follow "####" as an answer: a number, sign, LaTeX, a bracket, "x = ...". Anything
 # else ("#### Step 2: Double it", "#### Final Answer") is a markdown heading, not an answer.
-_VALUE_START_RE = re.compile(r"[-\u2212+]?\s*(?:\d|\.\d|\\)|[(\[{]|[A-Za-z]\s*=")
+# An expression in a variable ("x^2+1", "-x+1") starts like a value too: a letter, an operator,
+# then a digit, bracket, backslash or one letter.
+_VALUE_START_RE = re.compile(r"[-\u2212+]?\s*(?:\d|\.\d|\\)|[(\[{]|[A-Za-z]\s*="
+                             r"|[-\u2212+]?[A-Za-z]\s*[-+*/^]\s*(?:[\d(\\]|[A-Za-z](?![A-Za-z]))")
 
 
 def _fragment_answer(frag: str) -> Optional[str]:
@@ -247,16 +250,23 @@ def extract_answer(response: str) -> Optional[str]:
     return _clean(num) if num is not None else None
 
 
+# A number followed by words only ("18 dollars", "1,000 people", "2 3/4 cups")
+_UNIT_WORDS_RE = re.compile(r"\s+[A-Za-z][A-Za-z .%/-]*")
+
+
 def gold_answer(gold: str) -> str:
-    """Normalize a gold answer: a boxed or ``####`` gold is reduced to its final answer."""
+    """Normalize a gold answer: a boxed or ``####`` gold is reduced to its final answer, and a
+    number followed by words only ("18 dollars") to the number, as a response's answer is."""
     gold = _ascii_minus(gold)
     boxed = extract_boxed(gold)
     if boxed is not None:
         return _clean(boxed)
     gsm = [f for f in _GSM8K_RE.findall(gold) if _clean(f)]
-    if gsm:
-        return _clean(gsm[-1])
-    return _clean(gold)
+    g = _clean(gsm[-1]) if gsm else _clean(gold)
+    lead = _LEADING_NUMBER_RE.match(g)
+    if lead is not None and _UNIT_WORDS_RE.fullmatch(g, lead.end()):
+        return lead.group(1)
+    return g
 
 
 _INT_COMMAS_RE = re.compile(r"^-?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")

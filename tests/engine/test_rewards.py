@@ -105,6 +105,19 @@ def test_builtins_registered():
     ("The answer is 12\u202f345.", "12345", 1.0),
     ("#### 1\u2009000", "1000", 1.0),
     ("#### 1\u00a0000", "1", 0.0),
+    # a gold with units (a user's {"answer": "18 dollars"}) is its number, as the response's
+    # answer after "####" is: the warm-up's own target "#### 18 dollars" scored 0
+    ("#### 18 dollars", "18 dollars", 1.0),
+    ("The answer is 12.", "12 eggs", 1.0),
+    ("#### 2 3/4 cups", "2 3/4 cups", 1.0),
+    ("#### 1,000 people", "1,000 people", 1.0),
+    ("#### 17", "18 dollars", 0.0),
+    ("#### 3", "3 and 4", 0.0),                 # digits after the words: not a unit
+    # an expression in a variable after "####" is the answer, not a heading followed by a
+    # last number: "#### -x+1" was read as 1
+    ("#### -x+1", "1", 0.0),
+    ("#### -x+1", "1-x", 1.0),
+    ("#### x^2+1", "x^2+1", 1.0),
 ])
 def test_math_reward(response, gold, expected):
     assert math_reward(response, gold) == expected
@@ -145,6 +158,8 @@ def test_markdown_headings_are_not_gsm8k_answers():
     assert extract_answer("#### x = 3") == "x = 3"
     assert extract_answer("#### (B)") == "(B)"
     assert extract_answer("#### -7") == "-7"
+    # a heading's word with a hyphen is not an expression ("x-intercept": a letter follows)
+    assert extract_answer("#### x-intercepts\nThey are at 4.") == "4"
 
 
 def test_number_parsing_spaces_and_mixed_numbers():
