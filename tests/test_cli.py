@@ -1,5 +1,6 @@
 """Command line: the toy demo runs and improves the agents; config errors are clear."""
 import json
+import re
 
 import pytest
 
@@ -83,6 +84,90 @@ def test_algorithm_settings_kept_are_the_users_changes(tmp_path):
     args.set = ["algorithm.name=grpo"]
     with pytest.raises(ValueError, match="both choose the algorithm"):
         train_config(args)
+
+
+def test_algorithm_flag_agreeing_with_the_files_name_and_explicit_settings(tmp_path):
+    """A replayed config.json of a gspo run under --algorithm gspo agrees (was "both choose
+    the algorithm"); a --set algorithm key counts even when it equals the run preset's value
+    (was dropped, so an ablation silently replaced it); a config read from a pipe keeps its
+    algorithm settings (the file was read a second time, empty)."""
+    import argparse
+    import os
+
+    from hacpo.engine.run_config import load_config
+    from hacpo.launch.cli import train_config
+
+    def cfg(*extra, config=None, algorithm=None):
+        return train_config(argparse.Namespace(preset="default", config=config,
+                                               algorithm=algorithm, steps=None, out_dir=None,
+                                               set=list(extra)))
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(load_config("default", overrides={
+        "algorithm.name": "gspo", "algorithm.loss.alpha": 0.5}).to_dict()))
+    got, keep = cfg(config=str(path), algorithm="gspo")
+    assert got.algorithm.name == "gspo" and keep == {"loss.alpha": 0.5}
+    with pytest.raises(ValueError, match="both choose the algorithm"):
+        cfg(config=str(path), algorithm="hacpo")
+    with pytest.raises(ValueError, match="both choose the algorithm"):
+        cfg("algorithm.name=hacpo", algorithm="gspo")      # explicit, even the preset's name
+    with pytest.raises(ValueError, match=r"algorithm.loss.alpha=1.0 contradicts the algorithm "
+                                         r"preset 'hacpo-alpha0'"):
+        cfg("algorithm.loss.alpha=1.0", algorithm="hacpo-alpha0")
+    r, w = os.pipe()
+    os.write(w, b"algorithm: {loss: {alpha: 0.5}}\n")
+    os.close(w)
+    try:
+        got, keep = cfg(config=f"/dev/fd/{r}", algorithm="hacpo-table5")
+    finally:
+        os.close(r)
+    assert (got.algorithm.loss.alpha, got.algorithm.loss.cross_clip_delta) == (0.5, 0.8)
+    assert keep == {"loss.alpha": 0.5}
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["train", "--config", ""], "--config '' is empty"),
+    (["train", "--algorithm", " "], "--algorithm ' ' is empty"),
+    (["train", "--out-dir", ""], "--out-dir '' is empty"),
+    (["compare", "--algorithm", "gspo"], r"--algorithm does not apply to hacpo compare "
+                                         r"\(compare runs each of --algorithms\)"),
+    (["profile", "--algorithm", "gspo"], "--algorithm does not apply to hacpo profile"),
+    (["profile", "--steps", "10"], r"--steps does not apply to hacpo profile \(profile runs "
+                                   r"--rounds x --steps-per-round steps\)"),
+    (["profile", "--set", "steps=10"], "--set steps does not apply to hacpo profile"),
+    (["compare", "--set", "out_dir=x"], "--set out_dir does not apply to hacpo compare"),
+    (["train", "--set", "seed=9223372036854775807"], r"seed must be an integer in \[0, "),
+])
+def test_run_options_that_would_be_ignored_are_errors(argv, msg, tmp_path, capsys, monkeypatch):
+    """An empty --config / --algorithm (an unset shell variable) trained the preset as if not
+    given; compare / profile took --algorithm, profile --steps, and ignored them: each is now
+    a one-line error, exit 2, before anything runs."""
+    monkeypatch.delenv("HACPO_TRACEBACK", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert main([*argv, "--preset", "tiny3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"hacpo {argv[0]}: error: ") and re.search(msg, err.splitlines()[0])
+    assert "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_demo_seed_out_of_range_is_a_usage_error(capsys):
+    """hacpo demo --seed 99999999999999999999 was an OverflowError traceback."""
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--seed", "99999999999999999999"])
+    assert e.value.code == 2
+    assert "argument --seed: must be an integer >= 0 and <= 4294967295" in capsys.readouterr().err
+
+
+def test_a_binary_file_as_config_names_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("HACPO_TRACEBACK", raising=False)
+    ck = tmp_path / "checkpoint.pt"
+    ck.write_bytes(b"PK\x03\x04\x80\x81\xff" * 10)
+    assert main(["train", "--preset", "tiny3", "--config", str(ck),
+                 "--out-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"hacpo train: error: config file {ck}: not a text (UTF-8) file")
+    assert "Traceback" not in err, err
 
 
 def test_yaml_and_set_are_checked_together(tmp_path):
@@ -294,7 +379,7 @@ def test_policy_settings_nothing_would_use_fail_before_the_run(capsys, monkeypat
                           "config: unknown key(s) ['hiden_size']"), err
 
 
-def test_an_error_raised_while_a_run_stops_is_reported_as_the_stop(capsys):
+def test_an_error_raised_while_a_run_stops_is_reported_as_the_stop(capsys, tmp_path):
     """An error a library raises while the run unwinds from Ctrl-C or SIGTERM (torch's zip
     writer cut inside torch.save raised "RuntimeError: unexpected pos" in place of the
     KeyboardInterrupt) is the stop: one line naming it and the error, exit 130 / 143, not a
@@ -311,7 +396,8 @@ def test_an_error_raised_while_a_run_stops_is_reported_as_the_stop(capsys):
                 raise RuntimeError("unexpected pos 91584 vs 91472")
         return func
 
-    args = argparse.Namespace(command="train")
+    (tmp_path / "config.json").write_text("{}")     # a run that can be continued
+    args = argparse.Namespace(command="train", run_dir=str(tmp_path))
     assert _stoppable(args, cut_short(KeyboardInterrupt())) == 130
     assert capsys.readouterr().err == (
         "hacpo train: interrupted (Ctrl-C); continue it with --resume (while it stopped: "
@@ -321,6 +407,13 @@ def test_an_error_raised_while_a_run_stops_is_reported_as_the_stop(capsys):
     assert e.value.code == TERMINATED
     assert capsys.readouterr().err.startswith("hacpo train: terminated (SIGTERM); continue it "
                                               "with --resume (while it stopped: RuntimeError")
+    # a run stopped before it wrote its config.json (its folder removed, or never made) has
+    # nothing to continue: no "--resume" hint
+    for run_dir in (None, str(tmp_path / "gone")):
+        args = argparse.Namespace(command="train", run_dir=run_dir)
+        assert _stoppable(args, cut_short(KeyboardInterrupt())) == 130
+        assert capsys.readouterr().err == ("hacpo train: interrupted (Ctrl-C) (while it stopped: "
+                                           "RuntimeError: unexpected pos 91584 vs 91472)\n")
     with pytest.raises(RuntimeError, match="plain"):
         _stoppable(args, lambda a: (_ for _ in ()).throw(RuntimeError("plain")))
     with pytest.raises(RuntimeError, match="unexpected"):     # SystemExit(1): not a SIGTERM

@@ -29,6 +29,17 @@ def _check_choice(key: str, v, choices) -> None:
         raise ValueError(f"{key} must be one of {', '.join(choices)}, got {v!r}")
 
 
+# Seeds are whole numbers in [0, 2**32) (numpy's range): the rollout derives per-agent
+# generator seeds as seed * 1000 + k, which must stay within torch's 64 bits.
+MAX_SEED = 2**32 - 1
+
+
+def _check_seed(key: str, v) -> None:
+    """An integer seed's range (its type: configtools.from_dict names the key and type)."""
+    if isinstance(v, numbers.Integral) and not isinstance(v, bool) and not 0 <= v <= MAX_SEED:
+        raise ValueError(f"{key} must be an integer in [0, {MAX_SEED}], got {v!r}")
+
+
 def _check_range(key: str, v, ok: bool, allowed: str) -> None:
     """``ok``: ``v`` in range, computed by comparisons that are False for NaN (and raise a
     TypeError for a value that is no number, which configtools.from_dict turns into an error
@@ -47,7 +58,8 @@ class OptimConfig:
 
     def __post_init__(self):
         _check_range("optim.lr", self.lr, 0 < self.lr < math.inf, "a finite number > 0")
-        _check_range("optim.weight_decay", self.weight_decay, self.weight_decay >= 0, ">= 0")
+        _check_range("optim.weight_decay", self.weight_decay,
+                     0 <= self.weight_decay < math.inf, "a finite number >= 0")
         for k in ("beta1", "beta2"):      # torch.optim.AdamW: 0 <= beta < 1
             v = getattr(self, k)
             _check_range(f"optim.{k}", v, 0 <= v < 1, "in [0, 1)")
@@ -299,6 +311,7 @@ DECODER_ONLY_POLICY_FIELDS = ("d_model", "n_layers", "n_heads", "max_len")
 def _check_policy(p: PolicyConfig) -> None:
     """What build_policy would reject, or silently ignore, checked when the config loads."""
     where = f"agent {p.name!r}"
+    _check_seed(f"{where}: policy.seed", p.seed)
     _check_choice(f"{where}: policy.kind", p.kind, ("decoder", "hf"))
     _check_choice(f"{where}: policy.lm_head", p.lm_head, LM_HEADS)
     _check_choice(f"{where}: policy.dtype", p.dtype, DTYPES)
@@ -609,6 +622,7 @@ class DataConfig:
             raise ValueError("data.task='files' needs data.train_path and data.eval_path "
                              "(data.eval_path may be empty with data.eval_size=0)")
         _check_count("data.train_size", self.train_size, 1)
+        _check_seed("data.seed", self.seed)
         _check_count("data.eval_size", self.eval_size, 0, " (0: no held-out set)")
 
 
@@ -710,6 +724,7 @@ class TrainConfig(ConfigMixin):
                                ("max_nonfinite", 1, ""),
                                ("threads", 0, " (0: torch's default)")):
             _check_count(key, getattr(self, key), low, note)
+        _check_seed("seed", self.seed)
         for key in ("out_dir", "cache_dir"):
             if isinstance(getattr(self, key), str) and not getattr(self, key).strip():
                 raise ValueError(f"{key} must be a directory path, got {getattr(self, key)!r}")
@@ -928,26 +943,35 @@ def load_config(preset: str = "default", yaml_path: str | None = None,
         raise ValueError(f"unknown run preset {preset!r}; choose one of {sorted(PRESETS)}")
     cfg = PRESETS[preset]()
     if yaml_path:
-        import yaml
-        try:
-            f = open(yaml_path)
-        except OSError as e:    # missing, a folder, unreadable: say it is the config file
-            raise ValueError(f"config file {yaml_path}: cannot read it: "
-                             f"{e.strerror or e}") from None
-        with f:
-            data = yaml.safe_load(f)
-        if data is None:        # an empty file: nothing to override
-            data = {}
-        if not isinstance(data, dict):
-            raise ValueError(f"config file {yaml_path}: the top level must be a mapping of "
-                             f"config keys (e.g. 'steps: 10'), got {type(data).__name__} "
-                             f"{data!r:.60}")
         # one pass, YAML keys first (an agents list is replaced before --set edits it): the
         # config is checked as the two give it together, never half-applied
-        overrides = {**_flatten(data), **(overrides or {})}
+        overrides = {**read_config_file(yaml_path), **(overrides or {})}
     if overrides:
         cfg = cfg.override(overrides)
     return cfg
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """The dotted overrides a YAML (or JSON) config file gives, read once (a file may be a
+    pipe: ``--config <(...)``). ValueError naming the file if it cannot be read, is not text
+    or its top level is not a mapping; ``yaml.YAMLError`` if it is not YAML."""
+    import yaml
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:    # missing, a folder, unreadable: say it is the config file
+        raise ValueError(f"config file {path}: cannot read it: {e.strerror or e}") from None
+    with f:
+        try:
+            data = yaml.safe_load(f)
+        except UnicodeDecodeError as e:     # e.g. a checkpoint.pt given as the config
+            raise ValueError(f"config file {path}: not a text (UTF-8) file ({e.reason} at "
+                             f"byte {e.start}): give the YAML or config.json file") from None
+    if data is None:        # an empty file: nothing to override
+        data = {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path}: the top level must be a mapping of config keys "
+                         f"(e.g. 'steps: 10'), got {type(data).__name__} {data!r:.60}")
+    return _flatten(data)
 
 
 def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:

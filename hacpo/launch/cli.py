@@ -25,71 +25,82 @@ def _demo(args) -> int:
     return 0
 
 
+# what compare / profile choose themselves: given to them, these would be ignored
+_RUN_SET = {"compare": ("--algorithm (compare runs each of --algorithms)",),
+            "profile": ("--algorithm (profile runs each of --algorithms)",
+                        "--steps (profile runs --rounds x --steps-per-round steps)")}
+
+
 def train_config(args):
     """The run's TrainConfig and the user's own algorithm settings: the dotted
-    ``algorithm.*`` keys the YAML or ``--set`` give a value other than the run preset's
-    (a saved config.json as ``--config`` keeps only what its run changed), without the name.
-    ``--algorithm`` puts the run under that preset keeping the run preset's minibatch count
-    and those settings (compare.with_algorithm), as compare and profile do for each of
-    theirs."""
+    ``algorithm.*`` keys ``--set`` gives, and those the YAML gives a value other than the run
+    preset's (a saved config.json as ``--config`` keeps only what its run changed), without
+    the name. ``--algorithm`` puts the run under that preset keeping the run preset's
+    minibatch count and those settings (compare.with_algorithm), as compare and profile do for
+    each of theirs."""
     from hacpo.engine.compare import dotted, with_algorithm
+    from hacpo.engine.config import available_presets, preset
     from hacpo.engine.configtools import parse_overrides
-    from hacpo.engine.run_config import load_config
+    from hacpo.engine.run_config import load_config, read_config_file
     from hacpo.engine.errors import user_errors
     import yaml
     with user_errors():
+        for flag in ("config", "algorithm", "out_dir"):   # "" (an unset shell variable)
+            v = getattr(args, flag)
+            if v is not None and not v.strip():
+                name = "--" + flag.replace("_", "-")
+                raise ValueError(f"{name} {v!r} is empty: give it a value (or leave {name} "
+                                 f"out for the default)")
+        command = getattr(args, "command", "train")
+        for opt in _RUN_SET.get(command, ()):
+            if getattr(args, opt.split()[0].removeprefix("--")) is not None:
+                raise ValueError(f"{opt.split()[0]} does not apply to hacpo {command} "
+                                 f"({opt.split('(', 1)[1]}")
         overrides = parse_overrides(args.set or [])
+        if command in _RUN_SET and "out_dir" in overrides:
+            raise ValueError(f"--set out_dir does not apply to hacpo {command}: its runs go "
+                             f"under --out-dir")
+        if command == "profile" and "steps" in overrides:
+            raise ValueError("--set steps does not apply to hacpo profile: it runs --rounds x "
+                             "--steps-per-round steps")
         if args.steps is not None:
             overrides["steps"] = args.steps
-        if args.out_dir is not None:    # "" (an unset shell variable) is no run dir
-            if not args.out_dir.strip():
-                raise ValueError(f"--out-dir {args.out_dir!r} is empty: give the run "
-                                 f"directory (or leave --out-dir out for the preset's)")
+        if args.out_dir is not None:
             overrides["out_dir"] = args.out_dir
         if getattr(args, "skip_bad_rows", False):
             overrides["data.skip_bad_rows"] = True
         try:
-            cfg = load_config(args.preset, args.config, overrides)
+            from_file = read_config_file(args.config) if args.config is not None else {}
         except yaml.YAMLError as e:     # a multi-line message: one line, naming the file
             raise ValueError(f"config file {args.config} is not valid YAML: "
                              f"{' '.join(str(e).split())}") from None
-        given = [k.removeprefix("algorithm.")
-                 for k in {**_yaml_overrides(args.config), **overrides}
-                 if k.startswith("algorithm.")]
+        cfg = load_config(args.preset, None, {**from_file, **overrides})
         base = load_config(args.preset).algorithm
-        keep = {k: dotted(cfg.algorithm, k) for k in given
-                if k != "name" and dotted(cfg.algorithm, k) != dotted(base, k)}
+        keep = {}
+        for source, given in ((from_file, False), (overrides, True)):
+            for k in source:
+                key = k.removeprefix("algorithm.")
+                if k.startswith("algorithm.") and key != "name" and (
+                        given or dotted(cfg.algorithm, key) != dotted(base, key)):
+                    keep[key] = dotted(cfg.algorithm, key)
         if args.algorithm:
-            if "name" in given and cfg.algorithm.name != base.name:
-                raise ValueError(f"algorithm.name={cfg.algorithm.name!r} and --algorithm "
-                                 f"{args.algorithm} both choose the algorithm: give one")
+            # a name from --set, or from the file other than the run preset's (a replayed
+            # config.json holds one), that is not --algorithm's: two choices, refused
+            want = preset(args.algorithm).name if args.algorithm in available_presets() \
+                else None
+            chosen = cfg.algorithm.name
+            if want is not None and chosen != want and ("algorithm.name" in overrides
+                                                         or chosen != base.name):
+                raise ValueError(f"algorithm.name={chosen!r} and --algorithm {args.algorithm} "
+                                 f"both choose the algorithm: give one")
             cfg = with_algorithm(cfg, args.algorithm, keep)
     return cfg, keep
-
-
-def _yaml_overrides(path: str | None) -> dict:
-    """The dotted keys a ``--config`` YAML sets (load_config has checked the file)."""
-    if not path:
-        return {}
-    import yaml
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
-    return _flat(data) if isinstance(data, dict) else {}
-
-
-def _flat(d, prefix=""):
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and k != "hf_config":
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def _train(args) -> int:
     from hacpo.engine.trainer import train
     cfg, _ = train_config(args)
+    args.run_dir = cfg.out_dir      # what a stop's "continue it with --resume" refers to
     print(f"[hacpo] run dir {cfg.out_dir}; algorithm {cfg.algorithm.name}; agents "
           + ", ".join(f"{a.policy.name} ({a.policy.tokenizer})" for a in cfg.agents))
     train(cfg, resume=args.resume)
@@ -175,15 +186,21 @@ def _stoppable(args, func) -> int:
 
     prev = (signal.signal(signal.SIGTERM, _raise_terminated)
             if threading.current_thread() is threading.main_thread() else None)
-    again = "; continue it with --resume" if args.command == "train" else ""
+    import os
+
+    def again() -> str:     # only a run that wrote its config.json can be continued (one
+        run_dir = getattr(args, "run_dir", None)   # stopped before is removed or never was)
+        return "; continue it with --resume" if run_dir is not None and os.path.exists(
+            os.path.join(run_dir, "config.json")) else ""
+
     try:
         return func(args)
     except KeyboardInterrupt:
-        print(f"hacpo {args.command}: interrupted (Ctrl-C){again}", file=sys.stderr)
+        print(f"hacpo {args.command}: interrupted (Ctrl-C){again()}", file=sys.stderr)
         return 130
     except SystemExit as e:
         if e.code == TERMINATED:
-            print(f"hacpo {args.command}: terminated (SIGTERM){again}", file=sys.stderr)
+            print(f"hacpo {args.command}: terminated (SIGTERM){again()}", file=sys.stderr)
         raise
     except Exception as e:
         # an error raised while the run unwound from Ctrl-C / SIGTERM (a library's cleanup
@@ -193,9 +210,10 @@ def _stoppable(args, func) -> int:
             raise
         also = f" (while it stopped: {type(e).__name__}: {e})"
         if isinstance(cause, KeyboardInterrupt):
-            print(f"hacpo {args.command}: interrupted (Ctrl-C){again}{also}", file=sys.stderr)
+            print(f"hacpo {args.command}: interrupted (Ctrl-C){again()}{also}",
+                  file=sys.stderr)
             return 130
-        print(f"hacpo {args.command}: terminated (SIGTERM){again}{also}", file=sys.stderr)
+        print(f"hacpo {args.command}: terminated (SIGTERM){again()}{also}", file=sys.stderr)
         raise SystemExit(TERMINATED) from e
     finally:
         if prev is not None:
@@ -266,15 +284,18 @@ def _export(args) -> int:
     return 0
 
 
-def _int_at_least(low: int):
-    """An argparse type: an integer >= ``low`` (else argparse's one-line usage error)."""
+def _int_at_least(low: int, high: int | None = None):
+    """An argparse type: an integer >= ``low`` (and <= ``high``), else argparse's one-line
+    usage error."""
     def parse(text: str) -> int:
         try:
             v = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-        if v < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {v}")
+        if v < low or (high is not None and v > high):
+            raise argparse.ArgumentTypeError(
+                f"must be an integer >= {low}" + (f" and <= {high}" if high is not None else "")
+                + f", got {v}")
         return v
     return parse
 
@@ -300,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--algorithms", nargs="+", default=["gspo", "hacpo"])
     d.add_argument("--steps", type=_int_at_least(1), default=60)
     d.add_argument("--agents", type=_int_at_least(1), default=3)
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--seed", type=_int_at_least(0, 2**32 - 1), default=0)
     d.set_defaults(func=_demo)
     t = sub.add_parser("train", help="train n agents together (embedded default: no arguments)")
     _add_run_args(t)

@@ -54,7 +54,16 @@ def _yaml(tmp_path, text: str) -> str:
     ("agents.0.warmup.batch_size", "0", r"warmup.batch_size must be an integer >= 1, got 0"),
     ("agents.0.warmup.lr", "0", r"warmup.lr must be a finite number > 0, got 0.0"),
     ("agents.0.optim.lr", "nan", r"optim.lr must be a finite number > 0, got nan"),
-    ("agents.0.optim.weight_decay", "-0.1", r"optim.weight_decay must be >= 0, got -0.1"),
+    ("agents.0.optim.weight_decay", "-0.1", r"optim.weight_decay must be a finite number >= 0, "
+                                            r"got -0.1"),
+    ("agents.0.optim.weight_decay", "inf", r"optim.weight_decay must be a finite number >= 0"),
+    # seeds: the rollout's per-agent seed * 1000 + k overflowed torch's 64 bits after the
+    # warm-up (a traceback, a half-made run dir)
+    ("seed", "9223372036854775807", r"seed must be an integer in \[0, 4294967295\], got 92"),
+    ("seed", "-1", r"seed must be an integer in \[0, 4294967295\], got -1"),
+    ("data.seed", "4294967296", r"data.seed must be an integer in \[0, 4294967295\]"),
+    ("agents.0.policy.seed", "99999999999999999999",
+     r"agent 'char'.*policy.seed must be an integer in \[0, 4294967295\]"),
     ("agents.0.optim.beta1", "1", r"optim.beta1 must be in \[0, 1\), got 1.0"),
     ("agents.0.optim.beta2", "-0.5", r"optim.beta2 must be in \[0, 1\), got -0.5"),
     ("agents.0.optim.grad_clip", "nan", r"optim.grad_clip must be >= 0 \(0: no clipping\), "
