@@ -277,9 +277,10 @@ def _prepare(cfg: TrainConfig, resume: bool, echo):
             f"to continue it from (it stopped before its first checkpoint, or the checkpoint "
             f"was removed): pass --resume to start that run over there (replacing them), or "
             f"choose another out_dir")
-    elif resume and state is None:
-        echo(f"[resume] no {CHECKPOINT} in {cfg.out_dir}: starting a new run there"
-             + (f" ({', '.join(held)} of the run before are replaced)" if held else ""))
+    elif resume and state is None:      # results replaced: a warning (compare passes it on)
+        echo((f"[warn] no {CHECKPOINT} in {cfg.out_dir}: starting a new run there "
+              f"({', '.join(held)} of the run before are replaced)") if held else
+             f"[resume] no {CHECKPOINT} in {cfg.out_dir}: starting a new run there")
     data = build.load_data(cfg)
     if state is not None:       # the data cursor fits the examples (before any policy is built)
         try:
@@ -310,11 +311,17 @@ def _prepare(cfg: TrainConfig, resume: bool, echo):
     return data, policies, state, warm, ck_path
 
 
-def _write_config(cfg: TrainConfig) -> None:
+def _write_config(cfg: TrainConfig, finished: bool = False) -> None:
     """``<out_dir>/config.json``, written once every check of the run's inputs passed: a run or
-    resume refused for its config, data or checkpoint leaves the run dir as it was."""
+    resume refused for its config, data or checkpoint leaves the run dir as it was. A
+    summary.json there marks a finished run: unless the run is (a resume at its last step),
+    it is the summary of a run before (started over, or resumed for more steps) and goes; the
+    run writes its own when it finishes."""
     ckpt.write_text_atomic(os.path.join(cfg.out_dir, "config.json"),
                            json.dumps(cfg.to_dict(), indent=2))
+    if not finished:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(cfg.out_dir, "summary.json"))
 
 
 def minibatch_shortfall(cfg: TrainConfig) -> str | None:
@@ -454,7 +461,7 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
         ratio_log.update({key: ratio_counts(np.asarray(v))
                           for key, v in state.get("ratio_log", {}).items()})
         echo(f"[resume] {ck_path} at step {start}")
-        _write_config(cfg)
+        _write_config(cfg, finished=start == cfg.steps)
     # engines holding weight copies start from these weights (the pools: all agents at once)
     sync_agents(agents, engine, n, timer=null_timer, pull=False, at_once=cfg.agents_at_once)
     if not data.eval:

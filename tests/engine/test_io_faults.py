@@ -273,7 +273,7 @@ def test_results_without_a_checkpoint_are_not_overwritten(tmp_path):
     assert {f: (run / f).read_bytes() for f in kept} == kept
     said = []
     train(_cfg(tmp_path, steps=2), resume=True, echo=said.append)
-    assert (f"[resume] no checkpoint.pt in {run}: starting a new run there (metrics.jsonl, "
+    assert (f"[warn] no checkpoint.pt in {run}: starting a new run there (metrics.jsonl, "
             f"summary.json of the run before are replaced)") in said
     assert ckpt.load(str(run / "checkpoint.pt"))["step"] == 2
 

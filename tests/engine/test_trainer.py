@@ -126,6 +126,40 @@ def test_resume_with_other_config_is_clear_error(tmp_path):
     assert f"[resume] no checkpoint.pt in {tmp_path / 'new'}: starting a new run there" in said
 
 
+def test_a_run_that_is_not_finished_holds_no_summary_of_a_run_before(tmp_path, monkeypatch):
+    """summary.json marks a finished run: a finished run resumed for more steps, or a run
+    started over where its checkpoint was removed, and stopped before it finishes, left the
+    old summary (its steps, its results) beside the new run's files. Starting over with
+    results to replace is a [warn] (compare, which shows only those, said nothing while it
+    retrained a run from step 0)."""
+    import hacpo.engine.trainer as trainer_mod
+    cfg = _cfg(tmp_path, steps="1", plots="false", tensorboard="false")
+    train(cfg, echo=lambda *_: None)
+    run = tmp_path / "run"
+    assert json.loads((run / "summary.json").read_text())["steps"] == 1
+    train(cfg, resume=True, echo=lambda *_: None)           # at its last step: still finished
+    assert (run / "summary.json").exists()
+
+    def stop(*_, **__):
+        raise KeyboardInterrupt
+    with monkeypatch.context() as m:
+        m.setattr(trainer_mod, "sync_agents", stop)         # stopped as the step loop starts
+        with pytest.raises(KeyboardInterrupt):
+            train(cfg.override({"steps": 2}), resume=True, echo=lambda *_: None)
+    assert not (run / "summary.json").exists() and (run / "checkpoint.pt").exists()
+    train(cfg.override({"steps": 2}), resume=True, echo=lambda *_: None)
+    assert json.loads((run / "summary.json").read_text())["steps"] == 2
+    os.remove(run / "checkpoint.pt")
+    said = []
+    with monkeypatch.context() as m:
+        m.setattr(trainer_mod, "sync_agents", stop)
+        with pytest.raises(KeyboardInterrupt):
+            train(cfg, resume=True, echo=said.append)
+    assert f"[warn] no checkpoint.pt in {run}: starting a new run there (metrics.jsonl, " \
+           f"summary.json of the run before are replaced)" in said
+    assert not (run / "summary.json").exists()
+
+
 def test_resume_of_a_run_with_a_setting_now_refused_once_it_is_removed(tmp_path):
     """A run written before a config check existed may hold a policy setting its build never
     used (here an HF setting on a decoder agent); this version refuses the setting, and once
