@@ -222,6 +222,11 @@ def _set(cls, d: dict, key: str, value: Any) -> None:
             node[part] = _coerce(value, ftype, key)
         else:
             if not (_dataclass_of(ftype) or _list_item(ftype)):
+                if ftype is dict or typing.get_origin(ftype) is dict:   # e.g. hf_config
+                    head, rest = ".".join(parts[:i + 1]), ".".join(parts[i + 1:])
+                    raise ValueError(f"config key {key!r}: {head} is a mapping set as a whole, "
+                                     f"e.g. {head}='{{{rest}: {value}}}' (YAML; it replaces "
+                                     f"the mapping)")
                 raise ValueError(f"unknown config key {key!r}: {part!r} has no sub-keys")
             if part not in node:     # a section the YAML left out (e.g. an agent's optim)
                 node[part] = {} if _dataclass_of(ftype) else []

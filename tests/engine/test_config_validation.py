@@ -427,3 +427,17 @@ def test_a_stored_run_with_a_name_new_runs_may_not_use_still_evaluates_and_resum
     assert ckpt.load(str(ck))["step"] == 1
     got, _ = eval_config(ckpt.load(str(ck))["config"])
     assert got.agents[0].policy.name == "my agent"
+
+
+def test_a_key_under_a_mapping_says_how_to_set_the_mapping():
+    """--set agents.0.policy.hf_config.hidden_size=64 said "'hf_config' has no sub-keys" (it
+    holds keys, set as one mapping); a key under a plain value still has none."""
+    with pytest.raises(ValueError, match=r"agents.0.policy.hf_config is a mapping set as a "
+                                         r"whole, e.g. agents.0.policy.hf_config="
+                                         r"'\{hidden_size: 64\}'"):
+        load_config("tiny3", overrides={"agents.0.policy.hf_config.hidden_size": "64"})
+    cfg = load_config("tiny3", overrides={"agents.0.policy.kind": "hf",
+                                          "agents.0.policy.hf_config": "{hidden_size: 64}"})
+    assert cfg.agents[0].policy.hf_config == {"hidden_size": 64}
+    with pytest.raises(ValueError, match=r"unknown config key 'steps.x': 'steps' has no sub-keys"):
+        load_config("tiny3", overrides={"steps.x": "1"})
