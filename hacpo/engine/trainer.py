@@ -260,7 +260,9 @@ def _prepare(cfg: TrainConfig, resume: bool, echo):
                            defaults=default_fingerprint(cfg))
         if diff:
             raise ValueError(f"cannot resume {ck_path}: the config differs from the "
-                             f"checkpoint's in {', '.join(diff)}")
+                             f"checkpoint's in {', '.join(diff)} (resume with the run's own "
+                             f"settings: --config {os.path.join(cfg.out_dir, 'config.json')}, "
+                             f"or the --preset / --set it was started with)")
         if state["step"] > cfg.steps:
             raise ValueError(f"cannot resume {ck_path} at step {state['step']} with steps="
                              f"{cfg.steps}: the run is past it (its metrics and checkpoint "

@@ -2,6 +2,7 @@
 kill -9, config mismatch, and the trainer's bad-input paths."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -115,7 +116,9 @@ def test_resume_with_other_config_is_clear_error(tmp_path):
     cfg = _cfg(tmp_path, steps="1", plots="false", tensorboard="false")
     train(cfg, echo=lambda *_: None)
     other = cfg.override({"agents.1.optim.lr": 0.5, "rollout.group_size": 3, "steps": 2})
-    with pytest.raises(ValueError, match=r"agents\.1\.optim\.lr.*rollout\.group_size"):
+    with pytest.raises(ValueError, match=r"agents\.1\.optim\.lr.*rollout\.group_size \(resume "
+                                         r"with the run's own settings: --config "
+                                         + re.escape(os.path.join(cfg.out_dir, "config.json"))):
         train(other, resume=True, echo=lambda *_: None)
     train(cfg.override({"steps": 2}), resume=True, echo=lambda *_: None)   # steps may grow
     with pytest.raises(ValueError, match=r"at step 2 with steps=1: the run is past it .* "
