@@ -6,6 +6,8 @@ and the capability-weighted baselines of every (group, agent) pair are one [P, n
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from . import defaults as D
@@ -99,8 +101,9 @@ def hacpo_advantages(rewards: torch.Tensor, prompt: torch.Tensor, agent: torch.T
     if ratios.dim() != 2 or ratios.shape[0] != ratios.shape[1]:
         raise ValueError(f"ratios must be [n, n], got shape {tuple(ratios.shape)}")
     n = ratios.shape[0]
-    if not 0 <= learner < n:
-        raise ValueError(f"learner {learner} is out of range 0..{n - 1}")
+    if isinstance(learner, bool) or not isinstance(learner, numbers.Integral) \
+            or not 0 <= learner < n:        # 0.5 acted as learner 0
+        raise ValueError(f"learner must be an agent index in 0..{n - 1}, got {learner!r}")
     if cross_baseline not in D.CROSS_BASELINES:
         raise ValueError(f"unknown cross_baseline {cross_baseline!r}; choose one of "
                          f"{D.CROSS_BASELINES}")

@@ -29,6 +29,8 @@ def learner_samples(cfg: AlgorithmConfig, rewards: torch.Tensor, prompt: torch.T
         idx = (agent == learner).nonzero().flatten()
     r, p, a = rewards[idx], prompt[idx], agent[idx]
     if cfg.name == "hacpo":
+        if ratios is None:
+            raise ValueError("hacpo needs the capability ratios [n, n] (ratios=None)")
         n = ratios.shape[0]
         rat = ratios if cfg.advantage.capability_baseline else torch.ones(
             n, n, dtype=ratios.dtype, device=ratios.device)
@@ -86,6 +88,9 @@ def learner_loss(cfg: AlgorithmConfig, *, new_lp: torch.Tensor, old_lp: torch.Te
     divisor counts tokens. Returns (loss [], metrics)."""
     L = cfg.loss
     if cfg.name == "grpo":
+        if token_logp is None or old_token_logp is None or mask is None:
+            raise ValueError("grpo's loss is per token: it needs token_logp, old_token_logp "
+                             "and mask [N, T]")
         return grpo_policy_loss(token_logp, old_token_logp, mask, advantages,
                                 clip_low=L.grpo_clip_low, clip_high=L.grpo_clip_high,
                                 divisor=divisor)

@@ -33,8 +33,10 @@ class CapabilityTracker:
                              f"{D.CAPABILITY_METRICS}")
         if not (0 < minimum < 1):      # >= 1 floors every agent's capability: every ratio 1
             raise ValueError(f"capability minimum must be in (0, 1), got {minimum}")
-        if not (0 < ratio_min <= ratio_max and ratio_min < float("inf")):
-            raise ValueError(f"need 0 < ratio_min <= ratio_max, got {ratio_min}, {ratio_max}")
+        # 1 inside: an agent's ratio to itself is 1 (its own samples keep weight 1)
+        if not (0 < ratio_min <= 1 <= ratio_max):
+            raise ValueError(f"need 0 < ratio_min <= 1 <= ratio_max, got {ratio_min}, "
+                             f"{ratio_max}")
         self.num_agents, self.window, self.metric = num_agents, window, metric
         self.minimum, self.ratio_min, self.ratio_max = minimum, ratio_min, ratio_max
         self.validate = validate

@@ -44,6 +44,10 @@ class CapabilityConfig:
         _require(self.ratio_min <= self.ratio_max,
                  f"capability.ratio_min ({self.ratio_min}) must be <= ratio_max "
                  f"({self.ratio_max})")
+        # an agent's ratio to itself is 1: a clamp range without 1 reweights its own samples
+        _require(self.ratio_min <= 1 <= self.ratio_max,
+                 f"capability.ratio_min ({self.ratio_min}) must be <= 1 <= ratio_max "
+                 f"({self.ratio_max}): an agent's capability ratio to itself is 1")
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,8 @@ def sequence_mean_logprob(token_logp: torch.Tensor, mask: torch.Tensor) -> torch
     """Mean log-prob over each row's response tokens.
 
     token_logp: [B, T] float; mask: [B, T] bool/0-1 (which tokens count; the final EOS is
-    excluded by the caller per SPEC). Returns [B]. A row with no token is an error.
+    excluded by the caller per SPEC). Returns [B]. A row with no token is an error. What lies
+    under the mask is never read (padding may be -inf or NaN).
     """
     check_same_shape(token_logp=token_logp, mask=mask)
     if token_logp.dim() != 2:
@@ -31,7 +32,7 @@ def sequence_mean_logprob(token_logp: torch.Tensor, mask: torch.Tensor) -> torch
         rows = empty.nonzero().flatten()
         raise ValueError(f"sequence {int(rows[0])} has no tokens in its mask ({rows.numel()} empty "
                          f"of {count.numel()}): an empty response cannot be scored")
-    return (token_logp * m).sum(dim=-1) / count
+    return torch.where(m.bool(), token_logp, 0).sum(dim=-1) / count
 
 
 def _divide(total: torch.Tensor, divisor, default) -> torch.Tensor:
@@ -216,6 +217,10 @@ def grpo_policy_loss(token_logp: torch.Tensor, old_token_logp: torch.Tensor, mas
                          f"{tuple(token_logp.shape)} and {tuple(advantages.shape)}")
     _check_clip(clip_low=clip_low, clip_high=clip_high, max_abs_log_ratio=max_abs_log_ratio)
     m = mask.to(token_logp.dtype)
+    # padding (-inf or NaN log-probs) is not read: 0 * NaN would reach the loss and, through
+    # exp's backward, the gradient
+    token_logp, old_token_logp = (torch.where(m.bool(), x, 0) for x in (token_logp,
+                                                                         old_token_logp))
     ratio = sequence_ratio(token_logp, old_token_logp, max_abs_log_ratio)   # per token here
     a = advantages[:, None].to(token_logp.dtype)
     obj = torch.minimum(ratio * a, ratio.clamp(1 - clip_low, 1 + clip_high) * a)
@@ -245,7 +250,8 @@ def low_var_kl(token_logp: torch.Tensor, ref_token_logp: torch.Tensor,
     """Per-sequence mean of the low-variance KL estimator k3 = exp(d) - d - 1, d = ref-lp clamped
     to [-20, 20], k3 to [-10, 10] per token, as the reference implementation. [B, T] -> [B]."""
     check_same_shape(token_logp=token_logp, ref_token_logp=ref_token_logp, mask=mask)
-    d = (ref_token_logp - token_logp).clamp(-20, 20)
+    keep = mask.bool()          # padding (-inf, NaN) is not read, in the value or the gradient
+    d = (torch.where(keep, ref_token_logp, 0) - torch.where(keep, token_logp, 0)).clamp(-20, 20)
     k3 = (torch.exp(d) - d - 1).clamp(-10, 10)
     m = mask.to(k3.dtype)
     return (k3 * m).sum(-1) / m.sum(-1).clamp_min(1)

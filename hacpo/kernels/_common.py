@@ -59,6 +59,9 @@ def check_temperature(temperature: float) -> float:
     t = float(temperature)
     if not (math.isfinite(t) and t > 0):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if 1.0 / t > torch.finfo(torch.float32).max:    # logits * (1/t) would be inf in float32
+        raise ValueError(f"temperature {temperature!r} is too small: 1/temperature overflows "
+                         f"float32")
     return 1.0 / t
 
 
@@ -157,6 +160,7 @@ def cu_seqlens_status(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
                          f"{tuple(cu_seqlens.shape)}")
     if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
         raise ValueError(f"cu_seqlens must be an integer tensor, got {cu_seqlens.dtype}")
+    cu_seqlens = cu_seqlens.long()     # a uint8 difference would wrap a negative length
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     return torch.stack([(cu_seqlens[0] != 0).long(), (cu_seqlens[-1] != T).long(),
                         first_index(lengths <= 0)])
@@ -188,9 +192,9 @@ def raise_if_invalid(token_st: torch.Tensor | None, T: int, cu_st: torch.Tensor 
             raise ValueError(f"cu_seqlens does not match T: cu_seqlens[-1]={int(cu_seqlens[-1])} "
                              f"but there are T={T} tokens")
         if empty < S:
-            raise ValueError(f"sequence {empty} has length "
-                             f"{int(cu_seqlens[empty + 1] - cu_seqlens[empty])} (zero-length or "
-                             "decreasing cu_seqlens): a sequence mean needs at least one token")
+            length = int(cu_seqlens[empty + 1]) - int(cu_seqlens[empty])   # not in uint8
+            raise ValueError(f"sequence {empty} has length {length} (zero-length or decreasing "
+                             "cu_seqlens): a sequence mean needs at least one token")
     if token_st is not None:
         bad_t, bad_f = flags[0], flags[1]
         if bad_t < T:

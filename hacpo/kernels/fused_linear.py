@@ -188,6 +188,8 @@ def fused_linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targ
     v_start, v_global = vocab_layout(weight.shape[0], tp_group)
     if vocab_size is None:
         vocab_size = v_global
+    elif isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral):
+        raise ValueError(f"vocab_size must be a whole number, got {vocab_size!r}")
     elif not 1 <= int(vocab_size) <= v_global:
         where = " over the TP group" if tp_group is not None else ""
         raise ValueError(f"vocab_size must be in [1, {v_global}] (the rows of weight{where}), "

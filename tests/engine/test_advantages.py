@@ -208,8 +208,9 @@ def test_validation_errors():
         group_advantages(torch.tensor([0.0, float("nan")]), torch.tensor([0, 0]))
     with pytest.raises(ValueError, match="agent index 5 of sample 3"):
         hacpo_advantages(r, p, torch.tensor([0, 0, 1, 5]), learner=0, ratios=OMEGA2)
-    with pytest.raises(ValueError, match="learner 2 is out of range"):
-        hacpo_advantages(r, p, a, learner=2, ratios=OMEGA2)
+    for bad in (2, -1, 0.5, True):      # 0.5 acted as learner 0
+        with pytest.raises(ValueError, match=r"learner must be an agent index in 0\.\.1, got "):
+            hacpo_advantages(r, p, a, learner=bad, ratios=OMEGA2)
     with pytest.raises(ValueError, match="shape mismatch"):
         hacpo_advantages(r, p[:3], a, learner=0, ratios=OMEGA2)
     with pytest.raises(ValueError, match="cross_baseline"):

@@ -1,4 +1,5 @@
 """The config -> math glue: which samples each algorithm trains on, minibatch splits."""
+import pytest
 import torch
 
 from hacpo.engine import CapabilityTracker, group_advantages, hacpo_advantages, preset
@@ -89,3 +90,14 @@ def test_naive_reports_self_and_cross_ratios_apart():
     l_n, _ = learner_loss(preset("naive"), new_lp=new, old_lp=old, advantages=A,
                           is_self=is_self, omega=torch.ones(4), minibatch_index=0)
     assert l_n.item() == l_g.item()                  # the loss itself is unchanged
+
+
+def test_missing_inputs_of_an_algorithm_are_named():
+    """hacpo without ratios and grpo without token log-probs raised AttributeError on None."""
+    r, p, a = torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), torch.tensor([0, 1])
+    with pytest.raises(ValueError, match=r"hacpo needs the capability ratios \[n, n\]"):
+        learner_samples(preset("hacpo"), r, p, a, learner=0, ratios=None)
+    lp = torch.tensor([-1.0, -2.0])
+    with pytest.raises(ValueError, match="grpo's loss is per token: it needs token_logp"):
+        learner_loss(preset("grpo"), new_lp=lp, old_lp=lp, advantages=torch.tensor([1.0, -1.0]),
+                     is_self=torch.tensor([True, True]), omega=torch.ones(2), minibatch_index=0)

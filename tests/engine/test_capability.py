@@ -98,6 +98,9 @@ def test_bad_agents_and_config():
         CapabilityTracker(2, ratio_min=5.0, ratio_max=2.0)
     with pytest.raises(ValueError, match="ratio_min"):       # an infinite floor: NaN ratios
         CapabilityTracker(2, ratio_min=math.inf, ratio_max=math.inf)
+    for lo, hi in ((2.0, 5.0), (0.1, 0.5)):     # no 1: an agent's ratio to itself clamped
+        with pytest.raises(ValueError, match="ratio_min <= 1 <= ratio_max"):
+            CapabilityTracker(2, ratio_min=lo, ratio_max=hi)
     for minimum in (1.0, 5.0, math.inf, 0.0, math.nan):     # >= 1: every ratio 1
         with pytest.raises(ValueError, match=r"capability minimum must be in \(0, 1\)"):
             CapabilityTracker(2, minimum=minimum)

@@ -78,6 +78,9 @@ def test_optional_fields_parse_from_strings():
     ({"loss.cross_clip_delta": -0.1}, r"cross_clip_delta must be in \[0, 1\]"),
     ({"capability.window": 0}, "window must be an integer >= 1"),
     ({"capability.ratio_min": 20.0}, "ratio_min .* must be <= ratio_max"),
+    # a range without 1 clamps an agent's ratio to itself: its own samples reweighted
+    ({"capability.ratio_min": 2.0}, r"ratio_min \(2.0\) must be <= 1 <= ratio_max"),
+    ({"capability.ratio_max": 0.5}, r"must be <= 1 <= ratio_max \(0.5\)"),
     ({"loss.cross_clip": "soft"}, "cross_clip 'soft' unknown"),
     ({"loss.gamma": 1}, "unknown config key 'loss.gamma'"),
     ({"capability.window": "five"}, "cannot parse 'five' as int"),

@@ -100,13 +100,13 @@ def test_lowest_allowed_values_load():
 
 def test_highest_allowed_values_load():
     """The closed ends the error messages name load: loss.cross_clip_delta 1 ("in [0, 1]";
-    SPEC: lower clip bound 1 - delta), capability.ratio_min equal to ratio_max ("<="),
-    rollout.gpu_memory_utilization 1 ("in (0, 1]")."""
+    SPEC: lower clip bound 1 - delta), capability.ratio_min equal to ratio_max ("<=": both 1,
+    which the range must hold), rollout.gpu_memory_utilization 1 ("in (0, 1]")."""
     cfg = load_config("tiny3", overrides={
-        "algorithm.loss.cross_clip_delta": "1", "algorithm.capability.ratio_min": "2",
-        "algorithm.capability.ratio_max": "2"})
+        "algorithm.loss.cross_clip_delta": "1", "algorithm.capability.ratio_min": "1",
+        "algorithm.capability.ratio_max": "1"})
     cap = cfg.algorithm.capability
-    assert (cfg.algorithm.loss.cross_clip_delta, cap.ratio_min, cap.ratio_max) == (1.0, 2.0, 2.0)
+    assert (cfg.algorithm.loss.cross_clip_delta, cap.ratio_min, cap.ratio_max) == (1.0, 1.0, 1.0)
     gpu = load_config("tiny3", overrides={"rollout.engine": "vllm", "rollout.device": "cuda",
                                           "rollout.gpu_memory_utilization": "1"})
     assert gpu.rollout.engine_memory_fraction() == 1.0

@@ -337,3 +337,29 @@ def test_clip_settings_out_of_range_are_errors_naming_them(loss, setting, value)
     call()                                              # the defaults are valid
     with pytest.raises(ValueError, match=f"^{setting} must be "):
         call(**{setting: value})
+
+
+def test_padding_under_the_mask_is_never_read():
+    """-inf or NaN log-probs at masked (padding) positions: x * 0 made the sequence means, the
+    GRPO loss and the KL NaN, and exp's backward made the gradient NaN."""
+    from hacpo.engine.losses import low_var_kl
+    inf, nan = math.inf, math.nan
+    m = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+    clean = _t([[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0]])
+    dirty = _t([[-1.0, -2.0, -inf], [-0.5, nan, nan]])
+    old_clean = _t([[-1.1, -2.1, 0.0], [-0.4, 0.0, 0.0]])
+    old_dirty = _t([[-1.1, -2.1, -inf], [-0.4, nan, -inf]])
+    A = _t([1.0, -1.0])
+
+    def run(lp, old):
+        lp = lp.clone().requires_grad_(True)
+        seq = sequence_mean_logprob(lp, m)
+        g, _ = grpo_policy_loss(lp, old, m, A)
+        kl = low_var_kl(lp, old, m)
+        (seq.sum() + g + kl.sum()).backward()
+        return seq.detach(), g.detach(), kl.detach(), lp.grad
+    want, got = run(clean, old_clean), run(dirty, old_dirty)
+    for w, x in zip(want, got):
+        assert torch.isfinite(x).all()
+        torch.testing.assert_close(x, w, rtol=0, atol=0)
+    assert got[3][~m].eq(0).all()

@@ -59,6 +59,8 @@ def test_fused_linear_saves_no_TxV_tensor():
     (dict(bad_target=17, vocab_size=16), "target out of range at row 4"),   # a padding id
     (dict(vocab_size=21), "vocab_size must be in"),
     (dict(vocab_size=0), "vocab_size must be in"),
+    (dict(vocab_size=15.9), r"vocab_size must be a whole number, got 15.9"),   # was 15
+    (dict(vocab_size=True), r"vocab_size must be a whole number, got True"),
     (dict(weight_device="meta"), "hidden on cpu, weight on meta"),
 ])
 def test_fused_linear_invalid(kw, match):

@@ -88,6 +88,8 @@ def _x(T=6, V=10):
     ("zero_vocab", r"V >= 1"),
     ("temperature_zero", "temperature"),
     ("temperature_string", r"temperature must be a finite number > 0, got '0.7'"),  # was taken
+    # 1/1e-40 is inf in float32: the error blamed the logits ("NaN or +inf")
+    ("temperature_tiny", r"temperature 1e-40 is too small: 1/temperature overflows float32"),
     ("bad_backend", "backend must be one of"),
 ])
 def test_invalid_token_inputs(case, match):
@@ -117,6 +119,8 @@ def test_invalid_token_inputs(case, match):
         kw["temperature"] = 0.0
     elif case == "temperature_string":
         kw["temperature"] = "0.7"
+    elif case == "temperature_tiny":
+        kw["temperature"] = 1e-40
     elif case == "bad_backend":
         kw["backend"] = "cuda"
     with pytest.raises(ValueError, match=match):
@@ -141,6 +145,9 @@ def test_invalid_cu_seqlens(cu, match):
     x, t = _x()
     with pytest.raises(ValueError, match=match):
         sequence_mean_logprobs(x, t, torch.tensor(cu))
+    if min(cu) >= 0:        # uint8 boundaries: a length of -1 wrapped to 255 and passed
+        with pytest.raises(ValueError, match=match):
+            sequence_mean_logprobs(x, t, torch.tensor(cu, dtype=torch.uint8))
 
 
 def test_chunked_path_saves_no_float32_TxV_for_bf16():
