@@ -224,8 +224,16 @@ def _sampled_elsewhere(stored: dict) -> Optional[str]:
 
 
 def _labels(run_dirs: list[str]) -> list[str]:
+    """One label per run: its folder's name, ``name#i`` where names repeat, and unique in
+    every case (a run folder itself named ``r1#1`` must not merge with the second ``r1``)."""
     base = [os.path.basename(d.rstrip(os.sep)) or "run" for d in run_dirs]
-    return [b if base.count(b) == 1 else f"{b}#{i}" for i, b in enumerate(base)]
+    labels: list[str] = []
+    for i, b in enumerate(base):
+        label = b if base.count(b) == 1 else f"{b}#{i}"
+        while label in labels or label in base[i + 1:]:
+            label = f"{label}#{i}"
+        labels.append(label)
+    return labels
 
 
 def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
@@ -331,6 +339,11 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
         policies = {p.name: p for p in build.build_policies(cfg, data)}
         saved = {a["name"]: a for a in state["agents"]}
         chosen = list(dict.fromkeys(agents)) if agents else [a["name"] for a in state["agents"]]
+        for name in chosen:     # no prompt of even one token would fit: every problem a 0
+            if max_new >= policies[name].max_len:
+                raise ValueError(f"max_new_tokens {max_new} leaves no room for a prompt in agent "
+                                 f"{name!r}'s context of {policies[name].max_len} tokens "
+                                 f"(--max-new-tokens chooses fewer)")
         if bad := build.tokenizer_mismatch(state, [policies[name] for name in chosen], cfg):
             raise ValueError(f"cannot evaluate {ck_path}: {bad}")
         with RewardComputer(cfg.reward.name, num_workers=cfg.reward.num_workers,
@@ -358,6 +371,7 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
                            "path": b.path, "field_map": b.field_map, "samples": samples,
                            "temperature": temp, "top_p": tp, "max_new_tokens": max_new,
                            "template": tmpl, "reward": cfg.reward.name, "limit": limit,
+                           "batch": batch,
                            "seed": seed0 + 1000 * bi, **_summary(per, samples), **counts,
                            "problems": [{k: p[k] for k in ("id", "gold", "status", "rewards",
                                                           "responses")} for p in per]}

@@ -621,6 +621,13 @@ class DataConfig:
                                                               or self.eval_size == 0)):
             raise ValueError("data.task='files' needs data.train_path and data.eval_path "
                              "(data.eval_path may be empty with data.eval_size=0)")
+        if self.task != "files":      # files nothing would read: say so, never ignore them
+            given = [f"data.{k}={getattr(self, k)!r}" for k in ("train_path", "eval_path")
+                     if isinstance(getattr(self, k), str) and getattr(self, k)]
+            if given:
+                raise ValueError(f"{', '.join(given)} only appl{'y' if len(given) > 1 else 'ies'}"
+                                 f" to data.task='files' (data.task={self.task!r} trains on the "
+                                 f"embedded task): set data.task=files to read them")
         _check_count("data.train_size", self.train_size, 1)
         _check_seed("data.seed", self.seed)
         _check_count("data.eval_size", self.eval_size, 0, " (0: no held-out set)")

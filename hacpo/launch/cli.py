@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--out-dir", default=None, help="default: <run dir>/eval")
     e.add_argument("--batch", type=int, default=128,
                    help="prompts per generation batch (default 128, as the run's evaluation)")
-    e.add_argument("--seed", type=int, default=None,
+    e.add_argument("--seed", type=_int_at_least(0, 2**32 - 1), default=None,
                    help="sampling seed (default: the run's evaluation seed, so --samples k on "
                         "its held-out set draws the samples of its eval_pass_k)")
     e.set_defaults(func=_eval)

@@ -49,10 +49,12 @@ def test_optional_fields_parse_from_strings():
     where every value is a string) parse to X, and "none" / "null" to None."""
     from hacpo.engine.run_config import load_config
     cfg = load_config("tiny3", overrides={"rollout.engine": "vllm", "rollout.device": "cuda"})
-    got = cfg.override({"rollout.gpu_memory_utilization": "0.7", "data.train_path": "a.jsonl"})
+    got = cfg.override({"rollout.gpu_memory_utilization": "0.7", "data.task": "files",
+                        "data.train_path": "a.jsonl", "data.eval_size": "0"})
     assert got.rollout.gpu_memory_utilization == 0.7 and got.data.train_path == "a.jsonl"
     assert got.rollout.engine_memory_fraction() == 0.7
-    back = got.override({"rollout.gpu_memory_utilization": "none", "data.train_path": "null"})
+    back = got.override({"rollout.gpu_memory_utilization": "none", "data.train_path": "null",
+                         "data.task": "arithmetic"})
     assert back.rollout.gpu_memory_utilization is None and back.data.train_path is None
     with pytest.raises(ValueError, match=r"cannot parse 'most' as float"):
         cfg.override({"rollout.gpu_memory_utilization": "most"})

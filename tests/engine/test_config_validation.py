@@ -74,6 +74,10 @@ def _yaml(tmp_path, text: str) -> str:
     ("algorithm.capability.minimum", "5", r"capability.minimum must be in \(0, 1\) .*, got 5"),
     ("algorithm.loss.alpha", "inf", r"loss.alpha must be finite and >= 0, got inf"),
     ("agents.0.policy.n_layers", "0", r"policy.n_layers must be an integer >= 1, got 0"),
+    # data files with the embedded task: trained on the embedded task, the files never read
+    ("data.train_path", "tr.jsonl", r"data.train_path='tr.jsonl' only applies to "
+                                    r"data.task='files' \(data.task='arithmetic' trains on the "
+                                    r"embedded task\): set data.task=files to read them"),
     ("agents.0.policy.max_len", "0", r"policy.max_len must be an integer >= 1, got 0"),
     ("agents.0.policy.dtype", "fp8", r"policy.dtype must be one of float32, bfloat16, "
                                      r"float16, got 'fp8'"),

@@ -119,6 +119,41 @@ def test_two_runs_add_t_rows(run):
     assert rep["rows"][2]["ci"] == "t" and "Student-t" in rep["table"]
 
 
+def test_run_labels_are_unique_whatever_the_folder_names(run, tmp_path):
+    """A third run whose folder is itself named "run#1" took the label of the second "run":
+    its results merged into that row and its per-pair files overwrote the other's."""
+    import shutil
+
+    from hacpo.engine.eval_harness import _labels
+    assert _labels(["/a/r1", "/b/r1", "/c/r1#1"]) == ["r1#0", "r1#1#1", "r1#1"]
+    assert _labels(["/a/r1#1", "/b/r1", "/c/r1"]) == ["r1#1", "r1#1#1", "r1#2"]
+    assert _labels(["/a/x", "/b/y/"]) == ["x", "y"]
+    odd = tmp_path / "run#1"
+    shutil.copytree(run["dir"], odd, ignore=shutil.ignore_patterns("eval"))
+    rep = evaluate_checkpoints([str(run["dir"]), str(run["dir"] / "checkpoint.pt"), str(odd)],
+                               run["benches"][:1], agents=["char"], limit=1,
+                               out_dir=str(tmp_path / "ev"), echo=lambda *_: None)
+    assert [r["row"] for r in rep["rows"]] == ["run#0/char", "run#1#1/char", "run#1/char",
+                                               "char (mean of 3 runs)"]
+    assert sorted(p.name for p in (tmp_path / "ev").iterdir() if p.is_dir()) == \
+        ["run#0", "run#1", "run#1#1"]
+    got = json.loads((tmp_path / "ev" / "run#1" / "char__gsm.json").read_text())
+    assert got["run_dir"] == str(odd) and got["batch"] == 128      # the batch is recorded
+
+
+def test_max_new_tokens_past_the_context_is_an_error(run, tmp_path, capsys):
+    """--max-new-tokens at or past an agent's max_len (tiny3's char: 128) scored every problem
+    0 as "prompts too long"; it is an error naming the flag."""
+    with pytest.raises(ValueError, match=r"max_new_tokens 128 leaves no room for a prompt in "
+                                         r"agent 'char''s context of 128 tokens"):
+        evaluate_checkpoints([str(run["dir"])], run["benches"][:1], agents=["char"],
+                             max_new_tokens=128, out_dir=str(tmp_path / "e"),
+                             echo=lambda *_: None)
+    with pytest.raises(SystemExit):
+        cli.main(["eval", str(run["dir"]), "--bench", *run["benches"], "--seed", "-1"])
+    assert "argument --seed: must be an integer >= 0" in capsys.readouterr().err
+
+
 @register_reward("_test_even_length", in_process=True, overwrite=True)
 def _even_length(response, gold):
     return float(len(response) % 2 == 0)
