@@ -26,9 +26,9 @@ def _demo(args) -> int:
 
 
 # what compare / profile choose themselves: given to them, these would be ignored
-_RUN_SET = {"compare": ("--algorithm (compare runs each of --algorithms)",),
-            "profile": ("--algorithm (profile runs each of --algorithms)",
-                        "--steps (profile runs --rounds x --steps-per-round steps)")}
+_RUN_SET = {"compare": (("algorithm", "compare runs each of --algorithms"),),
+            "profile": (("algorithm", "profile runs each of --algorithms"),
+                        ("steps", "profile runs --rounds x --steps-per-round steps"))}
 
 
 def train_config(args):
@@ -52,10 +52,9 @@ def train_config(args):
                 raise ValueError(f"{name} {v!r} is empty: give it a value (or leave {name} "
                                  f"out for the default)")
         command = getattr(args, "command", "train")
-        for opt in _RUN_SET.get(command, ()):
-            if getattr(args, opt.split()[0].removeprefix("--")) is not None:
-                raise ValueError(f"{opt.split()[0]} does not apply to hacpo {command} "
-                                 f"({opt.split('(', 1)[1]}")
+        for flag, why in _RUN_SET.get(command, ()):
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag} does not apply to hacpo {command} ({why})")
         overrides = parse_overrides(args.set or [])
         if command in _RUN_SET and "out_dir" in overrides:
             raise ValueError(f"--set out_dir does not apply to hacpo {command}: its runs go "
