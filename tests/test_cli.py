@@ -519,3 +519,44 @@ def test_a_run_that_fails_before_writing_leaves_no_folder_it_made(tmp_path, caps
     (mine / ".hacpo-run.lock").write_text("")      # an earlier run's lock file is not its to remove
     assert main(bad + [str(mine)]) == 2
     assert sorted(p.name for p in mine.iterdir()) == [".hacpo-run.lock", "keep", "notes.txt"]
+
+
+def test_a_sigterm_a_library_turned_into_its_own_exit_is_still_the_stop(capsys, tmp_path):
+    """Ray's ray.get, when SIGTERM's handler raises inside it (a Ray trainer group or megatron
+    ranks starting), raises SystemExit(1) in place of the handler's SystemExit(143): the run
+    exited 1 with no line. It is the stop: the line and exit 143."""
+    import argparse
+    import os
+    import signal
+    import time
+
+    from hacpo.launch.cli import TERMINATED, _stoppable
+
+    def ray_like(args):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        except SystemExit:
+            raise SystemExit(1)          # what Ray's C-level get raises instead
+
+    def error_after(args):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        except SystemExit:
+            pass
+        raise RuntimeError("actor died")
+
+    args = argparse.Namespace(command="train", run_dir=str(tmp_path))
+    for func, also in ((ray_like, ""), (error_after, " (while it stopped: RuntimeError: actor "
+                                                      "died)")):
+        with pytest.raises(SystemExit) as e:
+            _stoppable(args, func)
+        assert e.value.code == TERMINATED
+        assert capsys.readouterr().err == f"hacpo train: terminated (SIGTERM){also}\n"
+    # without a SIGTERM, an exit status of 1 is the command's own
+    def exits_1(args):
+        raise SystemExit(1)
+    with pytest.raises(SystemExit) as e:
+        _stoppable(args, exits_1)
+    assert e.value.code == 1 and capsys.readouterr().err == ""

@@ -110,9 +110,11 @@ def prompt_text(cfg: TrainConfig, ex: Example) -> str:
 
 
 def corpus(cfg: TrainConfig, data: Data) -> list[str]:
-    """Texts a reduced vocabulary must cover: prompts (templated) and target answers."""
+    """Texts a reduced vocabulary must cover: prompts (templated) and the target answers of
+    every training example (the warm-up encodes them all: a byte-level BPE merges digits into
+    tokens that a subset of them may never produce)."""
     texts = [prompt_text(cfg, e) for e in data.train + data.eval]
-    return texts + [data.target_text(e) for e in data.train[:5000]]
+    return texts + [data.target_text(e) for e in data.train]
 
 
 def build_policies(cfg: TrainConfig, data: Data) -> list[Policy]:

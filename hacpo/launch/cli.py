@@ -192,6 +192,7 @@ def _stoppable(args, func) -> int:
         return "; continue it with --resume" if run_dir is not None and os.path.exists(
             os.path.join(run_dir, "config.json")) else ""
 
+    _SIGTERM_SEEN.clear()
     try:
         return func(args)
     except KeyboardInterrupt:
@@ -200,11 +201,18 @@ def _stoppable(args, func) -> int:
     except SystemExit as e:
         if e.code == TERMINATED:
             print(f"hacpo {args.command}: terminated (SIGTERM){again()}", file=sys.stderr)
+        elif _SIGTERM_SEEN and e.code != 0:
+            # a library that turned the SIGTERM exit into its own (Ray's ray.get, when the
+            # signal lands in it, raises SystemExit(1)): the stop is what happened
+            print(f"hacpo {args.command}: terminated (SIGTERM){again()}", file=sys.stderr)
+            raise SystemExit(TERMINATED) from e
         raise
     except Exception as e:
         # an error raised while the run unwound from Ctrl-C / SIGTERM (a library's cleanup
         # that fails when cut short): the stop is what happened; the error is named with it
         cause = _interrupted_by(e)
+        if cause is None and _SIGTERM_SEEN:     # the SIGTERM exit replaced by the library's
+            cause = SystemExit(TERMINATED)
         if cause is None:
             raise
         also = f" (while it stopped: {type(e).__name__}: {e})"
@@ -233,7 +241,13 @@ def _interrupted_by(e: BaseException) -> BaseException | None:
     return None
 
 
+# set when the SIGTERM handler ran during a command (cleared as _stoppable starts): an exit or
+# error a library raised in place of SystemExit(TERMINATED) is still the stop
+_SIGTERM_SEEN: list[bool] = []
+
+
 def _raise_terminated(signum, frame):
+    _SIGTERM_SEEN.append(True)
     raise SystemExit(TERMINATED)
 
 

@@ -209,7 +209,7 @@ def _launch_local(args) -> int:
     check_wait_timeout(args.wait_timeout)
     if args.workers < 0:
         raise LaunchError(f"--workers must be >= 0, got {args.workers}")
-    cpus = args.cpus_per_node or os.cpu_count() or 1
+    cpus = args.cpus_per_node if args.cpus_per_node is not None else os.cpu_count() or 1
     check_resources(cfg, 1 + args.workers, cpus, args.gpus_per_node)
     if args.ray_timeout <= 0:
         raise LaunchError(f"--ray-timeout must be > 0, got {args.ray_timeout}")

@@ -234,3 +234,19 @@ def test_a_cache_hit_removes_a_dead_writers_temp_file(tmp_path, one_thread, capl
         assert _cached(out) == [True]
         assert sorted(os.listdir(tmp_path / "cache")) == sorted([cached, live.name])
     assert "died mid-save" in caplog.text and left.name in caplog.text
+
+
+def test_reduced_vocabulary_covers_every_warm_up_target(tmp_path):
+    """The reduction corpus held the targets of the first 5000 training examples only, while
+    the warm-up encodes all of them: with llama3.2's byte-level BPE (digits merged into
+    multi-digit tokens) tiny3 with data.train_size=20000 failed before training ("token '27'
+    ... was not in the reduction corpus")."""
+    from hacpo.engine import build
+    from hacpo.engine.run_config import load_config
+    cfg = load_config("tiny3", overrides={"data.train_size": 20000,
+                                          "cache_dir": str(tmp_path / "cache")})
+    data = build.load_data(cfg)
+    for a, pol in zip(cfg.agents, build.build_policies(cfg, data)):
+        if a.policy.reduce_vocab:
+            for e in data.train:
+                pol.tokenizer.response_ids(data.target_text(e), add_eos=True)

@@ -447,6 +447,17 @@ def test_bad_counts_are_refused_before_anything_starts(monkeypatch, tmp_path, ov
     assert not f.popens
 
 
+def test_cpus_per_node_zero_reaches_the_resource_check(monkeypatch, tmp_path):
+    """--cpus-per-node 0 was read as "not given" (this machine's CPU count) and started the
+    cluster; it goes to check_resources as 0, which refuses it (as launch slurm does)."""
+    from hacpo.launch.slurm import check_resources
+    f = _Fake(monkeypatch, tmp_path, "raise SystemExit(0)", cpus_per_node=0)
+    ll.launch_local(f.args)
+    assert [r[1] for r in f.resources] == [0]
+    with pytest.raises(LaunchError, match="--cpus-per-node must be >= 1, got 0"):
+        check_resources(None, 2, 0, 0)
+
+
 @pytest.mark.parametrize("which", ["head", "worker", "driver"])
 def test_a_signal_as_a_process_starts_still_stops_it(monkeypatch, tmp_path, capsys, which):
     """A SIGTERM handled at the very end of subprocess.Popen (the child runs; launch_local has
