@@ -250,8 +250,9 @@ def extract_answer(response: str) -> Optional[str]:
     return _clean(num) if num is not None else None
 
 
-# A number followed by words only ("18 dollars", "1,000 people", "2 3/4 cups")
-_UNIT_WORDS_RE = re.compile(r"\s+[A-Za-z][A-Za-z .%/-]*")
+# A number followed by words only ("18 dollars", "1,000 people", "2 3/4 cups"); not a
+# constant or the imaginary unit ("2 pi", "3 i" are values)
+_UNIT_WORDS_RE = re.compile(r"\s+(?!(?:pi|i|e)\b)[A-Za-z][A-Za-z .%/-]*")
 
 
 def gold_answer(gold: str) -> str:

@@ -113,6 +113,7 @@ def test_builtins_registered():
     ("#### 1,000 people", "1,000 people", 1.0),
     ("#### 17", "18 dollars", 0.0),
     ("#### 3", "3 and 4", 0.0),                 # digits after the words: not a unit
+    ("#### 2", "2 pi", 0.0),                    # a constant, not a unit
     # an expression in a variable after "####" is the answer, not a heading followed by a
     # last number: "#### -x+1" was read as 1
     ("#### -x+1", "1", 0.0),
