@@ -157,7 +157,9 @@ def _last_number(text: str) -> Optional[str]:
     return last
 
 
-_CURRENCY_RE = re.compile(r"^(-?)\\\$\s*(?=\.?\d)")
+# A currency sign before a number: the LaTeX dollar (``\$40``), the euro, pound, yen and rupee
+# signs (``€50``, ``-£5``), as ``$40`` is.
+_CURRENCY_RE = re.compile(r"^(-?)(?:\\\$|[\u20ac\u00a3\u00a5\u20b9])\s*(?=\.?\d)")
 
 
 _MATH_DELIMITERS = (("\\(", "\\)"), ("\\[", "\\]"))
@@ -166,8 +168,8 @@ _MATH_DELIMITERS = (("\\(", "\\)"), ("\\[", "\\]"))
 def _clean(ans: str) -> str:
     """Strip whitespace, surrounding ``$`` or LaTeX math delimiters (``\\(...\\)``,
     ``\\[...\\]``), markdown emphasis (``**42**``) and trailing periods (repeatedly); a ``$``
-    after a leading minus goes too (``-$5`` -> ``-5``), and so does a LaTeX dollar sign before a
-    number (``\\$40``, ``-\\$5``: currency, as in ``$40``)."""
+    after a leading minus goes too (``-$5`` -> ``-5``), and so does another currency sign before
+    a number (``\\$40``, ``-\\$5``, ``€50``, ``£1,200``: currency, as in ``$40``)."""
     prev = None
     while ans != prev:
         prev = ans
@@ -195,14 +197,27 @@ _VALUE_START_RE = re.compile(r"[-\u2212+]?\s*(?:\d|\.\d|\\)|[(\[{]|[A-Za-z]\s*="
                              r"|[-\u2212+]?[A-Za-z]\s*[-+*/^]\s*(?:[\d(\\]|[A-Za-z](?![A-Za-z]))")
 
 
+# An arithmetic expression of numbers and one-letter variables only ("3 - 2i", "x - 2",
+# "3 x 4"): a value, not words around a number.
+_TERM = r"\(?(?:\d[\d,]*(?:\.\d+)?[A-Za-z]?|\.\d+|[A-Za-z])\)?"
+_EXPRESSION_RE = re.compile(r"[-+]?\s*" + _TERM + r"(?:\s*[-+*/^x\u00d7\u00f7\u00b7]\s*[-+]?" + _TERM
+                            + r")+")
+# More numbers after a comma, and nothing else: a list ("2, 3"; "1, 2 and 3"), not one number
+# with words after it ("12, 5 more than Bob").
+_LIST_REST_RE = re.compile(r"\s*[,;]\s*(?:" + _NUMBER_RE.pattern + r")(?:\s*(?:[,;]|,?\s*(?:and|or)\b)"
+                           r"\s*(?:" + _NUMBER_RE.pattern + r"))*\s*")
+
+
 def _fragment_answer(frag: str) -> Optional[str]:
     """The answer in a one-line fragment after ``####`` or "the answer is": the fragment itself
-    when it is a number or one token; its leading number when words follow it (lm-eval's and
-    OpenAI's GSM8K graders read the number right after the marker); the fragment when it looks
-    like math; else its last number."""
-    if parse_number(frag) is not None or " " not in frag:
+    when it is a number, one token, an arithmetic expression ("3 - 2i") or a list ("2, 3"); its
+    leading number when words follow it (lm-eval's and OpenAI's GSM8K graders read the number
+    right after the marker); the fragment when it looks like math; else its last number."""
+    if parse_number(frag) is not None or " " not in frag or _EXPRESSION_RE.fullmatch(frag):
         return frag
     lead = _LEADING_NUMBER_RE.match(frag)
+    if lead is not None and _LIST_REST_RE.fullmatch(frag, lead.end()):
+        return frag
     if lead is not None and not any(c in frag[lead.end():] for c in _MATH_CHARS if c not in "()"):
         return lead.group(1)
     if any(c in frag for c in _MATH_CHARS):
@@ -210,12 +225,17 @@ def _fragment_answer(frag: str) -> Optional[str]:
     return _last_number(frag)
 
 
+# "#### 42!": an exclamation after a number, as "The answer is 42!" is (not 42 factorial).
+_EXCLAIMED_RE = re.compile(r"(?<=\d)!+\s*$")
+
+
 def extract_answer(response: str) -> Optional[str]:
     """Final answer text of a response, or None when there is none.
 
     Order: last ``\\boxed{}``; text after the last ``####`` that starts like a value (a
-    number, sign, LaTeX, bracket, ``x =``, or a token of up to 3 characters: ``#### Step 2:
-    ...`` is a markdown heading); text after the last "answer is"; the last number in the
+    number, sign, currency, LaTeX, bracket, ``x =``, or a token of up to 3 characters: ``####
+    Step 2: ...`` is a markdown heading), or any text after it when that ends the response
+    (``#### Monday``); text after the last "answer is"; the last number in the
     response. A trailing period, surrounding ``$`` and markdown ``**`` are stripped. After
     ``####`` or "answer is", text with words ("5 dollars", "120 minutes, or 2 hours") gives its
     leading number, or its last one when it does not start with one; "answer is" reads only
@@ -229,10 +249,12 @@ def extract_answer(response: str) -> Optional[str]:
     cut = _unclosed_box_start(response)
     if cut is not None:  # truncated inside a box: its partial content is not an answer
         response = response[:cut]
-    for frag in reversed(_GSM8K_RE.findall(response)):
-        ans = _clean(frag)
+    for k, m in enumerate(reversed(list(_GSM8K_RE.finditer(response)))):
+        ans = _clean(_EXCLAIMED_RE.sub("", m.group(1)))
         if ans and (_VALUE_START_RE.match(ans) or (len(ans) <= 3 and " " not in ans)):
             return _fragment_answer(ans) or ans
+        if ans and k == 0 and not response[m.end():].strip():
+            return ans  # words that end the response ("#### Monday"): the answer, no heading
     said = _ANSWER_IS_RE.findall(response)
     if said:
         frag = said[-1]

@@ -126,6 +126,28 @@ GSM8K = [
     ("The answer is 1.5e3", "1500", 0.0),
     # Markdown headings after "####" are not answers.
     ("#### Step 1: Add\n5 + 3 = 8\n#### Step 2: Double\n8 * 2 = 16\nThe answer is 16.", "16", 1.0),
+    # ...but words that end the response are its answer (a word gold), and a trailing heading
+    # with a number is not read as that number.
+    ("The first day is a Monday.\n#### Monday", "Monday", 1.0),
+    ("#### New York\n", "New York", 1.0),
+    ("She has 3 apples.\n#### Step 3", "3", 0.0),
+    # An expression is a value, not its last number; a list is not its first element.
+    ("#### 3 - 2i", "2", 0.0),
+    ("#### 3 - 2i", "3-2i", 1.0),
+    ("#### x - 2", "2", 0.0),
+    ("#### 3 x 4", "4", 0.0),
+    ("The answer is 2, 3.", "2", 0.0),
+    ("The answer is 2, 3.", "2, 3", 1.0),
+    ("The answer is 1, 2 and 3", "3", 0.0),
+    ("The answer is 12, 5 more than Bob's 7.", "12", 1.0),         # words: the leading number
+    ("#### 10 - 2, which is 8", "8", 1.0),
+    # Currency signs other than "$"; an exclamation after "####" as after "the answer is".
+    ("#### \u20ac50", "50", 1.0),
+    ("#### \u20ac5", "5", 1.0),
+    ("#### -\u00a312.50", "-12.5", 1.0),
+    ("#### \u00a51,200", "1200", 1.0),
+    ("#### 42!", "42", 1.0),
+    ("The answer is 42!", "42", 1.0),
 ]
 
 # ---- MATH-style boxed answers --------------------------------------------------------------
