@@ -848,6 +848,52 @@ def fingerprint_dict(cfg: TrainConfig) -> dict[str, Any]:
     return d
 
 
+def _absolute(path: Any) -> Any:
+    """A relative path that exists, made absolute; anything else (None, a missing path, a name
+    such as a known tokenizer's) as it is."""
+    if isinstance(path, str) and path and not os.path.isabs(path) and os.path.exists(path):
+        return os.path.abspath(path)
+    return path
+
+
+def _tokenizer_path(spec: Any) -> Any:
+    from hacpo.models.tokenizer import KNOWN_TOKENIZERS
+    return spec if spec == "char" or spec in KNOWN_TOKENIZERS else _absolute(spec)
+
+
+def resolve_paths(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with the files it reads named by absolute path: relative ``data.train_path`` /
+    ``data.eval_path``, an agent's ``policy.path`` and a tokenizer folder that exist (relative
+    to the current directory) are made absolute. A run's config.json and checkpoint then name
+    them wherever `hacpo eval`, `hacpo export` or a resume runs from, and on every node. The
+    same config object (edited in place) is returned."""
+    cfg.data.train_path = _absolute(cfg.data.train_path)
+    cfg.data.eval_path = _absolute(cfg.data.eval_path)
+    for a in cfg.agents:
+        a.policy.path = _absolute(a.policy.path)
+        a.policy.tokenizer = _tokenizer_path(a.policy.tokenizer)
+    return cfg
+
+
+def resolve_stored_paths(d: dict) -> dict:
+    """``resolve_paths`` on a config mapping (a checkpoint's fingerprint, a config.json written
+    before paths were stored absolute): its relative paths read from the current directory, as
+    the version that wrote it read them. Edited in place and returned; other shapes untouched."""
+    data = d.get("data") if isinstance(d, dict) else None
+    if isinstance(data, dict):
+        for k in ("train_path", "eval_path"):
+            if k in data:
+                data[k] = _absolute(data[k])
+    for a in d.get("agents", []) if isinstance(d, dict) else []:
+        pol = a.get("policy") if isinstance(a, dict) else None
+        if isinstance(pol, dict):
+            if "path" in pol:
+                pol["path"] = _absolute(pol["path"])
+            if "tokenizer" in pol:
+                pol["tokenizer"] = _tokenizer_path(pol["tokenizer"])
+    return d
+
+
 def _is_hook(spec: str) -> bool:
     mod, sep, fn = spec.partition(":")
     return bool(sep) and all(p.isidentifier() for p in mod.split(".")) and fn.isidentifier()

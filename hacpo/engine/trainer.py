@@ -47,7 +47,8 @@ from .pool import build_pool, learner_view
 from .rewards import RewardComputer
 from .rollout import generate_agents, sync_agents
 from .run_config import (TrainConfig, check_new_run_names, config_diff, config_hash,
-                         default_fingerprint, drop_unused_policy_settings, fingerprint_dict)
+                         default_fingerprint, drop_unused_policy_settings, fingerprint_dict,
+                         resolve_paths, resolve_stored_paths)
 from .timing import Stopwatch, device_sync, null_timer
 
 CHECKPOINT = "checkpoint.pt"
@@ -102,6 +103,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, echo=print) -> dict:
     still runs) is an error, never two writers of one metrics.jsonl and checkpoint."""
     with user_errors():
         cfg.check_runnable()               # before the warm-up, not at the engines' start
+        cfg = resolve_paths(copy.deepcopy(cfg))     # files by absolute path (config.json)
         made = ckpt.first_missing(cfg.out_dir)    # the folder lock_run_dir creates, if any
         lock_path = os.path.join(cfg.out_dir, RUN_LOCK)
         new_lock = not os.path.lexists(lock_path)
@@ -213,7 +215,7 @@ def _stored_fingerprint(fp):
     policy settings the run's build never used and this version refuses (an old run's
     misspelt ``hf_config`` key, an HF setting on a decoder: drop_unused_policy_settings) left
     out, so the run resumes once the user removes them. A copy; other differences stay."""
-    fp = copy.deepcopy(fp)
+    fp = resolve_stored_paths(copy.deepcopy(fp))   # relative paths: from this directory
     for a in fp.get("agents", []) if isinstance(fp, dict) else []:
         if isinstance(a, dict) and isinstance(a.get("policy"), dict):
             drop_unused_policy_settings(a["policy"])

@@ -903,3 +903,42 @@ def test_a_run_dir_locked_from_another_host_is_waited_for(tmp_path, monkeypatch)
         finally:
             holder.kill()
             holder.wait()
+
+
+def test_relative_data_paths_are_stored_absolute(tmp_path, monkeypatch):
+    """A run started with relative data paths names its files by absolute path in config.json
+    and the checkpoint: `hacpo export` (which rebuilds the reduced vocabulary from the training
+    data) works from another directory. A checkpoint written with relative paths (before they
+    were stored absolute) still resumes from the directory it was started in."""
+    from hacpo.engine.export import export_checkpoint
+    launch = tmp_path / "launch"
+    launch.mkdir()
+    rows = [{"question": f"Tom has {a} apples and gets {b} more. How many apples?",
+             "answer": f"#### {a + b}"} for a, b in ((1, 2), (3, 4), (2, 5), (4, 4))]
+    (launch / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    over = {"data.task": "files", "data.train_path": "train.jsonl",
+            "data.eval_path": "train.jsonl", "data.eval_size": "2", "plots": "false",
+            "tensorboard": "false", "out_dir": "runs/r"}
+    monkeypatch.chdir(launch)
+    cfg = _cfg(tmp_path, steps="1", **over)
+    train(cfg, echo=lambda *_: None)
+    assert cfg.data.train_path == "train.jsonl"         # the caller's config is not edited
+    run = launch / "runs" / "r"
+    stored = json.loads((run / "config.json").read_text())["data"]
+    want = str(launch / "train.jsonl")
+    assert (stored["train_path"], stored["eval_path"]) == (want, want)
+    state = ckpt.load(str(run / "checkpoint.pt"))
+    assert state["fingerprint"]["data"]["train_path"] == want
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    export_checkpoint(str(run), str(tmp_path / "exported"), agents=["qwen3"], tokenizer=False,
+                      echo=lambda *_: None)
+    assert (tmp_path / "exported" / "qwen3" / "config.json").is_file()
+    # an older checkpoint: relative paths in its fingerprint, read from the launch directory
+    state["fingerprint"]["data"]["train_path"] = "train.jsonl"
+    state["fingerprint"]["data"]["eval_path"] = "train.jsonl"
+    ckpt.save_atomic(state, str(run / "checkpoint.pt"))
+    monkeypatch.chdir(launch)
+    train(_cfg(tmp_path, steps="2", **over), resume=True, echo=lambda *_: None)
+    assert [json.loads(ln)["step"] for ln in open(run / "metrics.jsonl")] == [0, 1]
