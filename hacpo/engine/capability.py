@@ -88,10 +88,29 @@ class CapabilityTracker:
                 "history": self.history.detach().cpu().clone(), "count": self.count}
 
     def load_state_dict(self, sd: dict) -> None:
-        """Restore `state_dict()`; ValueError if its num_agents / window / metric differ."""
+        """Restore `state_dict()`; ValueError if its num_agents / window / metric differ, or its
+        history is no [num_agents, window] table of finite values > 0, or its count no whole
+        number >= 0."""
         for key in ("num_agents", "window", "metric"):
             if sd[key] != getattr(self, key):
                 raise ValueError(f"capability tracker state has {key}={sd[key]!r} but this tracker "
                                  f"has {key}={getattr(self, key)!r}")
-        self.history = sd["history"].to(torch.float64).clone().to(self.history.device)
-        self.count = int(sd["count"])
+        want = (self.num_agents, self.window)
+        hist = sd["history"]
+        try:
+            hist = torch.as_tensor(hist, dtype=torch.float64)   # a list (a state read from JSON)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise ValueError(f"capability tracker state's history is no [{want[0]}, {want[1]}] "
+                             f"table of numbers: {e}") from None
+        if tuple(hist.shape) != want:
+            raise ValueError(f"capability tracker state's history has shape {tuple(hist.shape)}"
+                             f", not [num_agents, window] = [{want[0]}, {want[1]}]")
+        if not bool((torch.isfinite(hist) & (hist > 0)).all()):
+            raise ValueError("capability tracker state's history holds values that are not "
+                             "finite and > 0 (capabilities are floored above 0)")
+        count = sd["count"]
+        if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
+            raise ValueError(f"capability tracker state's count must be a whole number >= 0, "
+                             f"got {count!r}")
+        self.history = hist.clone().to(self.history.device)
+        self.count = int(count)

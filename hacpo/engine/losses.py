@@ -25,14 +25,17 @@ def sequence_mean_logprob(token_logp: torch.Tensor, mask: torch.Tensor) -> torch
     check_same_shape(token_logp=token_logp, mask=mask)
     if token_logp.dim() != 2:
         raise ValueError(f"token_logp must be [B, T], got shape {tuple(token_logp.shape)}")
-    m = mask.to(token_logp.dtype)
-    count = m.sum(dim=-1)
+    m = mask.bool() if mask.dtype == torch.bool else mask != 0
+    # sums in float32 at least: a half-precision sum of a long response overflows (3000 tokens
+    # at -30 is -inf in float16) and its token count rounds past 2048
+    acc = torch.promote_types(token_logp.dtype, torch.float32)
+    count = m.sum(dim=-1, dtype=acc)
     empty = count == 0
     if bool(empty.any()):
         rows = empty.nonzero().flatten()
         raise ValueError(f"sequence {int(rows[0])} has no tokens in its mask ({rows.numel()} empty "
                          f"of {count.numel()}): an empty response cannot be scored")
-    return torch.where(m.bool(), token_logp, 0).sum(dim=-1) / count
+    return (torch.where(m, token_logp, 0).sum(dim=-1, dtype=acc) / count).to(token_logp.dtype)
 
 
 def _divide(total: torch.Tensor, divisor, default) -> torch.Tensor:
@@ -40,10 +43,13 @@ def _divide(total: torch.Tensor, divisor, default) -> torch.Tensor:
     finite value > 0; a device tensor's value is not checked (that would be a host sync)."""
     d = default if divisor is None else divisor
     if torch.is_tensor(d):
-        if d.numel() != 1:
-            raise ValueError(f"loss divisor must be one count, got a tensor of shape "
+        if d.numel() != 1 or d.dtype == torch.bool:
+            raise ValueError(f"loss divisor must be one count, got a {d.dtype} tensor of shape "
                              f"{tuple(d.shape)}")
+        d = d.reshape(())           # a [1] count keeps the loss a scalar []
         value = float(d) if d.device.type == "cpu" else 1.0
+    elif isinstance(d, bool):
+        raise TypeError(f"loss divisor must be a number or a one-element tensor, got {d!r}")
     elif isinstance(d, numbers.Real):
         value = float(d)
     else:
@@ -167,13 +173,22 @@ def hacpo_policy_loss(new_lp: torch.Tensor, old_lp: torch.Tensor, advantages: to
                           omega=omega)
     if not 0 <= alpha < float("inf"):        # NaN fails it too
         raise ValueError(f"alpha must be finite and >= 0, got {alpha}")
-    if minibatch_index < 0:
-        raise ValueError(f"minibatch_index must be >= 0, got {minibatch_index}")
+    if isinstance(minibatch_index, bool) or not isinstance(minibatch_index, numbers.Integral) \
+            or minibatch_index < 0:
+        raise ValueError(f"minibatch_index must be a whole number >= 0 (the update's 0-based "
+                         f"index in the step), got {minibatch_index!r}")
+    minibatch_index = int(minibatch_index)      # e.g. a numpy integer
     _check_clip(self_clip_low=self_clip_low, self_clip_high=self_clip_high,
                 cross_clip_delta=cross_clip_delta, cross_clip_step=cross_clip_step,
                 max_abs_log_ratio=max_abs_log_ratio)
     is_self = is_self.bool()
     lo = cross_lower_bound(cross_clip, minibatch_index, cross_clip_delta, cross_clip_step)
+    if omega.device.type == "cpu":      # (a device tensor's values: a host sync, not checked)
+        bad = ~(torch.isfinite(omega) & (omega > 0))
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise ValueError(f"omega[{i}] is {float(omega[i])}: capability ratios must be "
+                             f"finite and > 0 ({int(bad.sum())} bad of {omega.numel()})")
     s = sequence_ratio(new_lp, old_lp, max_abs_log_ratio)
     obj_self = gspo_objective(s, advantages, self_clip_low, self_clip_high)
     c = s.clamp(min=lo, max=1.0) if cross_clip != "none" else s
@@ -224,8 +239,12 @@ def grpo_policy_loss(token_logp: torch.Tensor, old_token_logp: torch.Tensor, mas
     ratio = sequence_ratio(token_logp, old_token_logp, max_abs_log_ratio)   # per token here
     a = advantages[:, None].to(token_logp.dtype)
     obj = torch.minimum(ratio * a, ratio.clamp(1 - clip_low, 1 + clip_high) * a)
-    count = m.sum()
-    loss = -_divide((obj * m).sum(), divisor, count.clamp_min(1))
+    acc = torch.promote_types(token_logp.dtype, torch.float32)   # half sums overflow / round
+    count = m.sum(dtype=acc)
+    # no masked token: an error on the CPU as for GSPO / HACPO (a device count is not read:
+    # a host sync; 0 there)
+    loss = -_divide((obj * m).sum(dtype=acc), divisor,
+                    count if count.device.type == "cpu" else count.clamp_min(1)).to(obj.dtype)
     with torch.no_grad():
         rd = ratio.detach()
         clipped = ((rd < 1 - clip_low) | (rd > 1 + clip_high)).to(rd.dtype)

@@ -73,6 +73,22 @@ def test_state_dict_roundtrip_and_mismatch():
     assert torch.equal(t2.ratios(), t.ratios())
     with pytest.raises(ValueError, match="window"):
         CapabilityTracker(2, window=4).load_state_dict(t.state_dict())
+    # a hand-edited or corrupted state: named, never a tracker of another window or width
+    good = t.state_dict()
+    for bad, match in (({"history": torch.ones(2, 2)}, r"shape \(2, 2\), not \[num_agents, "
+                                                       r"window\] = \[2, 3\]"),
+                       ({"history": torch.ones(1, 3)}, r"shape \(1, 3\)"),
+                       ({"history": [[1, 1, "x"], [1, 1, 1]]}, "no \\[2, 3\\] table"),
+                       ({"history": torch.full((2, 3), math.nan)}, "not finite and > 0"),
+                       ({"count": -3}, "count must be a whole number >= 0, got -3"),
+                       ({"count": 1.5}, "got 1.5")):
+        t3 = CapabilityTracker(2, window=3)
+        with pytest.raises(ValueError, match=match):
+            t3.load_state_dict({**good, **bad})
+        assert t3.count == 0 and torch.equal(t3.history, torch.ones(2, 3, dtype=torch.float64))
+    t4 = CapabilityTracker(2, window=3)      # a history as a list (a state read from JSON)
+    t4.load_state_dict({**good, "history": good["history"].tolist()})
+    assert torch.equal(t4.ratios(), t.ratios())
 
 
 @pytest.mark.parametrize("rewards,match", [([0.5, 1.5], r"sample 1 \(agent 1\) is 1.5"),

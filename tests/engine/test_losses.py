@@ -135,11 +135,19 @@ def test_a_divisor_that_is_no_count_is_an_error(divisor):
 
 def test_a_divisor_is_one_count():
     lp, A = _t([-1.0, -2.0]), _t([1.0, -0.5])
-    with pytest.raises(ValueError, match=r"loss divisor must be one count, got a tensor of "
-                                         r"shape \(2,\)"):
+    with pytest.raises(ValueError, match=r"loss divisor must be one count, got a torch.int64 "
+                                         r"tensor of shape \(2,\)"):
         gspo_policy_loss(lp + 0.1, lp, A, divisor=torch.tensor([2, 2]))
     with pytest.raises(TypeError, match="loss divisor must be a number"):
         gspo_policy_loss(lp + 0.1, lp, A, divisor="2")
+    # True is no count (it divided by 1); a bool tensor neither
+    with pytest.raises(TypeError, match="loss divisor must be a number or a one-element "
+                                        "tensor, got True"):
+        gspo_policy_loss(lp + 0.1, lp, A, divisor=True)
+    with pytest.raises(ValueError, match="one count, got a torch.bool tensor"):
+        gspo_policy_loss(lp + 0.1, lp, A, divisor=torch.tensor(True))
+    # a [1] count keeps the loss a scalar (it was [1])
+    assert gspo_policy_loss(lp + 0.1, lp, A, divisor=torch.tensor([4]))[0].shape == ()
     # counts of every accepted kind give the same loss as the int
     want = gspo_policy_loss(lp + 0.1, lp, A, divisor=4)[0]
     for d in (4.0, np.int64(4), torch.tensor(4), torch.tensor([4])):
@@ -363,3 +371,47 @@ def test_padding_under_the_mask_is_never_read():
         assert torch.isfinite(x).all()
         torch.testing.assert_close(x, w, rtol=0, atol=0)
     assert got[3][~m].eq(0).all()
+
+
+@pytest.mark.parametrize("bad", [math.nan, -5.0, 0.0, math.inf])
+def test_hacpo_loss_refuses_capability_ratios_that_are_no_ratios(bad):
+    """omega NaN made the loss NaN, a negative one flipped the cross gradient's sign and 0
+    silently zeroed it (hacpo_advantages checks its ratios; the loss did not)."""
+    lp, A = _t([0.0, 0.0, 0.0, 0.0]), _t([1.0, -1.0, 0.5, 2.0])
+    is_self = torch.tensor([True, False, False, True])
+    with pytest.raises(ValueError, match=r"omega\[1\] is .*: capability ratios must be finite "
+                                         r"and > 0 \(1 bad of 4\)"):
+        hacpo_policy_loss(lp, lp, A, is_self, _t([1.0, bad, 1.0, 1.0]), minibatch_index=0)
+
+
+@pytest.mark.parametrize("m", [0.5, True, None, math.nan, -1, "1"])
+def test_hacpo_loss_minibatch_index_is_a_whole_number(m):
+    """0.5 gave an in-between stepwise bound, True acted as 1, None was a bare TypeError."""
+    lp, A = _t([0.0, 0.0]), _t([1.0, -1.0])
+    with pytest.raises(ValueError, match=r"minibatch_index must be a whole number >= 0"):
+        hacpo_policy_loss(lp, lp, A, torch.tensor([True, False]), _t([1.0, 1.0]),
+                          minibatch_index=m)
+    loss, met = hacpo_policy_loss(lp, lp, A, torch.tensor([True, False]), _t([1.0, 1.0]),
+                                  minibatch_index=np.int64(2))      # numpy integers are indexes
+    assert float(met["cross_lower_bound"]) == pytest.approx(cross_lower_bound(
+        "stepwise", 2, 0.2, 0.025), abs=1e-7)
+
+
+def test_half_precision_sequence_means_do_not_overflow():
+    """3000 tokens at -30 summed in float16 was -inf (and counts past 2048 rounded)."""
+    lp = torch.full((2, 3001), -30.0, dtype=torch.float16)
+    mask = torch.ones(2, 3001, dtype=torch.bool)
+    mask[1, 1:] = False
+    out = sequence_mean_logprob(lp, mask)
+    assert out.dtype == torch.float16 and out.tolist() == [-30.0, -30.0]
+    a = torch.tensor([1.0, -1.0], dtype=torch.float16)
+    loss, _ = grpo_policy_loss(lp, lp, mask, a)       # ratio 1: -(3001 - 1) / 3002 tokens
+    assert loss.dtype == torch.float16 and torch.isfinite(loss)
+    assert float(loss) == pytest.approx(-3000 / 3002, rel=1e-3)
+
+
+def test_grpo_with_no_masked_token_is_an_error_as_gspo_is():
+    """An all-empty mask gave loss -0. silently; GSPO and HACPO with no sample are errors."""
+    z = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="an empty minibatch has no loss"):
+        grpo_policy_loss(z, z, torch.zeros(2, 3, dtype=torch.bool), torch.ones(2))
