@@ -118,12 +118,14 @@ def corpus(cfg: TrainConfig, data: Data) -> list[str]:
 
 
 def build_policies(cfg: TrainConfig, data: Data) -> list[Policy]:
-    texts = None
+    texts = prompts = None
     policies = []
     for a in cfg.agents:
         if a.policy.reduce_vocab and texts is None:
             texts = corpus(cfg, data)
-        policies.append(build_policy(a.policy, corpus=texts if a.policy.reduce_vocab else None))
+            prompts = [prompt_text(cfg, e) for e in data.train + data.eval]  # as prompt_ids
+        policies.append(build_policy(a.policy, corpus=texts if a.policy.reduce_vocab else None,
+                                     prompts=prompts if a.policy.reduce_vocab else None))
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     return policies

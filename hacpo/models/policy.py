@@ -374,12 +374,15 @@ class Policy(nn.Module):
 
 
 def build_policy(config: PolicyConfig, *, corpus: Iterable[str] | None = None,
-                 tokenizer: Tokenizer | None = None) -> Policy:
+                 tokenizer: Tokenizer | None = None,
+                 prompts: Iterable[str] | None = None) -> Policy:
     """Build a :class:`Policy` from its config.
 
     Args:
         config: the policy config.
         corpus: texts for the reduced vocabulary (required iff ``config.reduce_vocab``).
+        prompts: questions the reduced vocabulary covers inside the prompt template too (see
+            :class:`~hacpo.models.tokenizer.HFTokenizer`).
         tokenizer: an already-built tokenizer to use instead of ``config.tokenizer``.
     """
     if config.dtype not in DTYPES:
@@ -389,7 +392,8 @@ def build_policy(config: PolicyConfig, *, corpus: Iterable[str] | None = None,
         if config.reduce_vocab and corpus is None:
             raise ValueError(f"policy {config.name!r}: reduce_vocab=True needs a corpus")
         tokenizer = load_tokenizer(config.tokenizer,
-                                   corpus=corpus if config.reduce_vocab else None)
+                                   corpus=corpus if config.reduce_vocab else None,
+                                   prompts=prompts if config.reduce_vocab else None)
     if config.kind == "decoder":
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed)

@@ -263,6 +263,10 @@ class HFTokenizer(Tokenizer):
         corpus: if given, reduce the vocabulary to the tokens occurring in these texts, plus
             special tokens, plus (byte-level tokenizers) the 256 single-byte tokens; ids are
             remapped to ``0..vocab_size-1`` in original-id order.
+        prompts: questions the reduced vocabulary must also cover as :meth:`prompt_ids`
+            encodes them, inside the prompt template: without a chat template's special tokens
+            around the question, BPE merges across its edges (gpt2's ``" What"`` after
+            ``"Question:"``, ``"?\n"``), tokens the question alone never gives.
 
     With a reduced vocabulary, ``errors="fallback"`` spells an unseen token with single-byte
     tokens (lossless); tokenizers that are not byte-level have no fallback and raise.
@@ -270,7 +274,7 @@ class HFTokenizer(Tokenizer):
 
     def __init__(self, hf, *, name: str, eos_token: str | None = None,
                  template: str | None = None, template_kwargs: dict | None = None,
-                 corpus: Iterable[str] | None = None):
+                 corpus: Iterable[str] | None = None, prompts: Iterable[str] | None = None):
         self.hf = hf
         self.name = name
         self._backend = hf.backend_tokenizer  # tokenizers.Tokenizer: fast batch-free encode
@@ -307,8 +311,12 @@ class HFTokenizer(Tokenizer):
                 keep.update(ids)
                 # as encode() spells them: special tokens' strings as text, not normalized
                 keep.update(_text_backend(hf).encode(text, add_special_tokens=False).ids)
-            # The template's own tokens (rendered with an empty question) must be in the vocab.
-            keep.update(self._backend.encode(self.prompt_text(""), add_special_tokens=False).ids)
+            # The template's own tokens (rendered with an empty question) must be in the vocab,
+            # and those of the prompts as prompt_ids encodes them (merges across the template's
+            # edges)
+            rendered = [self.prompt_text(q) for q in [""] + list(prompts or ())]
+            for enc in self._backend.encode_batch(rendered, add_special_tokens=False):
+                keep.update(enc.ids)
             self._to_orig = sorted(keep)
             self._from_orig = {o: i for i, o in enumerate(self._to_orig)}
             self.vocab_size = len(self._to_orig)
@@ -465,6 +473,7 @@ def tokenizer_path(name: str) -> str:
 
 
 def load_tokenizer(spec: str, *, corpus: Iterable[str] | None = None,
+                   prompts: Iterable[str] | None = None,
                    template: str | None = None, template_kwargs: dict | None = None,
                    eos_token: str | None = None) -> Tokenizer:
     """Build a tokenizer from a spec.
@@ -473,11 +482,14 @@ def load_tokenizer(spec: str, *, corpus: Iterable[str] | None = None,
         spec: ``"char"``, ``"qwen3"``, ``"llama3.2"``, ``"gpt2"``, or a local path (a folder
             with ``tokenizer.json``/``tokenizer_config.json``, or a ``tokenizer.json`` file).
         corpus: texts for a reduced vocabulary (HF tokenizers only; see :class:`HFTokenizer`).
+        prompts: questions it must cover inside the prompt template (with ``corpus``).
         template, template_kwargs, eos_token: override the defaults of the spec.
 
     Raises:
         FileNotFoundError: unknown name, a path that does not exist, or files not installed.
     """
+    if prompts is not None and corpus is None:
+        raise ValueError("prompts= extends a reduced vocabulary: it needs corpus=")
     if spec == "char":
         if corpus is not None:
             raise ValueError("the char tokenizer has a fixed vocabulary; corpus= is for HF "
@@ -498,4 +510,5 @@ def load_tokenizer(spec: str, *, corpus: Iterable[str] | None = None,
     hf = _load_hf(os.path.abspath(path))
     return HFTokenizer(hf, name=name, eos_token=eos_token, template=template,
                        template_kwargs=template_kwargs,
-                       corpus=list(corpus) if corpus is not None else None)
+                       corpus=list(corpus) if corpus is not None else None,
+                       prompts=list(prompts) if prompts is not None else None)

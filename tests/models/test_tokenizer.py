@@ -145,3 +145,37 @@ def test_encode_keeps_the_text_unnormalized(qwen3, llama32, qwen3_reduced):
     # a reduced vocabulary keeps the pieces of its corpus as encode spells them
     red = load_tokenizer("qwen3", corpus=["cafe\u0301 au lait"])
     assert red.decode(red.encode("cafe\u0301 au lait")) == "cafe\u0301 au lait"
+
+
+def test_reduced_vocabulary_covers_prompts_as_the_template_renders_them():
+    """Without a chat template's special tokens around the question, BPE merges across the
+    template's edges ("Question: What" has " What"; "?\\n" one token): a vocabulary reduced to
+    the questions alone refused their own prompts (a gpt2 agent, or data.template=short)."""
+    questions = ["What is 2+3?", "Q: Eva has 3 coins and gets 2 more. How many?"]
+    old = load_tokenizer("gpt2", corpus=questions)
+    with pytest.raises(UnencodableTextError, match="was not in the reduction corpus"):
+        old.prompt_ids(questions[0])
+    tok = load_tokenizer("gpt2", corpus=questions, prompts=questions)
+    full = load_tokenizer("gpt2")
+    for q in questions:
+        ids = tok.prompt_ids(q)
+        assert tok.decode(ids, skip_special=False) == full.decode(full.prompt_ids(q),
+                                                                  skip_special=False)
+    assert tok.vocab_size > old.vocab_size
+    with pytest.raises(ValueError, match="prompts= extends a reduced vocabulary"):
+        load_tokenizer("gpt2", prompts=questions)
+
+
+def test_a_run_builds_reduced_vocabularies_that_cover_its_prompts():
+    """The trainer's path (build.build_policies): a gpt2 agent with data.template=short was
+    refused before the run started ("token 'ĠQ' ... was not in the reduction corpus")."""
+    from hacpo.engine import build
+    from hacpo.engine.run_config import load_config
+    cfg = load_config("tiny3", overrides={"data.template": "short",
+                                          "agents.2.policy.tokenizer": "gpt2"})
+    data = build.load_data(cfg)
+    policies = build.build_policies(cfg, data)
+    assert policies[2].tokenizer.reduced and policies[2].tokenizer.name == "gpt2"
+    for p in policies:
+        for e in data.train + data.eval:
+            p.tokenizer.prompt_ids(build.prompt_text(cfg, e))      # strict: raises if not
