@@ -22,19 +22,37 @@ class NonFiniteUpdateError(RuntimeError):
     """Too many non-finite updates in a row."""
 
 
+def agent_streak(nonfinite: dict, name: str) -> int:
+    """The streak a policy's next update starts from: the longer of the run's (every agent's
+    updates in order) and the policy's own (its updates alone)."""
+    return max(nonfinite["streak"], nonfinite.get("agents", {}).get(name, 0))
+
+
 def _count_nonfinite(nonfinite: dict, max_nonfinite: int, name: str, finite: bool,
                      loss: float, grad_norm: float) -> None:
-    """One update's effect on the streak of non-finite updates; raises at ``max_nonfinite``
-    in a row."""
+    """One update's effect on the streaks of non-finite updates: the run's (``streak``: the
+    updates of all agents in order) and the policy's own (``agents[name]``: one agent whose
+    every update is non-finite while another's are finite never makes the run's streak long);
+    raises when either reaches ``max_nonfinite``."""
+    # agents' streaks > 0 only ({"streak", "total"} while there is none; older checkpoints
+    # hold the run's streak only)
+    agents = nonfinite.setdefault("agents", {})
     if finite:
         nonfinite["streak"] = 0
+        agents.pop(name, None)
+        if not agents:
+            del nonfinite["agents"]
         return
     nonfinite["streak"] += 1
     nonfinite["total"] += 1
-    if nonfinite["streak"] >= max_nonfinite:
+    agents[name] = agents.get(name, 0) + 1
+    count = max(nonfinite["streak"], agents[name])
+    if count >= max_nonfinite:
         raise NonFiniteUpdateError(
-            f"{nonfinite['streak']} non-finite updates in a row for policy {name!r} "
-            f"(loss={loss}, grad norm={grad_norm}); stopping (max_nonfinite={max_nonfinite})")
+            f"{count} non-finite updates in a row for policy {name!r}"
+            + (" (of its own updates; other agents' between them were finite)"
+               if agents[name] > nonfinite["streak"] else "")
+            + f" (loss={loss}, grad norm={grad_norm}); stopping (max_nonfinite={max_nonfinite})")
 
 
 def replay_nonfinite(trace: list[dict], nonfinite: dict, max_nonfinite: int,

@@ -137,8 +137,8 @@ from hacpo.engine.pool import LearnerView, StepPool, scored_lengths
 from hacpo.engine.rollout import agents_at_once
 from hacpo.engine.timing import device_sync
 from hacpo.engine.run_config import colocated_engines, rollout_cpus, trainer_cpus
-from hacpo.engine.update import (NonFiniteUpdateError, UpdateMetrics, _minibatch_metrics,
-                                 _pad)
+from hacpo.engine.update import (UpdateMetrics, _count_nonfinite as count_nonfinite,
+                                 _minibatch_metrics, _pad, agent_streak)
 from hacpo.models.buckets import (bucket_bytes_of, check_bucket_shapes, copy_buckets,
                                   plan_buckets)
 from hacpo.models.policy import Policy
@@ -978,7 +978,8 @@ class MegatronAgents:
         self._updating(k)
         if self._groups[k].torch:
             return self._update_torch(k, view, pool, generator, nonfinite, ratio_log, sw)
-        job = self._update_request(k, view, pool, generator, nonfinite["streak"])
+        job = self._update_request(k, view, pool, generator,
+                                   agent_streak(nonfinite, self.names[k]))
         if job is None:
             return _NO_UPDATE.copy()
         results = self._gather(k, [r.update.remote(job[0]) for r in self._groups[k].ranks])
@@ -996,8 +997,8 @@ class MegatronAgents:
         order (the
         non-finite streak counts across agents as one after another). The same updates as
         one agent after another: a group's ranks stop early on a streak of non-finite updates
-        only for their own (a later group is sent streak 0, as the earlier groups' results
-        are not in yet; the driver still raises at the same update, the ranks may have run
+        only for their own (a later group is sent its own streak, as the earlier groups'
+        results are not in yet; the driver still raises at the same update, the ranks may have run
         more minibatches of a run that then stops). A trainer=torch agent's actor updates at
         the same time, on minibatches the driver drew in its turn, and its updates' trace is
         counted into the streak in its turn (as :meth:`RayAgents.update_all`)."""
@@ -1011,8 +1012,10 @@ class MegatronAgents:
                     draw_minibatches(self.cfg, views[k], pool, generator),
                     ratio_logs[k] is not None)])
                 continue
+            name = self.names[k]      # later groups: their own streak (the run's is not known)
             job = self._update_request(k, views[k], pool, generator,
-                                       nonfinite["streak"] if k == 0 else 0)
+                                       agent_streak(nonfinite, name) if k == 0
+                                       else nonfinite.get("agents", {}).get(name, 0))
             jobs.append(job)
             refs.append(None if job is None else [r.update.remote(job[0]) for r in g.ranks])
 
@@ -1091,17 +1094,11 @@ class MegatronAgents:
                         new = torch.stack([new_lp_of[j] for j in js])
                         ratio_log.setdefault(part, []).append(
                             (new - pool.lp_old[view.idx[js]]).clamp(-bound, bound))
+            count_nonfinite(nonfinite, cfg.max_nonfinite, self.names[k], res["finite"],
+                            res["loss"], res["grad_norm"])
             if not res["finite"]:
-                nonfinite["streak"] += 1
-                nonfinite["total"] += 1
                 sums["skipped_updates"] += 1
-                if nonfinite["streak"] >= cfg.max_nonfinite:
-                    raise NonFiniteUpdateError(
-                        f"{nonfinite['streak']} non-finite updates in a row for policy "
-                        f"{self.names[k]!r} (loss={res['loss']}, grad norm={res['grad_norm']}); "
-                        f"stopping (max_nonfinite={cfg.max_nonfinite})")
                 continue
-            nonfinite["streak"] = 0
             divisor = (sum(len(view.response_ids[j]) for j in mb_list) if algo.token_level
                        else len(mb_list))
             met = _minibatch_metrics(algo, view, mb_list, new_lp_of, tl_of, pool.lp_old,

@@ -265,7 +265,7 @@ def test_finite_loss_with_non_finite_gradient_is_skipped():
     state = {"streak": 0, "total": 0}
     m = _update(preset("gspo", {"num_minibatches": 1}), pol, _view([1.0], [True], [1]),
                 torch.tensor([-1.0], dtype=F64), nonfinite=state)
-    assert m["skipped_updates"] == 1 and state == {"streak": 1, "total": 1}
+    assert m["skipped_updates"] == 1 and state == {"streak": 1, "total": 1, "agents": {"toy": 1}}
     assert float(pol.w.detach()) == 0.0
 
 

@@ -242,3 +242,24 @@ def test_empty_view_keeps_the_count_keys(setup):
                        grad_clip=0.0, nonfinite={"streak": 0, "total": 0}, max_nonfinite=3)
     assert m == {"trained_samples": 0.0, "trained_self": 0.0, "trained_cross": 0.0,
                  "tokens_forward_prompt": 0.0}
+
+
+def test_an_agent_whose_every_update_is_non_finite_stops_the_run():
+    """The streak was the run's only (all agents' updates in order): an agent whose every
+    update was skipped while another's were finite never stopped the run; each policy's own
+    streak counts too. A checkpoint's counters without per-agent streaks (older) resume."""
+    from hacpo.engine.update import NonFiniteUpdateError, replay_nonfinite
+    ok = [{"finite": True, "loss": 1.0, "grad_norm": 1.0}]
+    bad = [{"finite": False, "loss": float("nan"), "grad_norm": float("nan")}]
+    state = {"streak": 0, "total": 0}            # as an older checkpoint holds them
+    for _ in range(2):
+        replay_nonfinite(ok, state, 3, "a")
+        replay_nonfinite(bad, state, 3, "b")
+    assert state == {"streak": 1, "total": 2, "agents": {"b": 2}}
+    replay_nonfinite(ok, state, 3, "a")
+    with pytest.raises(NonFiniteUpdateError, match=r"3 non-finite updates in a row for policy "
+                                                   r"'b' \(of its own updates; other agents' "
+                                                   r"between them were finite\)"):
+        replay_nonfinite(bad, state, 3, "b")
+    replay_nonfinite(ok, state, 3, "b")          # a finite update ends the policy's streak
+    assert state == {"streak": 0, "total": 3}

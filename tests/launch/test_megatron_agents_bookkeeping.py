@@ -122,7 +122,7 @@ def test_update_result_counts_nonfinite_updates():
     out = _agents(max_nonfinite=3)._update_result(
         0, view, pool, [[0, 1], [2, 3], [0, 1]],
         _results([False, True, False], [float("nan"), 2.0, float("inf")]), nonfinite, None, {})
-    assert nonfinite == {"streak": 1, "total": 6}
+    assert nonfinite == {"streak": 1, "total": 6, "agents": {"a": 1}}
     assert out["skipped_updates"] == 2 and out["loss"] == 2.0
 
 
