@@ -271,10 +271,22 @@ def write_text_atomic(path: str, text: str) -> None:
 TRUST_ENV = "HACPO_TRUSTED_CHECKPOINTS"
 
 
+def _failed_crc(path: str) -> str | None:
+    """The first part of the zip archive torch.save wrote whose bytes fail the CRC-32 stored
+    with them (torch.load does not check it: a flipped byte loads as a wrong weight or config
+    value), or None. A file that is no whole zip archive: None (torch.load's errors name it)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            return z.testzip()
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError, NotImplementedError):
+        return None
+
+
 def load(path: str):
     """The object saved at ``path``, unpickled with ``weights_only=True`` (tensors and plain
-    containers only; see :data:`TRUST_ENV`). A file that cannot be read, or holds other
-    objects, is a RuntimeError naming it."""
+    containers only; see :data:`TRUST_ENV`). A file that cannot be read, fails the CRC check
+    of its archive (damaged after it was written), or holds other objects, is a RuntimeError
+    naming it."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"no checkpoint at {path}")
     if os.path.isdir(path):
@@ -282,6 +294,11 @@ def load(path: str):
     if os.path.getsize(path) == 0:   # torch: "EOFError: " and nothing more
         raise RuntimeError(f"checkpoint {path} cannot be read: the file is empty (0 bytes: "
                            f"truncated, or a copy cut short)")
+    bad = _failed_crc(path)
+    if bad is not None:
+        raise RuntimeError(f"checkpoint {path} is corrupted: its part {bad!r} fails its CRC "
+                           f"check (the file was damaged after it was written: a disk or copy "
+                           f"error); not loaded")
     trusted = os.environ.get(TRUST_ENV) == "1"
     try:
         return torch.load(path, map_location="cpu", weights_only=not trusted)

@@ -53,6 +53,12 @@ class MetricsLogger:
                 if isinstance(v, (int, float)) and v is not None and math.isfinite(v):
                     self.tb.add_scalar(k, v, step)
 
+    def tensorboard_scalars(self, step: int, metrics: dict[str, float]) -> None:
+        """Scalars of a row written before (``amend_row``) to TensorBoard as well."""
+        if self.tb is not None:
+            for k, v in metrics.items():
+                self.tb.add_scalar(k, v, step)
+
     def close(self) -> None:
         if self.tb is not None:
             self.tb.flush()
@@ -81,22 +87,46 @@ def _rows_before(path: str, start_step: int) -> list[str]:
     interrupted run's last write, e.g. on a full disk; it logged a step >= start_step, as every
     step is logged before its checkpoint) is dropped; any other unreadable line is a
     ValueError naming the file and line."""
-    with open(path) as f:
+    with open(path, "rb") as f:
         lines = f.readlines()
     keep = []
-    for i, ln in enumerate(lines):
-        if not ln.strip():
+    for i, raw in enumerate(lines):
+        if not raw.strip():
             continue
         try:
+            ln = raw.decode("utf-8")
             step = json.loads(ln)["step"]
-        except (ValueError, KeyError, TypeError) as e:
-            if i == len(lines) - 1 and not ln.endswith("\n"):
+        except (ValueError, KeyError, TypeError) as e:   # (UnicodeDecodeError: a ValueError)
+            if i == len(lines) - 1 and not raw.endswith(b"\n"):
                 break
             raise ValueError(f"{path}:line {i + 1} is not a metrics row ({type(e).__name__}: "
                              f"{e}); fix or remove that line to resume") from None
         if step < start_step:
             keep.append(ln if ln.endswith("\n") else ln + "\n")   # the next row on its own line
     return keep
+
+
+def amend_row(path: str, step: int, values: dict[str, float]) -> bool:
+    """Add ``values`` to the row of ``step`` in the metrics file at ``path`` (rewritten
+    atomically, as a resume's rewrite is). False, and nothing written, when that row is not
+    there or holds any of the keys already."""
+    if not os.path.isfile(path):
+        return False
+    with open(path) as f:
+        lines = f.readlines()
+    for i, ln in enumerate(lines):
+        try:
+            row = json.loads(ln)
+        except ValueError:
+            continue           # an unreadable line: the resume's own check names it
+        if isinstance(row, dict) and row.get("step") == step:
+            if any(k in row for k in values):
+                return False
+            lines[i] = json.dumps({**row, **values}) + "\n"
+            data = "".join(lines).encode()
+            _write_atomic(path, lambda f: f.write(data))
+            return True
+    return False
 
 
 def read_metrics(path: str) -> list[dict]:

@@ -41,7 +41,7 @@ from .capability import CapabilityTracker
 from .data import PromptSampler, content_digest
 from .errors import user_errors
 from .evaluate import evaluate_policy, score_named
-from .metrics import MetricsLogger
+from .metrics import MetricsLogger, amend_row
 from .plots import RATIO_EDGES, RATIO_FILE, ratio_counts
 from .pool import build_pool, learner_view
 from .rewards import RewardComputer
@@ -251,6 +251,11 @@ def _prepare(cfg: TrainConfig, resume: bool, echo):
     policies and their warm start."""
     ck_path = os.path.join(cfg.out_dir, CHECKPOINT)
     state = None
+    if os.path.islink(ck_path) and not os.path.exists(ck_path):
+        # (a checkpoint volume not mounted): never "no checkpoint, start over" over its results
+        raise FileNotFoundError(f"{ck_path} is a symbolic link to {os.readlink(ck_path)}, "
+                                f"which does not exist: restore its target (or remove the link "
+                                f"to start the run over)")
     if resume and os.path.exists(ck_path):
         state = ckpt.load(ck_path)
         if not isinstance(state, dict) or not {"step", "fingerprint", "agents",
@@ -313,6 +318,25 @@ def _prepare(cfg: TrainConfig, resume: bool, echo):
             echo(f"[warn] {note}")
     warm = build.warm_start(cfg, data, policies, echo) if state is None else state["warmup"]
     return data, policies, state, warm, ck_path
+
+
+def _carry_final_eval(cfg: TrainConfig, start: int, names: list[str]) -> dict:
+    """A finished run extended (resumed at its last step ``start`` for more steps): its final
+    held-out accuracies, in its summary.json that the longer run replaces, go to the metrics
+    row of its last step as ``eval/<agent>/accuracy`` -- where an uninterrupted longer run
+    evaluates (``eval_every`` divides ``start``; the same greedy evaluation). Returns what was
+    added (for TensorBoard)."""
+    if not (cfg.eval_every and 0 < start < cfg.steps and start % cfg.eval_every == 0):
+        return {}
+    try:
+        with open(os.path.join(cfg.out_dir, "summary.json")) as f:
+            summary = json.load(f)
+        after = summary["after"] if summary.get("steps") == start else None
+        values = {f"eval/{nm}/accuracy": float(after[nm]["accuracy"]) for nm in names}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}            # none, or not this run's finish: nothing to carry
+    return values if amend_row(os.path.join(cfg.out_dir, "metrics.jsonl"), start - 1,
+                               values) else {}
 
 
 def _write_config(cfg: TrainConfig, finished: bool = False) -> None:
@@ -452,12 +476,12 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
                                      f"do not fit its policy (a vocabulary reduced to data "
                                      f"that changed since? {build.vocab_source(cfg)}): "
                                      f"{e}") from None
-        tracker.load_state_dict(state["tracker"])
-        sampler.load_state_dict(state["sampler"])
-        engine.load_state_dict(state["engine"])
-        shuffle_gen.set_state(state["shuffle_gen"])
-        nonfinite = state["nonfinite"]
-        before, start = state["eval_before"], state["step"]
+            tracker.load_state_dict(state["tracker"])
+            sampler.load_state_dict(state["sampler"])
+            engine.load_state_dict(state["engine"])
+            shuffle_gen.set_state(state["shuffle_gen"])
+            nonfinite = state["nonfinite"]
+            before, start = state["eval_before"], state["step"]
         # the ratio counts up to the checkpoint (older checkpoints: every ratio, counted now;
         # older still: none kept)
         ratio_log.update({key: np.asarray(v, dtype=np.int64)
@@ -465,7 +489,6 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
         ratio_log.update({key: ratio_counts(np.asarray(v))
                           for key, v in state.get("ratio_log", {}).items()})
         echo(f"[resume] {ck_path} at step {start}")
-        _write_config(cfg, finished=start == cfg.steps)
     # engines holding weight copies start from these weights (the pools: all agents at once)
     sync_agents(agents, engine, n, timer=null_timer, pull=False, at_once=cfg.agents_at_once)
     if not data.eval:
@@ -485,6 +508,12 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
     G = cfg.rollout.group_size * algo.samples_per_prompt_factor
     bar = _progress(cfg, start)
     try:
+        if state is not None:   # once metrics.jsonl is read (a resume refused for a line of it
+            # keeps the summary.json of a finished run)
+            carried = _carry_final_eval(cfg, start, names)
+            if carried:
+                logger.tensorboard_scalars(start - 1, carried)
+            _write_config(cfg, finished=start == cfg.steps)
         for step in range(start, cfg.steps):
             sw = Stopwatch(device_sync(cfg.profile_sync))
             t_step = time.perf_counter()

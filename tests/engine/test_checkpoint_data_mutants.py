@@ -9,6 +9,7 @@ on kept problems, gold-answer edge cases, the content digest over prompts and or
 sampler/template/FieldMap argument checks; input checks' types."""
 import errno
 import os
+import re
 import socket
 import stat
 import subprocess
@@ -227,6 +228,33 @@ def test_a_checkpoint_cut_short_says_it_is_truncated(tmp_path, cut):
         ckpt.load(path)
     assert path in str(e.value) and "Invalid argument" not in str(e.value)
     assert "miniz" not in str(e.value)
+
+
+def test_a_damaged_checkpoint_fails_its_crc_check(tmp_path):
+    """torch.load does not check the CRC-32 of the parts of its archive: a byte flipped in a
+    tensor loaded as a wrong weight, one in the pickle as a wrong config value or a message
+    to trust the file with HACPO_TRUSTED_CHECKPOINTS; both are named as damage now."""
+    import zipfile
+    path = str(tmp_path / "c.pt")
+    ckpt.save_atomic({"step": 3, "cfg": {"lr": 0.5}, "w": torch.arange(1000.0)}, path)
+    data = open(path, "rb").read()
+    with zipfile.ZipFile(path) as z:
+        infos = {i.filename.split("/", 1)[1]: i for i in z.infolist()}
+    for part in ("data/0", "data.pkl"):
+        info = infos[part]
+        start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)
+        at = start + info.file_size // 2
+        damaged = bytearray(data)
+        damaged[at] ^= 0x01
+        with open(path, "wb") as f:
+            f.write(bytes(damaged))
+        with pytest.raises(RuntimeError, match=rf"checkpoint {re.escape(path)} is corrupted: "
+                                               rf"its part '.*{re.escape(part)}' fails its CRC "
+                                               rf"check"):
+            ckpt.load(path)
+    with open(path, "wb") as f:
+        f.write(data)
+    assert ckpt.load(path)["step"] == 3
 
 
 # -- data: files and rows --------------------------------------------------------------------

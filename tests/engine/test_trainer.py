@@ -285,6 +285,45 @@ def test_resume_rewrites_metrics_atomically_and_drops_a_cut_last_row(tmp_path, m
     with pytest.raises(ValueError, match=re.escape(f"{path}:line 2 is not a metrics row")):
         metrics.MetricsLogger(str(tmp_path), start_step=2, tensorboard=False)
     assert path.read_text() == bad
+    # a byte that is no UTF-8 (a damaged file): named by file and line too, not only the byte
+    # offset of a bare UnicodeDecodeError; a last row cut inside a character is a cut row
+    damaged = rows.encode().replace(b'"reward/a": 0.5}\n{"step": 2', b'"reward/a": 0.5}\n{"s\xfftep": 2')
+    path.write_bytes(damaged)
+    with pytest.raises(ValueError, match=re.escape(f"{path}:line 3 is not a metrics row "
+                                                   f"(UnicodeDecodeError: ")):
+        metrics.MetricsLogger(str(tmp_path), start_step=2, tensorboard=False)
+    assert path.read_bytes() == damaged
+    path.write_bytes(rows.encode() + '{"step": 3, "x": "\u00e9'.encode()[:-1])
+    metrics.MetricsLogger(str(tmp_path), start_step=3, tensorboard=False).close()
+    assert [r["step"] for r in metrics.read_metrics(str(path))] == [0, 1, 2]
+
+
+def test_a_refused_resume_keeps_a_finished_runs_summary_and_a_dangling_checkpoint_link_is_named(
+        tmp_path):
+    """A resume refused for an unreadable metrics row removed the finished run's summary.json
+    first (the run then read as unfinished: `hacpo compare` trained it again). A checkpoint.pt
+    that is a link to a file that is not there (a volume not mounted) was taken for no
+    checkpoint: the run started over, replacing its results."""
+    over = {"plots": "false", "tensorboard": "false"}
+    train(_cfg(tmp_path, steps="1", **over), echo=lambda *_: None)
+    run = tmp_path / "run"
+    summary = (run / "summary.json").read_bytes()
+    rows = (run / "metrics.jsonl").read_text()
+    (run / "metrics.jsonl").write_text("{" + rows)
+    with pytest.raises(ValueError, match="metrics.jsonl:line 1 is not a metrics row"):
+        train(_cfg(tmp_path, steps="2", **over), resume=True, echo=lambda *_: None)
+    assert (run / "summary.json").read_bytes() == summary
+    (run / "metrics.jsonl").write_text(rows)
+    (run / "checkpoint.pt").rename(tmp_path / "moved.pt")
+    (run / "checkpoint.pt").symlink_to(tmp_path / "volume" / "checkpoint.pt")
+    for resume in (True, False):
+        with pytest.raises(FileNotFoundError, match=rf"checkpoint\.pt is a symbolic link to "
+                                                    rf".*volume/checkpoint\.pt, which does "
+                                                    rf"not exist"):
+            train(_cfg(tmp_path, steps="2", **over), resume=resume, echo=lambda *_: None)
+        assert (run / "summary.json").read_bytes() == summary
+        assert (run / "metrics.jsonl").read_text() == rows
+        assert (run / "checkpoint.pt").is_symlink()
 
 
 def test_vllm_engines_for_decoder_agents_fail_before_any_work(tmp_path):
@@ -553,7 +592,7 @@ def test_nonfinite_updates_are_skipped_then_stop():
                        prompt_of_sample=torch.tensor([0, 0, 1, 1]),
                        generator=torch.Generator().manual_seed(0), micro_batch=8, grad_clip=1.0,
                        nonfinite=state, max_nonfinite=3)
-    assert m["skipped_updates"] == 2 and state == {"streak": 2, "total": 2}
+    assert m["skipped_updates"] == 2 and state == {"streak": 2, "total": 2, "agents": {"nan": 2}}
     assert pol.w.item() == 1.0   # no update applied
     with pytest.raises(NonFiniteUpdateError, match="3 non-finite updates in a row"):
         update_learner(algo, pol, opt, view, lp_old=torch.zeros(4), old_token_logp=[],
@@ -634,10 +673,10 @@ def test_drawn_minibatches_and_replayed_streak_equal_one_agent_after_another():
         replay_nonfinite(b_trace, run_state, 3, "b")
     assert str(replayed.value) == str(one_after_another.value)
     assert "3 non-finite updates in a row for policy 'b'" in str(replayed.value)
-    assert run_state == seq == {"streak": 3, "total": 3}
+    assert run_state == seq == {"streak": 3, "total": 3, "agents": {"a": 2, "b": 1}}
     fresh = {"streak": 0, "total": 0}                    # from 0: counted, no error
     replay_nonfinite(b_trace, fresh, 3, "b")
-    assert fresh == {"streak": 2, "total": 2}
+    assert fresh == {"streak": 2, "total": 2, "agents": {"b": 2}}
 
 
 def test_engine_metrics_flattens_counters():
@@ -942,3 +981,21 @@ def test_relative_data_paths_are_stored_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(launch)
     train(_cfg(tmp_path, steps="2", **over), resume=True, echo=lambda *_: None)
     assert [json.loads(ln)["step"] for ln in open(run / "metrics.jsonl")] == [0, 1]
+
+
+def test_extending_a_finished_run_keeps_its_final_eval_point(tmp_path):
+    """A finished run resumed for more steps: its final held-out evaluation (at its last step,
+    kept in the summary.json the longer run replaces) was lost; it goes to the metrics row of
+    that step, where an uninterrupted run of the longer length evaluates."""
+    over = {"plots": "false", "tensorboard": "false", "eval_every": "2"}
+    train(_cfg(tmp_path, "ref", steps="4", **over), echo=lambda *_: None)
+    train(_cfg(tmp_path, "ext", steps="2", **over), echo=lambda *_: None)
+    first = json.loads((tmp_path / "ext" / "summary.json").read_text())["after"]
+    train(_cfg(tmp_path, "ext", steps="4", **over), resume=True, echo=lambda *_: None)
+    ref = [json.loads(ln) for ln in open(tmp_path / "ref" / "metrics.jsonl")]
+    got = [json.loads(ln) for ln in open(tmp_path / "ext" / "metrics.jsonl")]
+    assert [sorted(k for k in r if k.startswith("eval/")) for r in got] == \
+        [[], sorted(f"eval/{n}/accuracy" for n in ("char", "qwen3", "llama")), [], []]
+    assert {k: v for k, v in got[1].items() if k.startswith("eval/")} == \
+        {f"eval/{n}/accuracy": first[n]["accuracy"] for n in first}
+    assert _strip_times(got) == _strip_times(ref)
