@@ -137,6 +137,19 @@ def test_algorithm_flag_agreeing_with_the_files_name_and_explicit_settings(tmp_p
     (["profile", "--set", "steps=10"], "--set steps does not apply to hacpo profile"),
     (["compare", "--set", "out_dir=x"], "--set out_dir does not apply to hacpo compare"),
     (["train", "--set", "seed=9223372036854775807"], r"seed must be an integer in \[0, "),
+    # what compare / profile set for their runs: a --set of it was silently replaced
+    (["compare", "--set", "seed=7"], r"--set seed does not apply to hacpo compare: it runs "
+                                     r"each of --seeds"),
+    (["compare", "--set", "eval_pass_k=2"], "--set eval_pass_k does not apply to hacpo compare"),
+    (["profile", "--set", "profile_sync=false"], "--set profile_sync does not apply to hacpo "
+                                                 "profile: it times every stage"),
+    (["profile", "--set", "checkpoint_every=5"], "--set checkpoint_every does not apply"),
+    (["profile", "--set", "eval_every=5"], "--set eval_every does not apply"),
+    (["profile", "--set", "plots=true"], "--set plots does not apply"),
+    # every run's seed checked before the first run trains (a bad last one ended a compare
+    # with a traceback after the runs before it)
+    (["compare", "--algorithms", "gspo", "--seeds", "5", "-1", "--steps", "1"],
+     r"seed must be an integer in \[0, 4294967295\], got -1"),
 ])
 def test_run_options_that_would_be_ignored_are_errors(argv, msg, tmp_path, capsys, monkeypatch):
     """An empty --config / --algorithm (an unset shell variable) trained the preset as if not

@@ -62,8 +62,13 @@ def run_compare(base: TrainConfig, algorithms: list[str], seeds: list[int], root
             if twice:                             # one run counted twice: a false mean +- CI
                 raise ValueError(f"{what} {', '.join(twice)} given more than "
                                  f"once; each {what} is one run directory, list it once")
-        for algo in algorithms:                   # every name, before any run starts
-            with_algorithm(base, algo, keep)
+        # every run's config (each algorithm's name and settings, each seed's range) before
+        # any run starts: a bad last seed must not end a compare after hours of its runs
+        planned = [(algo, seed, with_algorithm(
+            base.override({"seed": seed, "out_dir": os.path.join(root, f"{algo}-seed{seed}"),
+                           "progress": False, "eval_pass_k": pass_k,
+                           "cache_dir": base.cache_dir}), algo, keep))
+            for algo in algorithms for seed in seeds]
         if base.data.eval_size == 0:
             raise ValueError("hacpo compare compares held-out accuracy, but the config has no "
                              "held-out set (data.eval_size=0)")
@@ -71,23 +76,19 @@ def run_compare(base: TrainConfig, algorithms: list[str], seeds: list[int], root
             raise ValueError(f"out_dir {root} is a file, not a directory for the compare runs")
         ensure_dir(root, "compare out_dir")   # a dangling link, a read-only parent: one line
     results: dict[str, dict[str, list[dict]]] = {}
-    for algo in algorithms:
-        for seed in seeds:
-            out = os.path.join(root, f"{algo}-seed{seed}")
-            cfg = base.override({"seed": seed, "out_dir": out, "progress": False,
-                                 "eval_pass_k": pass_k, "cache_dir": base.cache_dir})
-            cfg = with_algorithm(cfg, algo, keep)
-            if _finished_with(out, cfg):          # finished earlier with this config: reuse
-                with open(os.path.join(out, "summary.json")) as f:
-                    summary = json.load(f)
-                echo(f"[compare] {algo} seed {seed}: reusing the finished run in {out}")
-            else:
-                echo(f"[compare] {algo} seed {seed} -> {out}")
-                summary = train(cfg, resume=True,
-                                echo=warnings_only(echo, f"[compare] {algo} seed {seed}: "))
-            for agent, r in summary["after"].items():
-                results.setdefault(algo, {}).setdefault(agent, []).append(
-                    {"seed": seed, **r, "before": summary["before"][agent]["accuracy"]})
+    for algo, seed, cfg in planned:
+        out = cfg.out_dir
+        if _finished_with(out, cfg):          # finished earlier with this config: reuse
+            with open(os.path.join(out, "summary.json")) as f:
+                summary = json.load(f)
+            echo(f"[compare] {algo} seed {seed}: reusing the finished run in {out}")
+        else:
+            echo(f"[compare] {algo} seed {seed} -> {out}")
+            summary = train(cfg, resume=True,
+                            echo=warnings_only(echo, f"[compare] {algo} seed {seed}: "))
+        for agent, r in summary["after"].items():
+            results.setdefault(algo, {}).setdefault(agent, []).append(
+                {"seed": seed, **r, "before": summary["before"][agent]["accuracy"]})
     table = render_table(results, pass_k)
     write_text_atomic(os.path.join(root, "compare.json"), json.dumps(results, indent=2))
     write_text_atomic(os.path.join(root, "compare.md"), table)

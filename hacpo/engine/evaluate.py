@@ -32,6 +32,9 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
 
 
+MAX_EVAL_ROWS = 8192     # responses one evaluation call generates at most
+
+
 def sample_and_score(policy, prompt_ids: list[list[int]], golds: list[str], reward_computer, *,
                      max_new_tokens: int, samples: int = 1, temperature: float = 0.0,
                      top_p: float = 1.0, batch: int = 128, seed: int = 0,
@@ -56,14 +59,21 @@ def sample_and_score(policy, prompt_ids: list[list[int]], golds: list[str], rewa
     texts: list[list[str]] = [[] for _ in prompt_ids]
     lengths: list[int] = []
     eos = 0
+    # at most MAX_EVAL_ROWS responses per generate call: ``batch`` prompts x ``samples`` (as
+    # always up to it), else fewer prompts, and the samples in chunks (pass@k with a large k:
+    # 128 prompts x 100000 samples at once took 22 GB before it was killed)
+    per = max(1, min(batch, MAX_EVAL_ROWS // samples))
+    chunk = min(samples, MAX_EVAL_ROWS)
+    calls = [(s, k, min(chunk, samples - k)) for s in range(0, len(prompt_ids), per)
+             for k in range(0, samples, chunk)]
     try:
-        for s in range(0, len(prompt_ids), batch):
+        for s, _, n in calls:
             if engine is not None:
-                ro = engine.generate(agent, prompt_ids[s:s + batch], num_samples=samples,
+                ro = engine.generate(agent, prompt_ids[s:s + per], num_samples=n,
                                      max_new_tokens=max_new_tokens, temperature=temperature,
                                      top_p=top_p)
             else:
-                ro = generate(policy, prompt_ids[s:s + batch], num_samples=samples,
+                ro = generate(policy, prompt_ids[s:s + per], num_samples=n,
                               max_new_tokens=max_new_tokens, temperature=temperature,
                               top_p=top_p, generator=gen)
             out = [policy.tokenizer.decode(r) for r in ro.response_ids]

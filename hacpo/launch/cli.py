@@ -31,6 +31,23 @@ _RUN_SET = {"compare": (("algorithm", "compare runs each of --algorithms"),),
                         ("steps", "profile runs --rounds x --steps-per-round steps"))}
 
 
+# the run settings compare / profile set themselves: a --set of one would be ignored
+_RUN_SET_KEYS = {
+    "compare": {"out_dir": "its runs go under --out-dir",
+                "seed": "it runs each of --seeds",
+                "eval_pass_k": "its final evaluations take --pass-k samples",
+                "progress": "it reports one line per run"},
+    "profile": {"out_dir": "its runs go under --out-dir",
+                "steps": "it runs --rounds x --steps-per-round steps",
+                "checkpoint_every": "it checkpoints every step (the cost it measures)",
+                "profile_sync": "it times every stage with device syncs",
+                "eval_every": "it evaluates no step (the steps' cost alone)",
+                "eval_pass_k": "it makes no sampled final evaluation",
+                "plots": "its runs write no plots", "tensorboard": "its runs write no "
+                "TensorBoard events", "progress": "it reports one line per round"},
+}
+
+
 def train_config(args):
     """The run's TrainConfig and the user's own algorithm settings: the dotted
     ``algorithm.*`` keys ``--set`` gives, and those the YAML gives a value other than the run
@@ -56,12 +73,9 @@ def train_config(args):
             if getattr(args, flag) is not None:
                 raise ValueError(f"--{flag} does not apply to hacpo {command} ({why})")
         overrides = parse_overrides(args.set or [])
-        if command in _RUN_SET and "out_dir" in overrides:
-            raise ValueError(f"--set out_dir does not apply to hacpo {command}: its runs go "
-                             f"under --out-dir")
-        if command == "profile" and "steps" in overrides:
-            raise ValueError("--set steps does not apply to hacpo profile: it runs --rounds x "
-                             "--steps-per-round steps")
+        for key, why in _RUN_SET_KEYS.get(command, {}).items():
+            if key in overrides:
+                raise ValueError(f"--set {key} does not apply to hacpo {command}: {why}")
         if args.steps is not None:
             overrides["steps"] = args.steps
         if args.out_dir is not None:

@@ -241,6 +241,44 @@ def test_evaluation_over_several_sampling_batches_counts_each_problem_once():
     assert out["eos_rate"] == pytest.approx(8 / 10)
 
 
+def test_a_large_pass_k_is_sampled_in_bounded_calls(monkeypatch):
+    """pass@k with a large k generated prompts x k responses in one call (128 x 100000 took
+    22 GB before the kernel killed it): at most MAX_EVAL_ROWS per call now, fewer prompts and
+    the samples in chunks, every problem still scored on its k samples in order."""
+    from hacpo.engine import evaluate as ev
+
+    class Counting(_EchoEngine):    # each call: the next samples of each prompt's outcomes
+        def __init__(self, tok, outcomes):
+            super().__init__(tok, outcomes)
+            self.taken, self.rows = [0] * len(outcomes), []
+
+        def generate(self, agent, prompt_ids, *, num_samples, **kw):
+            index, resp = [], []
+            for b, (j,) in enumerate(prompt_ids):
+                for text in self.outcomes[j][self.taken[j]:self.taken[j] + num_samples]:
+                    index.append(b)
+                    resp.append(self.tok.encode(text) + [self.tok.eos_id])
+                self.taken[j] += num_samples
+            self.rows.append(len(resp))
+            return Rollout("p", [list(p) for p in prompt_ids], index, resp, [[] for _ in resp],
+                           [True] * len(resp), [False] * len(resp))
+
+    monkeypatch.setattr(ev, "MAX_EVAL_ROWS", 4)
+    tok = CharTokenizer()
+    golds = ["0", "1", "2"]
+    outcomes = [["9", "9", "9", "9", "9", "0"],       # right only in its 6th sample
+                ["1", "9", "9", "9", "9", "9"],
+                ["9"] * 6]
+    engine = Counting(tok, outcomes)
+    policy = SimpleNamespace(training=False, eval=lambda: None, train=lambda mode=True: None,
+                             tokenizer=tok, name="p")
+    out = evaluate_policy(policy, [[j] for j in range(3)], golds, _TableReward(),
+                          max_new_tokens=4, samples=6, temperature=1.0, batch=128,
+                          engine=engine, agent=0)
+    assert engine.rows == [4, 2, 4, 2, 4, 2] and engine.taken == [6, 6, 6]
+    assert out["pass@6"] == pytest.approx(2 / 3) and out["accuracy"] == pytest.approx(2 / 18)
+
+
 @register_reward("_test_bookkeeping_by_length", in_process=True, overwrite=True)
 def _reward_by_length(response, gold):
     """0, 0.5 or 1 by the response's and its gold answer's lengths: varied rewards from
