@@ -7,6 +7,7 @@ import math
 import os
 
 from .checkpoint import _write_atomic, remove_stale_temps
+from .errors import StorageError, describe_os_error
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +45,16 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                                 for k, v in metrics.items()}}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:     # a full disk's error names no file: say which, and what is kept
+            raise StorageError.like(e, f"cannot write {self.path}: {describe_os_error(e)}; "
+                                       f"the rows of the steps before are kept (a cut last row "
+                                       f"is dropped on --resume, which continues from the last "
+                                       f"checkpoint)", self.path) from None
         if self.tb is not None:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)) and v is not None and math.isfinite(v):

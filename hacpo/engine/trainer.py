@@ -39,7 +39,7 @@ from .agents import build_agents, score_temperature, update_agents
 from .algorithm import learner_samples, sample_omega
 from .capability import CapabilityTracker
 from .data import PromptSampler, content_digest
-from .errors import user_errors
+from .errors import StorageError, describe_os_error, user_errors
 from .evaluate import evaluate_policy, score_named
 from .metrics import MetricsLogger, amend_row
 from .plots import RATIO_EDGES, RATIO_FILE, ratio_counts
@@ -107,7 +107,14 @@ def train(cfg: TrainConfig, *, resume: bool = False, echo=print) -> dict:
         made = ckpt.first_missing(cfg.out_dir)    # the folder lock_run_dir creates, if any
         lock_path = os.path.join(cfg.out_dir, RUN_LOCK)
         new_lock = not os.path.lexists(lock_path)
-        lock = lock_run_dir(cfg.out_dir)
+        try:
+            lock = lock_run_dir(cfg.out_dir)
+        except OSError:     # (not "in use": that lock file is the other run's) e.g. a full
+            if new_lock:    # disk: a new run leaves nothing it made
+                with contextlib.suppress(OSError):
+                    os.unlink(lock_path)
+                ckpt.remove_made_dirs(cfg.out_dir, made)
+            raise
     try:
         with RewardComputer(cfg.reward.name, num_workers=cfg.reward.num_workers,
                             timeout_s=cfg.reward.timeout_s) as rc:   # no worker outlives the run
@@ -178,10 +185,14 @@ def lock_run_dir(out_dir: str):
     except BaseException:
         f.close()
         raise
-    f.seek(0)
-    f.truncate()
-    f.write(f"{socket.gethostname()}:{os.getpid()}\n")
-    f.flush()
+    try:
+        f.seek(0)
+        f.truncate()
+        f.write(f"{socket.gethostname()}:{os.getpid()}\n")
+        f.flush()
+    except OSError as e:     # a full disk: the error names no file
+        f.close()
+        raise StorageError.like(e, f"cannot write {path}: {describe_os_error(e)}", path) from None
     return f
 
 

@@ -146,6 +146,45 @@ def test_full_disk_on_another_write_is_one_line(tmp_path, monkeypatch, capsys):
     assert len(err) == 2 and "--resume" in err[0], err
 
 
+def test_a_metrics_row_on_a_full_disk_names_the_file(tmp_path, monkeypatch):
+    """A full disk's error at the row's flush / fsync names no file (the test above gives it
+    one): `hacpo train: error: No space left on device` said nothing of metrics.jsonl."""
+    from hacpo.engine import metrics
+    from hacpo.engine.errors import StorageError, is_user_error
+
+    class FullDisk:            # os, whose fsync fails as a full disk's does: no filename
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        def fsync(self, fd):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    logger = metrics.MetricsLogger(str(tmp_path), tensorboard=False)
+    logger.log(0, {"reward/a": 0.5})
+    monkeypatch.setattr(metrics, "os", FullDisk())
+    with pytest.raises(StorageError, match=rf"^cannot write {tmp_path / 'metrics.jsonl'}: No "
+                                           rf"space left on device \(the disk is full\); the "
+                                           rf"rows of the steps before are kept") as e:
+        logger.log(1, {"reward/a": 0.5})
+    assert is_user_error(e.value) and e.value.errno == errno.ENOSPC
+
+
+def test_a_lock_file_that_cannot_be_written_leaves_no_new_run_dir(tmp_path, monkeypatch):
+    """A full disk when the lock's holder is written (the first write of a new run) left the
+    new run dir holding an empty .hacpo-run.lock, and named no file."""
+    import socket
+
+    from hacpo.engine.errors import StorageError
+
+    def full(*a):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(socket, "gethostname", full)     # the holder line's first call
+    out = tmp_path / "new" / "run"
+    with pytest.raises(StorageError, match=rf"cannot write {out / '.hacpo-run.lock'}: No space"):
+        train(_cfg(tmp_path, out_dir=str(out)), echo=lambda *_: None)
+    assert list(tmp_path.iterdir()) == []
+
+
 # -- directories that cannot be made or written ---------------------------------------------
 def test_warm_start_cache_that_cannot_be_written_is_a_warning(tmp_path, caplog):
     """A cache dir that cannot take the warm start (here a file in its place; a read-only

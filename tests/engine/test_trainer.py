@@ -145,8 +145,13 @@ def test_a_run_that_is_not_finished_holds_no_summary_of_a_run_before(tmp_path, m
 
     def stop(*_, **__):
         raise KeyboardInterrupt
+    with monkeypatch.context() as m:     # stopped before it changed anything: still finished
+        m.setattr(trainer_mod, "sync_agents", stop)
+        with pytest.raises(KeyboardInterrupt):
+            train(cfg.override({"steps": 2}), resume=True, echo=lambda *_: None)
+    assert (run / "summary.json").exists()
     with monkeypatch.context() as m:
-        m.setattr(trainer_mod, "sync_agents", stop)         # stopped as the step loop starts
+        m.setattr(trainer_mod, "generate_agents", stop)     # stopped in its first new step
         with pytest.raises(KeyboardInterrupt):
             train(cfg.override({"steps": 2}), resume=True, echo=lambda *_: None)
     assert not (run / "summary.json").exists() and (run / "checkpoint.pt").exists()
