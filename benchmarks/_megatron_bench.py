@@ -105,7 +105,7 @@ def compare_runs(ref: dict, other: dict) -> tuple[float, float, bool]:
 def call_rows(runs: dict, modes, **extra_of) -> list[dict]:
     """One row per (mode, call) with p50 time and peak memory per rank; ``extra_of``:
     name -> fn(mode, call) for further columns."""
-    import statistics
+    from benchmarks._timing import pct
 
     rows = []
     for mode in modes:
@@ -113,7 +113,7 @@ def call_rows(runs: dict, modes, **extra_of) -> list[dict]:
             by_rank = [r[call] for r in runs[mode]["by_rank"]]
             rows.append({"mode": mode, "call": call,
                          **{k: f(mode, call) for k, f in extra_of.items()},
-                         "seconds_p50_by_rank": [statistics.median(r["seconds"])
+                         "seconds_p50_by_rank": [pct(r["seconds"], 0.5)
                                                  for r in by_rank],
                          "seconds_by_rank": [r["seconds"] for r in by_rank],
                          "peak_mib_by_rank": [r["peak_mib"] for r in by_rank]})
@@ -147,12 +147,15 @@ MODEL_ARGS = {"tp": 1, "pp": 1, "hidden": 512, "ffn": 1408, "layers": 2, "heads"
 def add_model_args(p, **defaults: int) -> None:
     """The layout and model flags every megatron CPU benchmark takes (Llama, untied, fp32):
     ``--tp --pp --hidden --ffn --layers --heads --kv-heads --vocab``, defaults ``MODEL_ARGS``
-    updated by ``defaults``."""
+    updated by ``defaults``; each must be >= 1 (0 was a misleading FileNotFoundError or a
+    ZeroDivisionError from the rank processes)."""
+    from benchmarks._timing import positive_int
+
     unknown = set(defaults) - set(MODEL_ARGS)
     if unknown:
         raise ValueError(f"no model flag(s) {sorted(unknown)}")
     for name, v in {**MODEL_ARGS, **defaults}.items():
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=v)
+        p.add_argument("--" + name.replace("_", "-"), type=positive_int, default=v)
 
 
 def run_modes(worker, world: int, a: dict, modes) -> dict:

@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks._timing import QUANTILES, pct, percentiles  # noqa: E402
+from benchmarks._timing import QUANTILES, pct, percentiles, results_dir  # noqa: E402
 
 PHASES = ("time/generate", "time/old_logprobs", "time/update", "time/sync", "time/step")
 MODES = {"at once": True, "one after another": False}
@@ -53,6 +53,8 @@ def main(argv=None) -> int:
         ap.error("--steps must be >= 2 (each run's first step is not measured) and --runs >= 1")
     if min(a.prompts, a.group, a.max_new_tokens) < 1:
         ap.error("--prompts, --group and --max-new-tokens must be >= 1")
+    if a.results_dir:
+        results_dir(ap, a.results_dir)
 
     import dataclasses
 
@@ -108,7 +110,6 @@ def main(argv=None) -> int:
                                               for q in QUANTILES) + " s" for m in MODES)
         print(f"  {p:<14} {cells}  ratio {res['ratio_p50'][p]:.2f}x")
     if a.results_dir:
-        os.makedirs(a.results_dir, exist_ok=True)
         with open(os.path.join(a.results_dir, "agents_at_once.json"), "w") as f:
             json.dump(res, f, indent=1)
     return 0

@@ -11,12 +11,18 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
+import sys
 import time
 
 import torch
 
-from hacpo.engine import CapabilityTracker, hacpo_advantages, hacpo_policy_loss
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+from benchmarks._timing import pct, results_file  # noqa: E402
+from hacpo.engine import CapabilityTracker, hacpo_advantages, hacpo_policy_loss  # noqa: E402
 
 
 def make_pool(N: int, n: int, G: int, seed: int = 0):
@@ -85,11 +91,6 @@ def timeit(fn, repeat: int):
     return ts
 
 
-def pct(ts, q):
-    ts = sorted(ts)
-    return ts[min(len(ts) - 1, int(q * (len(ts) - 1) + 0.5))]
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n-samples", type=int, default=1_000_000)
@@ -105,6 +106,8 @@ def main(argv=None):
                  f"(--agents x --group = {args.agents * args.group})")
     if args.repeat < 1:
         ap.error("--repeat must be >= 1")
+    if args.json:
+        results_file(ap, args.json)
 
     r, p, a, om = make_pool(args.n_samples, args.agents, args.group)
     N = r.numel()

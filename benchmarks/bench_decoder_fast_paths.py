@@ -36,7 +36,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
-from benchmarks._timing import QUANTILES, pct  # noqa: E402
+from benchmarks._timing import QUANTILES, pct, results_file  # noqa: E402
 
 STAGES = ("generate", "old_logprobs", "update")
 
@@ -110,6 +110,8 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.reps < 1 or args.prompts < 1 or args.threads < 1:
         ap.error("--reps, --prompts and --threads must be >= 1")
+    if args.json:
+        results_file(ap, args.json)
 
     from hacpo.engine import build
     from hacpo.engine.run_config import load_config

@@ -36,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks._timing import percentiles  # noqa: E402
+from benchmarks._timing import percentiles, positive_int, results_dir  # noqa: E402
 from hacpo.models import generation as current  # noqa: E402
 from hacpo.models.policy import PolicyConfig, build_policy  # noqa: E402
 
@@ -102,19 +102,21 @@ def reads_per_token(mod, policy, prompts, args) -> float:
     return (counts[24] - counts[8]) / 16
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results_dir", nargs="?")
     ap.add_argument("--baseline", required=True, help="git revision of the baseline")
-    ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--group", type=int, default=4)
-    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--reps", type=positive_int, default=7)
+    ap.add_argument("--prompts", type=positive_int, default=16)
+    ap.add_argument("--group", type=positive_int, default=4)
+    ap.add_argument("--max-new-tokens", type=positive_int, default=48)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=positive_int, default=1)
     ap.add_argument("--device", default="cpu")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.results_dir:
+        results_dir(ap, args.results_dir)
     torch.set_num_threads(args.threads)
     base = load_baseline(args.baseline)
     versions = {f"baseline ({args.baseline})": base, "current": current}
@@ -164,7 +166,6 @@ def main() -> None:
     k0, k1 = versions
     print(f"  p50 current / baseline: {pcts['p50'][k1] / pcts['p50'][k0]:.3f}")
     if args.results_dir:
-        os.makedirs(args.results_dir, exist_ok=True)
         with open(os.path.join(args.results_dir, "generation_syncs.json"), "w") as f:
             json.dump({"args": vars(args), "torch": torch.__version__, "seconds_per_token": pcts,
                        "host_reads_per_token": reads, "times": times}, f, indent=1)

@@ -47,7 +47,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from benchmarks._timing import pct, positive_int, results_dir  # noqa: E402
+
 MODES = ("fwd", "bwd", "both")
+OPS = ("logits", "fused_linear")
+DTYPES = ("float32", "bfloat16", "float16")
 MMAP_THRESHOLD = str(64 * 1024)     # bytes: every tensor of note gets its own mapping (CPU peaks)
 
 
@@ -231,9 +235,7 @@ def worker(spec: dict) -> dict:
         if rep >= spec["warmup"]:
             times.append({"fwd": t1 - t0, "bwd": t2 - t1, "both": t2 - t0}[mode])
         del y
-    times.sort()
-    q = lambda p: times[min(len(times) - 1, int(round(p * (len(times) - 1))))]  # noqa: E731
-    out.update(p20=q(0.2), p50=q(0.5), p80=q(0.8))
+    out.update(p20=pct(times, 0.2), p50=pct(times, 0.5), p80=pct(times, 0.8))
     return out
 
 
@@ -310,14 +312,25 @@ def available(impl, device) -> str | None:
     return None
 
 
+def op_list(text: str) -> list[str]:
+    """argparse ``type=`` of ``--ops``: comma-separated names from ``OPS``."""
+    ops = text.split(",")
+    unknown = [o for o in ops if o not in OPS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown op(s) {unknown}; from {', '.join(OPS)}")
+    return ops
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--reps", type=int, default=None)
-    ap.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
-    ap.add_argument("--ops", default="logits,fused_linear")
+    ap.add_argument("--device", choices=("cpu", "cuda"),
+                    default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--reps", type=positive_int, default=None)
+    ap.add_argument("--dtype", choices=DTYPES, default=None,
+                    help="default: float32 on CPU, bfloat16 on CUDA")
+    ap.add_argument("--ops", type=op_list, default=list(OPS), help="comma-separated")
     ap.add_argument("--case-timeout", type=float, default=None,
                     help="seconds per (op, impl, mode) subprocess; a case over it is skipped")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -325,6 +338,8 @@ def main(argv=None):
     if args.worker:
         print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
         return 0
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here")
 
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -337,10 +352,10 @@ def main(argv=None):
     else:
         shapes = {"logits": {"T": 4096, "V": 65536},
                   "fused_linear": {"T": 4096, "H": 1024, "V": 65536}}
-    reps = args.reps or (5 if args.quick else (20 if cuda else 5))
+    reps = args.reps if args.reps is not None else (5 if args.quick else (20 if cuda else 5))
     name = (torch.cuda.get_device_name(device) if cuda else socket.gethostname()).replace(" ", "_")
     out_dir = args.out or os.path.join(ROOT, "benchmarks", "results", name)
-    os.makedirs(out_dir, exist_ok=True)
+    results_dir(ap, out_dir)
 
     env = environment(device)
     env["copy_GBps"] = copy_bandwidth(device)
@@ -351,7 +366,7 @@ def main(argv=None):
     print(json.dumps(env, indent=1))
     rows, skipped = [], []
     impls = ("naive", "torch", "triton", "liger")
-    for op in args.ops.split(","):
+    for op in args.ops:
         for impl in impls:
             why = available(impl, device)
             if op == "logits" and impl == "liger" and not cuda:

@@ -46,6 +46,7 @@ if ROOT not in sys.path:
 from benchmarks._megatron_bench import (add_model_args, call_rows, compare_runs,  # noqa: E402
                                         environment, llama, mode_ratios, run_modes, surrogate,
                                         time_calls)
+from benchmarks._timing import results_dir  # noqa: E402
 from benchmarks.bench_megatron_micro_batches import (add_row_args, check_row_args,  # noqa: E402
                                                      make_rows, pack, plan, step_micro_batches)
 
@@ -101,6 +102,7 @@ def main(argv=None) -> int:
         p.error("sequence parallelism needs --tp >= 2")
     check_row_args(p, args)
 
+    results_dir(p, args.results_dir)
     a = {k: getattr(args, k) for k in ("tp", "pp", "hidden", "ffn", "layers", "heads",
                                        "kv_heads", "vocab", "prompts", "group", "prompt_min",
                                        "prompt_max", "response_mean", "response_max",
@@ -123,7 +125,6 @@ def main(argv=None) -> int:
            "vs_off": {m: {"max_abs_logprob_diff": d[0], "max_abs_weight_diff_after_steps": d[1],
                           "same_results": d[2]} for m, d in same.items()},
            "same_results": all(d[2] for d in same.values()), "rows": rows, "ratios": ratios}
-    os.makedirs(args.results_dir, exist_ok=True)
     with open(os.path.join(args.results_dir, "activations.json"), "w") as f:
         json.dump(out, f, indent=1)
     print(f"tp={args.tp} pp={args.pp}, {len(lens)} rows ({args.prompts} prompts x "

@@ -41,6 +41,7 @@ if ROOT not in sys.path:
 from benchmarks._megatron_bench import (add_model_args, call_rows, compare_runs,  # noqa: E402
                                         environment, llama, mode_ratios, run_modes, surrogate,
                                         time_calls)
+from benchmarks._timing import results_dir  # noqa: E402
 
 MODES = ("logits", "fused")
 
@@ -105,6 +106,7 @@ def main(argv=None) -> int:
     if not 1 <= args.response_min <= args.response_max or args.reps < 1 or args.rows < 1:
         p.error("need 1 <= response-min <= response-max, reps >= 1, rows >= 1")
 
+    results_dir(p, args.results_dir)
     a = {k: getattr(args, k) for k in ("tp", "pp", "hidden", "ffn", "layers", "heads",
                                        "kv_heads", "vocab", "rows", "prompt", "response_min",
                                        "response_max", "reps", "threads")}
@@ -121,7 +123,6 @@ def main(argv=None) -> int:
            "logits_mib_per_rank": B * S * args.vocab / args.tp * 4 / 2 ** 20,
            "max_abs_logprob_diff": lp_diff, "max_abs_weight_diff_after_steps": w_diff,
            "same_results": same, "rows": rows, "ratios": ratios}
-    os.makedirs(args.results_dir, exist_ok=True)
     with open(os.path.join(args.results_dir, "lm_head.json"), "w") as f:
         json.dump(out, f, indent=1)
     print(f"tp={args.tp} pp={args.pp}, {B} rows x {S} positions, {ref['scored_tokens']} scored "

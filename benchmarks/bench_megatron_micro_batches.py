@@ -47,6 +47,7 @@ if ROOT not in sys.path:
 from benchmarks._megatron_bench import (add_model_args, call_rows, compare_runs,  # noqa: E402
                                         environment, llama, mode_ratios, run_modes, surrogate,
                                         time_calls)
+from benchmarks._timing import results_dir  # noqa: E402
 from hacpo.engine.batching import pack_micro_batches, padded_tokens  # noqa: E402
 
 MODES = ("rows", "tokens")
@@ -184,6 +185,7 @@ def main(argv=None) -> int:
     if args.micro_batch_tokens < 0:
         p.error("need micro-batch-tokens >= 0")
 
+    results_dir(p, args.results_dir)
     a = {k: getattr(args, k) for k in ("tp", "pp", "hidden", "ffn", "layers", "heads",
                                        "kv_heads", "vocab", "prompts", "group", "prompt_min",
                                        "prompt_max", "response_mean", "response_max",
@@ -213,7 +215,6 @@ def main(argv=None) -> int:
            "response_tokens": sum(len(r) for r in resps),
            "max_abs_logprob_diff": lp_diff, "max_abs_weight_diff_after_steps": w_diff,
            "same_results": same, "rows": rows, "ratios": ratios}
-    os.makedirs(args.results_dir, exist_ok=True)
     with open(os.path.join(args.results_dir, "micro_batches.json"), "w") as f:
         json.dump(out, f, indent=1)
     print(f"tp={args.tp} pp={args.pp}, {len(lens)} rows ({args.prompts} prompts x "

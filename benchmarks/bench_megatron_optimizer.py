@@ -42,6 +42,7 @@ if ROOT not in sys.path:
 from benchmarks._megatron_bench import (add_model_args, call_rows, compare_runs,  # noqa: E402
                                         environment, llama, mode_ratios, ratio, run_modes,
                                         status_kb, surrogate, time_calls)
+from benchmarks._timing import results_dir  # noqa: E402
 from benchmarks.bench_megatron_micro_batches import (add_row_args, check_row_args,  # noqa: E402
                                                      make_rows, pack, plan, step_micro_batches)
 
@@ -113,6 +114,7 @@ def main(argv=None) -> int:
         p.error(f"needs --dp >= 2 and at least one micro-batch per DP rank (got dp={args.dp}, "
                 f"{n_groups} micro-batches)")
 
+    results_dir(p, args.results_dir)
     a = {k: getattr(args, k) for k in ("tp", "pp", "dp", "hidden", "ffn", "layers", "heads",
                                        "kv_heads", "vocab", "prompts", "group", "prompt_min",
                                        "prompt_max", "response_mean", "response_max",
@@ -138,7 +140,6 @@ def main(argv=None) -> int:
            "response_tokens": sum(len(r) for r in resps), "memory_by_rank": memory,
            "max_abs_logprob_diff": lp_diff, "max_abs_weight_diff_after_steps": w_diff,
            "same_results": same, "rows": rows, "ratios": ratios}
-    os.makedirs(args.results_dir, exist_ok=True)
     with open(os.path.join(args.results_dir, "optimizer.json"), "w") as f:
         json.dump(out, f, indent=1)
     print(f"tp={args.tp} pp={args.pp} dp={args.dp}, {n_params / 1e6:.1f}M parameters (fp32, "

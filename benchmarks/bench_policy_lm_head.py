@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 from benchmarks._megatron_bench import reset_peak, status_kb  # noqa: E402
+from benchmarks._timing import pct, positive_int, results_file  # noqa: E402
 
 MODES = ("logits", "fused")
 
@@ -63,11 +63,11 @@ def _run(mode: str, T: int, H: int, V: int, reps: int) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--T", type=int, default=2048)
-    p.add_argument("--H", type=int, default=512)
-    p.add_argument("--V", type=int, default=65536)
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--T", type=positive_int, default=2048)
+    p.add_argument("--H", type=positive_int, default=512)
+    p.add_argument("--V", type=positive_int, default=65536)
+    p.add_argument("--reps", type=positive_int, default=5)
+    p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -77,6 +77,8 @@ def main(argv=None) -> int:
         return 0
     if not os.path.exists("/proc/self/clear_refs"):
         p.error("needs Linux /proc (peak RSS reset through /proc/self/clear_refs)")
+    if a.json:
+        results_file(p, a.json)
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 * 1024),
            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     rows = {}
@@ -90,12 +92,12 @@ def main(argv=None) -> int:
     # fp32, the same GEMM rows and log-softmax kernel; sums over T*H and V*H entries
     same = all(abs(x - y) <= 1e-4 * max(1.0, abs(x)) for x, y in
                zip(lo["checksums"], fu["checksums"]))
-    ratio_t = statistics.median(fu["seconds"]) / statistics.median(lo["seconds"])
+    ratio_t = pct(fu["seconds"], 0.5) / pct(lo["seconds"], 0.5)
     ratio_m = fu["peak_mib"] / lo["peak_mib"]
     print(f"T={a.T} H={a.H} V={a.V} fp32, {a.threads} threads, {a.reps} reps "
           f"(logits of one call: {a.T * a.V * 4 / 2 ** 20:.0f} MiB)")
     for r in (lo, fu):
-        print(f"{r['mode']:>7}: p50 {statistics.median(r['seconds']):.3f} s, peak "
+        print(f"{r['mode']:>7}: p50 {pct(r['seconds'], 0.5):.3f} s, peak "
               f"{r['peak_mib']:.0f} MiB")
     print(f"fused / logits: time {ratio_t:.2f}x, peak memory {ratio_m:.2f}x; same results: "
           f"{same}")

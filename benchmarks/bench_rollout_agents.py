@@ -36,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks._timing import pct, percentiles  # noqa: E402
+from benchmarks._timing import pct, percentiles, results_dir  # noqa: E402
 
 
 def _print_modes(by_mode: dict[str, list[float]]) -> None:
@@ -61,6 +61,8 @@ def main(argv=None) -> int:
         ap.error("--reps must be >= 1 (the generation is timed) and --sync-reps >= 0")
     if min(a.prompts, a.group, a.max_new_tokens) < 1:
         ap.error("--prompts, --group and --max-new-tokens must be >= 1")
+    if a.results_dir:
+        results_dir(ap, a.results_dir)
 
     import hacpo.launch.ray_cluster  # noqa: F401  (first: a private cluster binds to loopback)
     from hacpo.engine import build
@@ -143,7 +145,6 @@ def main(argv=None) -> int:
         _print_modes(syncs)
         print(f"  sync one after another / at once (p50): {sy['ratio_p50']:.2f}x")
     if a.results_dir:
-        os.makedirs(a.results_dir, exist_ok=True)
         with open(os.path.join(a.results_dir, "rollout_agents.json"), "w") as f:
             json.dump(res, f, indent=1)
     return 0

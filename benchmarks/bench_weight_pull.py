@@ -33,6 +33,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 from benchmarks._megatron_bench import (add_model_args, llama, reset_peak,  # noqa: E402
                                         status_kb)
+from benchmarks._timing import positive_float, results_dir  # noqa: E402
 
 
 def _worker(rank, world, a, bucket_mb, out_path):
@@ -79,12 +80,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results_dir")
     add_model_args(p, tp=2, hidden=1024, ffn=2816, layers=8, heads=16, kv_heads=4, vocab=32000)
-    p.add_argument("--buckets", type=float, nargs="+", default=[256.0, 128.0, 64.0],
+    p.add_argument("--buckets", type=positive_float, nargs="+", default=[256.0, 128.0, 64.0],
                    help="bucket sizes in MiB (parallel.weight_bucket_mb) to compare with the "
                         "whole pull")
     args = p.parse_args(argv)
     if not os.path.exists("/proc/self/clear_refs"):
         p.error("needs Linux /proc (peak RSS reset through /proc/self/clear_refs)")
+    results_dir(p, args.results_dir)
     # A fixed mmap threshold: every large tensor gets its own mapping and goes back to the OS
     # when freed, so resident memory follows live tensors (glibc's dynamic threshold would
     # keep freed tensors in the heap, and the peak would depend on the allocation history).
@@ -109,7 +111,6 @@ def main(argv=None) -> int:
         r["same_weights_as_whole"] = r["checksums"] == ref
     for r in rows:
         del r["checksums"]
-    os.makedirs(args.results_dir, exist_ok=True)
     out = {"layout": a, "device": "cpu", "torch": torch.__version__,
            "malloc_mmap_threshold": os.environ["MALLOC_MMAP_THRESHOLD_"], "rows": rows}
     with open(os.path.join(args.results_dir, "weight_pull.json"), "w") as f:

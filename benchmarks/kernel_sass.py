@@ -40,6 +40,7 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+from benchmarks._timing import positive_int, results_dir  # noqa: E402
 from hacpo.kernels import _logprobs_triton as K  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -123,8 +124,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results_dir", nargs="?")
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100/H200)")
-    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--vocab", type=positive_int, default=151936)
     a = ap.parse_args(argv)
+    if a.results_dir:
+        results_dir(ap, a.results_dir)
     rows = check(a.arch, a.vocab)
     print(f"triton {triton.__version__}, sm_{a.arch}, vocab {a.vocab}, BLOCK_V "
           f"{rows[0]['block_v']}, {rows[0]['num_warps']} warps")
@@ -135,7 +138,6 @@ def main(argv=None) -> int:
               f"{r['shared_bytes']:>7}{r['loop_sass_instructions']:>10}"
               f"{'yes' if r['vector_loads'] else 'NO':>14}")
     if a.results_dir:
-        os.makedirs(a.results_dir, exist_ok=True)
         with open(os.path.join(a.results_dir, "kernel_sass.json"), "w") as f:
             json.dump({"triton": triton.__version__, "rows": rows}, f, indent=1)
     return 0

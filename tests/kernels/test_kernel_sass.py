@@ -44,3 +44,15 @@ def test_kernels_compile_for_sm90_without_spills_and_with_wide_loads(tmp_path):
         assert 0 < r["registers"] <= 64, what          # >= 4 rows (8 warps each) per SM
         assert 0 < r["loop_sass_instructions"] <= LOOP_BUDGET[r["kernel"]], (
             what, r["loop_sass_instructions"])
+
+
+@pytest.mark.parametrize("vocab", ["0", "-5"])
+def test_a_vocabulary_under_1_is_a_usage_error(vocab, tmp_path):
+    """Was a table of kernels compiled for no columns, exit status 0."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "kernel_sass.py"),
+                           str(tmp_path / "out"), "--vocab", vocab],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2 and "error: argument --vocab: must be >= 1" in proc.stderr
+    assert not (tmp_path / "out").exists()
