@@ -284,8 +284,10 @@ class HFTokenizer(Tokenizer):
         if template is None and not self._use_chat:
             self.template = PLAIN_TEMPLATE
         eos_token = eos_token or hf.eos_token
-        if eos_token is None:
-            raise ValueError(f"tokenizer {name!r} has no eos token; pass eos_token=")
+        if eos_token is None:     # e.g. a tokenizer.json file alone: it names no eos token
+            raise ValueError(f"tokenizer {name!r} has no eos token: give the folder that holds "
+                             f"its tokenizer_config.json (which names it) rather than a "
+                             f"tokenizer.json file alone, or pass eos_token= (the library)")
         orig_eos = hf.convert_tokens_to_ids(eos_token)
         orig_pad = hf.pad_token_id if hf.pad_token_id is not None else orig_eos
         orig_bos = hf.bos_token_id

@@ -179,3 +179,16 @@ def test_a_run_builds_reduced_vocabularies_that_cover_its_prompts():
     for p in policies:
         for e in data.train + data.eval:
             p.tokenizer.prompt_ids(build.prompt_text(cfg, e))      # strict: raises if not
+
+
+def test_a_tokenizer_json_file_alone_says_to_give_its_folder():
+    """A tokenizer.json file names no eos token and the config has no setting for one: the
+    error asked for eos_token=, which no config key gives; it says to give the folder."""
+    import os
+
+    from hacpo.models.tokenizer import tokenizer_path
+    folder = tokenizer_path("llama3.2")
+    with pytest.raises(ValueError, match=r"has no eos token: give the folder that holds its "
+                                         r"tokenizer_config.json"):
+        load_tokenizer(os.path.join(folder, "tokenizer.json"))
+    assert load_tokenizer(folder).eos_id is not None
