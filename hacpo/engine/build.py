@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Collection
 from dataclasses import dataclass, asdict
 
 import torch
@@ -117,10 +118,15 @@ def corpus(cfg: TrainConfig, data: Data) -> list[str]:
     return texts + [data.target_text(e) for e in data.train]
 
 
-def build_policies(cfg: TrainConfig, data: Data) -> list[Policy]:
+def build_policies(cfg: TrainConfig, data: Data,
+                   names: Collection[str] | None = None) -> list[Policy]:
+    """The run's policies in config order; ``names``: those agents' only (`hacpo eval` /
+    `export --agents`: another agent's missing model or tokenizer files do not stop them)."""
     texts = prompts = None
     policies = []
     for a in cfg.agents:
+        if names is not None and a.policy.name not in names:
+            continue
         if a.policy.reduce_vocab and texts is None:
             texts = corpus(cfg, data)
             prompts = [prompt_text(cfg, e) for e in data.train + data.eval]  # as prompt_ids

@@ -334,11 +334,12 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
             (0.0 if samples == 1 else cfg.rollout.temperature)
         tp = top_p if top_p is not None else cfg.rollout.top_p   # 1.0 unless read (sampled)
         seed0 = seed if seed is not None else cfg.seed + (1 if temp > 0 else 0)
-        echo(f"[eval] {label}: rebuilding {len(cfg.agents)} policies from {ck_path}")
-        data = build.load_data(cfg)
-        policies = {p.name: p for p in build.build_policies(cfg, data)}
         saved = {a["name"]: a for a in state["agents"]}
         chosen = list(dict.fromkeys(agents)) if agents else [a["name"] for a in state["agents"]]
+        echo(f"[eval] {label}: rebuilding {len(chosen)} polic{'y' if len(chosen) == 1 else 'ies'}"
+             f" from {ck_path}")
+        data = build.load_data(cfg)
+        policies = {p.name: p for p in build.build_policies(cfg, data, names=set(chosen))}
         for name in chosen:     # no prompt of even one token would fit: every problem a 0
             if max_new >= policies[name].max_len:
                 raise ValueError(f"max_new_tokens {max_new} leaves no room for a prompt in agent "

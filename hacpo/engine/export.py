@@ -280,9 +280,10 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, agents: Optional[Sequenc
 def _export(ck_path, run_dir, state, cfg, by_name, dirs, *, tokenizer, dtype, overwrite, echo):
     """export_checkpoint's work once its arguments are checked: rebuild, load, write."""
     chosen = list(dirs)
-    echo(f"[export] rebuilding {len(cfg.agents)} policies from {ck_path}")
+    echo(f"[export] rebuilding {len(chosen)} polic{'y' if len(chosen) == 1 else 'ies'} from "
+         f"{ck_path}")
     data = build.load_data(cfg)
-    policies = {p.name: p for p in build.build_policies(cfg, data)}
+    policies = {p.name: p for p in build.build_policies(cfg, data, names=set(chosen))}
     if why := build.tokenizer_mismatch(state, [policies[n] for n in chosen], cfg):
         raise ValueError(f"cannot export from {ck_path}: {why}")
     saved = {a["name"]: a for a in state["agents"]}

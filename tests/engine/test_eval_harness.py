@@ -568,3 +568,28 @@ def test_table_counts_each_problem_once_with_rows_over_runs():
     md = _markdown({"rows": rows}, ["b"], 1)
     assert ("Prompts encoded with the tokenizer fallback: 3; unencodable prompts (scored 0): 3; "
             "prompts too long for the policy (scored 0): 4.") in md
+
+
+def test_eval_and_export_of_some_agents_build_those_only(run, tmp_path, monkeypatch, capsys):
+    """`--agents X` rebuilt every agent: another agent's missing model or tokenizer files (a
+    deleted HF checkpoint) stopped the evaluation or export of X."""
+    from hacpo.engine import build
+    from hacpo.engine.export import export_checkpoint
+    real = build.build_policy
+
+    def missing_llama(config, **kw):
+        if config.name == "llama":
+            raise FileNotFoundError("unknown tokenizer '/gone/llama': not an existing local path")
+        return real(config, **kw)
+    monkeypatch.setattr(build, "build_policy", missing_llama)
+    out = tmp_path / "ev"
+    assert cli.main(["eval", str(run["dir"]), "--bench", *run["benches"], "--agents", "qwen3",
+                     "--limit", "2", "--max-new-tokens", "8", "--out-dir", str(out)]) == 0
+    assert "rebuilding 1 policy from" in capsys.readouterr().out
+    assert json.loads((out / "qwen3__gsm.json").read_text())["n"] == 2
+    done = export_checkpoint(str(run["dir"]), str(tmp_path / "x"), agents=["char"],
+                             echo=lambda *_: None)
+    assert list(done) == ["char"]
+    with pytest.raises(FileNotFoundError, match="/gone/llama"):    # the agent asked for: said
+        export_checkpoint(str(run["dir"]), str(tmp_path / "y"), agents=["llama"],
+                          tokenizer=False, echo=lambda *_: None)
