@@ -573,3 +573,27 @@ def test_a_sigterm_a_library_turned_into_its_own_exit_is_still_the_stop(capsys, 
     with pytest.raises(SystemExit) as e:
         _stoppable(args, exits_1)
     assert e.value.code == 1 and capsys.readouterr().err == ""
+
+
+def test_a_copied_runs_config_without_out_dir_is_an_error(tmp_path, capsys, monkeypatch):
+    """`hacpo train --config copy/config.json --resume` continued (or started over in) the
+    original run dir that config.json names, not the copy beside it."""
+    import shutil
+    monkeypatch.delenv("HACPO_TRACEBACK", raising=False)
+    run = tmp_path / "run"
+    common = ["--preset", "tiny3", "--set", "threads=1", "plots=false", "tensorboard=false",
+              f"cache_dir={tmp_path / 'cache'}"]
+    assert main(["train", "--steps", "1", "--out-dir", str(run), *common]) == 0
+    shutil.copytree(run, tmp_path / "copy")
+    capsys.readouterr()
+    before = sorted(p.name for p in run.iterdir())
+    argv = ["train", "--config", str(tmp_path / "copy" / "config.json"), "--resume",
+            "--steps", "2"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"is the config of the run in {tmp_path / 'copy'}, but it names out_dir {run}" in err
+    assert f"pass --out-dir {tmp_path / 'copy'} to continue that run" in err
+    assert sorted(p.name for p in run.iterdir()) == before
+    assert main([*argv, "--out-dir", str(tmp_path / "copy")]) == 0      # the copy continues
+    assert json.loads((tmp_path / "copy" / "summary.json").read_text())["steps"] == 2
+    assert main(["train", "--config", str(run / "config.json"), "--resume", "--steps", "2"]) == 0

@@ -277,10 +277,12 @@ def _prepare(cfg: TrainConfig, resume: bool, echo):
         diff = config_diff(_stored_fingerprint(state["fingerprint"]), fingerprint_dict(cfg),
                            defaults=default_fingerprint(cfg))
         if diff:
+            own = os.path.join(cfg.out_dir, "config.json")
             raise ValueError(f"cannot resume {ck_path}: the config differs from the "
                              f"checkpoint's in {', '.join(diff)} (resume with the run's own "
-                             f"settings: --config {os.path.join(cfg.out_dir, 'config.json')}, "
-                             f"or the --preset / --set it was started with)")
+                             f"settings: " + (f"--config {own}, or " if os.path.isfile(own)
+                                              else "") + "the --preset / --set it was started "
+                             f"with)")
         if state["step"] > cfg.steps:
             raise ValueError(f"cannot resume {ck_path} at step {state['step']} with steps="
                              f"{cfg.steps}: the run is past it (its metrics and checkpoint "

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import hacpo
@@ -48,6 +49,22 @@ _RUN_SET_KEYS = {
 }
 
 
+def _check_copied_run_config(path, out_dir: str, command: str, out_given: bool) -> None:
+    """``--config RUN/config.json`` of a run dir that was copied or moved names the original's
+    out_dir: without --out-dir, `hacpo train` would continue (or start over in) the original,
+    not the run beside the file. An error saying which to pass."""
+    if path is None or out_given or command != "train":
+        return
+    here = os.path.dirname(os.path.abspath(path))
+    if os.path.basename(path) != "config.json" or not os.path.exists(
+            os.path.join(here, "checkpoint.pt")):
+        return
+    if os.path.realpath(here) != os.path.realpath(out_dir):
+        raise ValueError(f"--config {path} is the config of the run in {here}, but it names "
+                         f"out_dir {out_dir} (the run was copied or moved): pass --out-dir "
+                         f"{here} to continue that run (or --out-dir {out_dir})")
+
+
 def train_config(args):
     """The run's TrainConfig and the user's own algorithm settings: the dotted
     ``algorithm.*`` keys ``--set`` gives, and those the YAML gives a value other than the run
@@ -88,6 +105,7 @@ def train_config(args):
             raise ValueError(f"config file {args.config} is not valid YAML: "
                              f"{' '.join(str(e).split())}") from None
         cfg = load_config(args.preset, None, {**from_file, **overrides})
+        _check_copied_run_config(args.config, cfg.out_dir, command, "out_dir" in overrides)
         base = load_config(args.preset).algorithm
         keep = {}
         for source, given in ((from_file, False), (overrides, True)):

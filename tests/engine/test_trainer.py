@@ -120,6 +120,11 @@ def test_resume_with_other_config_is_clear_error(tmp_path):
                                          r"with the run's own settings: --config "
                                          + re.escape(os.path.join(cfg.out_dir, "config.json"))):
         train(other, resume=True, echo=lambda *_: None)
+    os.rename(os.path.join(cfg.out_dir, "config.json"), tmp_path / "kept.json")
+    with pytest.raises(ValueError, match=r"\(resume with the run's own settings: the --preset "
+                                         r"/ --set it was started with\)"):   # no config.json
+        train(other, resume=True, echo=lambda *_: None)                    # to point to
+    os.rename(tmp_path / "kept.json", os.path.join(cfg.out_dir, "config.json"))
     train(cfg.override({"steps": 2}), resume=True, echo=lambda *_: None)   # steps may grow
     with pytest.raises(ValueError, match=r"at step 2 with steps=1: the run is past it .* "
                                          r"pass steps >= 2"):
