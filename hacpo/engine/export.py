@@ -263,7 +263,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, agents: Optional[Sequenc
     dirs = {n: os.path.join(out_dir, folder[n]) for n in chosen}
     if not overwrite and (there := [d for d in dirs.values() if os.path.lexists(d)]):
         raise FileExistsError(f"{', '.join(there)} already exist(s) (--force replaces them)")
-    made = out_dir if not os.path.isdir(out_dir) else None   # its own folder, not its parents
+    made = ckpt.first_missing(out_dir)      # the folders it makes (its parents too)
     try:
         ckpt.ensure_dir(out_dir, "export output dir")
     except OSError as e:

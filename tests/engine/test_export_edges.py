@@ -196,6 +196,9 @@ def test_disk_full_is_one_line_and_exit_2_and_leaves_no_folder(run, exported, mo
     with pytest.raises(ZeroDivisionError):
         export_checkpoint(str(run / "run"), str(run / "kept"), echo=_quiet)
     assert os.listdir(run / "kept") == [] and not (run / "full").exists()
+    with pytest.raises(ZeroDivisionError):      # the parents it made go too
+        export_checkpoint(str(run / "run"), str(run / "made" / "a" / "b"), echo=_quiet)
+    assert not (run / "made").exists()
 
 
 def test_agent_folder_is_its_own_and_never_another_agents_name(run, exported):
