@@ -8,8 +8,18 @@ from __future__ import annotations
 import torch
 
 
+def check_tensors(**values) -> None:
+    """Each value must be a torch.Tensor: a list or a numpy array is a TypeError naming the
+    argument (not an AttributeError about ``.dim`` or ``.bool``)."""
+    for name, v in values.items():
+        if not torch.is_tensor(v):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(v).__name__} (wrap it "
+                            f"with torch.as_tensor)")
+
+
 def check_same_length(**tensors: torch.Tensor) -> int:
     """All tensors must be 1-D with the same length; returns it."""
+    check_tensors(**tensors)
     n = None
     for name, t in tensors.items():
         if t.dim() != 1:
@@ -23,6 +33,7 @@ def check_same_length(**tensors: torch.Tensor) -> int:
 
 
 def check_same_shape(**tensors: torch.Tensor) -> None:
+    check_tensors(**tensors)
     shapes = {k: tuple(v.shape) for k, v in tensors.items()}
     if len(set(shapes.values())) > 1:
         raise ValueError("shape mismatch: " + ", ".join(f"{k}={s}" for k, s in shapes.items()))

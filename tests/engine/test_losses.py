@@ -415,3 +415,17 @@ def test_grpo_with_no_masked_token_is_an_error_as_gspo_is():
     z = torch.zeros(2, 3)
     with pytest.raises(ValueError, match="an empty minibatch has no loss"):
         grpo_policy_loss(z, z, torch.zeros(2, 3, dtype=torch.bool), torch.ones(2))
+
+
+def test_lists_and_arrays_for_tensors_are_type_errors_naming_them():
+    """A list or a numpy array where SPEC asks for a tensor was an AttributeError about
+    ``.dim`` / ``.bool``; it is a TypeError naming the argument."""
+    z = torch.zeros(2)
+    with pytest.raises(TypeError, match=r"new_lp must be a torch.Tensor, got list"):
+        gspo_policy_loss([0.0, 1.0], z, z)
+    with pytest.raises(TypeError, match=r"omega must be a torch.Tensor, got float"):
+        hacpo_policy_loss(z, z, z, torch.tensor([True, False]), 1.0, minibatch_index=0)
+    with pytest.raises(TypeError, match=r"mask must be a torch.Tensor, got ndarray"):
+        grpo_policy_loss(z[None], z[None], np.ones((1, 2), dtype=bool), torch.ones(1))
+    with pytest.raises(TypeError, match=r"rewards must be a torch.Tensor, got list"):
+        CapabilityTracker(2).update([0.5, 1.0], torch.tensor([0, 1]))
