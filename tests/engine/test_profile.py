@@ -4,6 +4,7 @@ break-even solving; a real side-by-side run on the tiny preset."""
 import json
 import math
 import os
+import re
 
 import pytest
 
@@ -115,6 +116,22 @@ def test_no_cross_samples_assumes_self_costs():
     assert md.count("+0% (no cross sample trained)") == 2 and "(met)" not in md
     md = render_report(build_report({"gspo": _run(64, 0), "hacpo": _run(64, 32)}, ["a0", "a1"]))
     assert "(no cross sample trained)" not in md and md.count("(met)") == 2
+
+
+def test_the_per_sample_target_is_judged_for_two_agents_that_trained_cross_samples():
+    """The target compares HACPO's 2 agents with GSPO on twice the samples: with one or three
+    agents, or no cross sample trained, a "(not met)" / "(met)" judged another comparison."""
+    def line(meas, names):
+        md = render_report(build_report(meas, names))
+        return next(ln for ln in md.splitlines() if ln.startswith("HACPO wall time per"))
+    two = {"gspo2x": _run(128, 0), "hacpo": _run(64, 64)}
+    assert re.search(r"\*\* \(target <= 0.75\) \((not )?met\)$", line(two, ["a0", "a1"]))
+    three = {"gspo2x": _run(128, 0, n=3), "hacpo": _run(64, 128, n=3)}
+    assert "(not judged: GSPO x2 matches HACPO's samples for 2 agents; this config has 3)" in \
+        line(three, ["a0", "a1", "a2"])
+    none = {"gspo2x": _run(128, 0), "hacpo": _run(64, 0)}
+    assert line(none, ["a0", "a1"]).endswith("(no cross sample trained: HACPO trained its own "
+                                              "samples only, as GSPO)")
 
 
 def test_summarize_skips_first_steps():
