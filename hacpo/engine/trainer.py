@@ -282,7 +282,7 @@ def _prepare(cfg: TrainConfig, resume: bool, echo):
                              f"checkpoint's in {', '.join(diff)} (resume with the run's own "
                              f"settings: " + (f"--config {own}, or " if os.path.isfile(own)
                                               else "") + "the --preset / --set it was started "
-                             f"with)")
+                             "with)")
         if state["step"] > cfg.steps:
             raise ValueError(f"cannot resume {ck_path} at step {state['step']} with steps="
                              f"{cfg.steps}: the run is past it (its metrics and checkpoint "

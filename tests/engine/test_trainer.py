@@ -329,7 +329,7 @@ def test_a_refused_resume_keeps_a_finished_runs_summary_and_a_dangling_checkpoin
     for resume in (True, False):
         with pytest.raises(FileNotFoundError, match=rf"checkpoint\.pt is a symbolic link to "
                                                     rf".*volume/checkpoint\.pt, which does "
-                                                    rf"not exist"):
+                                                    r"not exist"):
             train(_cfg(tmp_path, steps="2", **over), resume=resume, echo=lambda *_: None)
         assert (run / "summary.json").read_bytes() == summary
         assert (run / "metrics.jsonl").read_text() == rows
