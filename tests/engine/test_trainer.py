@@ -327,8 +327,8 @@ def test_a_refused_resume_keeps_a_finished_runs_summary_and_a_dangling_checkpoin
     (run / "checkpoint.pt").rename(tmp_path / "moved.pt")
     (run / "checkpoint.pt").symlink_to(tmp_path / "volume" / "checkpoint.pt")
     for resume in (True, False):
-        with pytest.raises(FileNotFoundError, match=rf"checkpoint\.pt is a symbolic link to "
-                                                    rf".*volume/checkpoint\.pt, which does "
+        with pytest.raises(FileNotFoundError, match=r"checkpoint\.pt is a symbolic link to "
+                                                    r".*volume/checkpoint\.pt, which does "
                                                     r"not exist"):
             train(_cfg(tmp_path, steps="2", **over), resume=resume, echo=lambda *_: None)
         assert (run / "summary.json").read_bytes() == summary
