@@ -67,17 +67,11 @@ def results_dir(ap: argparse.ArgumentParser, path: str) -> str:
 
 
 def results_file(ap: argparse.ArgumentParser, path: str) -> str:
-    """Check (creating its directory) that the results file ``path`` can be written, before
-    anything is measured: the same usage errors as ``results_dir``."""
+    """Check (creating its directory, as ``results_dir``) that the results file ``path`` can be
+    written, before anything is measured: the same usage errors, naming the path."""
     if os.path.isdir(path):
         ap.error(f"results file {path} is a directory")
-    parent = os.path.dirname(os.path.abspath(path))
-    if os.path.exists(parent) and not os.path.isdir(parent):
-        ap.error(f"cannot write results file {path}: {parent} is a file")
-    try:
-        os.makedirs(parent, exist_ok=True)
-    except OSError as e:
-        ap.error(f"cannot create the directory of results file {path}: {e.strerror or e}")
-    if not os.access(path if os.path.exists(path) else parent, os.W_OK):
+    results_dir(ap, os.path.dirname(os.path.abspath(path)))
+    if os.path.exists(path) and not os.access(path, os.W_OK):
         ap.error(f"results file {path} is not writable")
     return path
