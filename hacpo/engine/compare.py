@@ -4,6 +4,7 @@ held-out set; a Table-1-style markdown table (mean ± 95% CI over seeds, per age
 Warm-up checkpoints are shared: they depend on the agents, warm-up and data config only."""
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -12,7 +13,7 @@ import statistics
 from .checkpoint import ensure_dir, write_text_atomic
 from .config import preset, preset_settings
 from .plots import save_figure
-from .run_config import TrainConfig, config_hash
+from .run_config import TrainConfig, config_hash, resolve_paths
 
 # two-sided 95% Student-t quantiles by degrees of freedom
 _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
@@ -106,7 +107,8 @@ def _finished_with(out: str, cfg: TrainConfig) -> bool:
             finished = json.load(f).get("config_hash")
     except (OSError, ValueError):
         return False
-    return finished == config_hash(cfg.to_dict())
+    # as train stores it: relative file paths made absolute
+    return finished == config_hash(resolve_paths(copy.deepcopy(cfg)).to_dict())
 
 
 def with_algorithm(cfg: TrainConfig, algo: str, keep: dict | None = None) -> TrainConfig:

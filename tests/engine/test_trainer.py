@@ -973,6 +973,8 @@ def test_relative_data_paths_are_stored_absolute(tmp_path, monkeypatch):
     train(cfg, echo=lambda *_: None)
     assert cfg.data.train_path == "train.jsonl"         # the caller's config is not edited
     run = launch / "runs" / "r"
+    from hacpo.engine.compare import _finished_with     # compare reuses it as finished
+    assert _finished_with(str(run), cfg)
     stored = json.loads((run / "config.json").read_text())["data"]
     want = str(launch / "train.jsonl")
     assert (stored["train_path"], stored["eval_path"]) == (want, want)
