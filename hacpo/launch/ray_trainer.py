@@ -81,6 +81,7 @@ def actor_update(get, actor, view: LearnerView, pool: StepPool, *, generator: to
         view, pool.lp_old, pool.old_token_logp, pool.prompt, generator.get_state(),
         dict(nonfinite), ratio_log is not None))
     generator.set_state(state)
+    nonfinite.clear()       # the actor's counters whole (a policy's streak it ended is gone)
     nonfinite.update(nf)
     if ratio_log is not None and rl:
         ratio_log.update(rl)

@@ -166,7 +166,7 @@ def test_update_all_counts_streaks_in_agent_order_before_later_failures():
     with pytest.raises(NonFiniteUpdateError, match="3 non-finite updates in a row for "
                                                    "policy 'a'"):
         agents([nan, nan]).update_all([view, view], pool, nonfinite=nonfinite, **kw)
-    assert nonfinite == {"streak": 3, "total": 3}
+    assert nonfinite == {"streak": 3, "total": 3, "agents": {"a": 2}}
     with pytest.raises(RuntimeError, match="agent 'b' died"):
         agents([ok, nan]).update_all([view, view], pool,
                                      nonfinite={"streak": 1, "total": 1}, **kw)

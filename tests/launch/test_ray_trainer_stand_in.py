@@ -242,7 +242,7 @@ def test_non_finite_updates_are_counted_across_agents_as_the_local_trainer():
                                                                         float("nan")))
     want = _step(LocalAgents(cfg, copy.deepcopy(base)), cfg, pool, prompt_ids, views,
                  at_once=True)
-    assert want[2] == {"streak": 0, "total": 4}
+    assert want[2] == {"streak": 0, "total": 4, "agents": {"char": 4}}   # its own streak
     # a run limit of 3: agent 0's actor stops at its third update; the run stops there with
     # the local trainer's error and counters
     stop = dataclasses.replace(cfg, max_nonfinite=3)
@@ -261,7 +261,8 @@ def test_non_finite_updates_are_counted_across_agents_as_the_local_trainer():
                           timer=lambda k: Stopwatch()("x"), at_once=at_once)
         assert str(e.value) == want_err, at_once
         if at_once:     # the driver's replay counted the trace (one after another, the
-            assert counters == {"streak": 3, "total": 3}    # actor's error ends the run)
+            assert counters == {"streak": 3, "total": 3,    # actor's error ends the run)
+                                "agents": {"char": 3}}
     for at_once in (True, False):
         ra = _stand_in(cfg, copy.deepcopy(base))
         got = _step(ra, cfg, pool, prompt_ids, views, at_once=at_once)
@@ -281,9 +282,28 @@ def test_drawn_update_result_that_stopped_short_of_the_run_limit_is_an_error():
                                            r"max_nonfinite=3"):
         ray_trainer.drawn_update_result((None, trace, None, {}, (0.0, 1.0)), "b", counters, 3,
                                         None, {})
-    assert counters == {"streak": 1, "total": 1}
+    assert counters == {"streak": 1, "total": 1, "agents": {"b": 1}}
     m = {"loss": 0.5}
     sw: dict = {}
     assert ray_trainer.drawn_update_result((m, [], {"self": [1]}, {"time/x/b": 2.0}, (0, 1)),
                                            "b", counters, 3, None, sw) is m
     assert sw == {"time/x/b": 2.0}
+
+
+def test_actor_update_takes_the_actors_counters_whole():
+    """One agent after another, the counters travel with each request and come back: a
+    policy's own streak the actor ended (a key it removed) stayed in the driver's counters,
+    and stopped the run later on a streak that had ended."""
+    class Actor:
+        class update:                      # noqa: N801 (a stand-in for actor.update.remote)
+            @staticmethod
+            def remote(*args):
+                return ({"loss": 0.5}, torch.Generator().get_state(), {"streak": 0, "total": 1},
+                        None, {})
+    counters = {"streak": 1, "total": 1, "agents": {"b": 1}}
+    import types
+    pool = types.SimpleNamespace(lp_old=None, old_token_logp=None, prompt=None)
+    m = ray_trainer.actor_update(lambda ref: ref, Actor, None, pool,
+                                 generator=torch.Generator(), nonfinite=counters,
+                                 ratio_log=None, sw={})
+    assert m == {"loss": 0.5} and counters == {"streak": 0, "total": 1}
