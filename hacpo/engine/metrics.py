@@ -1,6 +1,7 @@
 """Run-directory logging: metrics JSONL (one line per step) and TensorBoard events."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -55,21 +56,33 @@ class MetricsLogger:
                                        f"the rows of the steps before are kept (a cut last row "
                                        f"is dropped on --resume, which continues from the last "
                                        f"checkpoint)", self.path) from None
-        if self.tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and v is not None and math.isfinite(v):
-                    self.tb.add_scalar(k, v, step)
+        self.tensorboard_scalars(step, {k: v for k, v in metrics.items() if isinstance(
+            v, (int, float)) and math.isfinite(v)})
 
     def tensorboard_scalars(self, step: int, metrics: dict[str, float]) -> None:
-        """Scalars of a row written before (``amend_row``) to TensorBoard as well."""
-        if self.tb is not None:
-            for k, v in metrics.items():
-                self.tb.add_scalar(k, v, step)
+        """``metrics`` to TensorBoard (a row's, or one written before: ``amend_row``)."""
+        self._tensorboard(lambda tb: [tb.add_scalar(k, v, step) for k, v in metrics.items()])
+
+    def _tensorboard(self, write) -> None:
+        """``write(SummaryWriter)``; an I/O error (a full disk: its writer thread's error comes
+        back on the next call, naming no file) is a warning naming the folder, and the run goes
+        on without TensorBoard: metrics.jsonl holds every row, and its own write names a full
+        disk as the error it is."""
+        if self.tb is None:
+            return
+        try:
+            write(self.tb)
+        except OSError as e:
+            tb, self.tb = self.tb, None
+            log.warning("TensorBoard events in %s cannot be written (%s): the run goes on "
+                        "without them (metrics.jsonl holds every row)",
+                        os.path.join(os.path.dirname(self.path), "tensorboard"),
+                        describe_os_error(e))
+            with contextlib.suppress(Exception):
+                tb.close()
 
     def close(self) -> None:
-        if self.tb is not None:
-            self.tb.flush()
-            self.tb.close()
+        self._tensorboard(lambda tb: (tb.flush(), tb.close()))
 
 
 def _warn_missing_rows(path: str, keep: list[str], start_step: int) -> None:

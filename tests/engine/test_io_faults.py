@@ -363,3 +363,35 @@ def test_a_data_file_that_cannot_be_read_names_its_key(tmp_path):
     with pytest.raises(ValueError, match=r"^data\.train_path .*d\.parquet: is a directory, not "
                                          r"a \.jsonl or \.parquet file$"):
         build.load_data(cfg)
+
+
+def test_tensorboard_events_that_cannot_be_written_are_a_warning(tmp_path, caplog):
+    """TensorBoard's writer thread fails on a full disk and its error (no file named) came back
+    from the next add_scalar, ending the run with "No space left on device"; the events are
+    a convenience: a warning naming the folder, and the run's rows go on."""
+    from hacpo.engine import metrics
+
+    logger = metrics.MetricsLogger(str(tmp_path), tensorboard=True)
+
+    class Full:
+        closed = False
+
+        def add_scalar(self, *a):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def flush(self):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def close(self):
+            Full.closed = True
+    logger.tb.close()
+    logger.tb = Full()
+    with caplog.at_level(logging.WARNING, logger="hacpo"):
+        logger.log(0, {"reward/a": 0.5})
+        logger.log(1, {"reward/a": 0.25})
+        logger.close()
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and f"TensorBoard events in {tmp_path / 'tensorboard'} cannot be " \
+        f"written (No space left on device (the disk is full))" in said[0], said
+    assert Full.closed and logger.tb is None
+    assert [r["step"] for r in metrics.read_metrics(str(tmp_path / "metrics.jsonl"))] == [0, 1]
