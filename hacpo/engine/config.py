@@ -18,6 +18,9 @@ ALGORITHMS = ("grpo", "gspo", "gspo2x", "naive", "hacpo")
 MINIBATCH_ORDERS = ("mixed", "self_first")
 
 
+_F32_TINY, _F32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38
+
+
 def _require(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
@@ -39,8 +42,13 @@ class CapabilityConfig:
         # a floor of 1 or more is every agent's capability: every ratio 1, the weighting off
         _require(0 < self.minimum < 1, f"capability.minimum must be in (0, 1) (a floor under "
                                        f"success rates), got {self.minimum}")
-        _require(0 < self.ratio_min < math.inf,
-                 f"capability.ratio_min must be finite and > 0, got {self.ratio_min}")
+        # the coefficient omega is float32 in the loss: bounds past its range are 0 or inf
+        _require(_F32_TINY <= self.ratio_min < math.inf,
+                 f"capability.ratio_min must be finite and >= {_F32_TINY:.4g} (float32's "
+                 f"smallest normal number: omega is float32), got {self.ratio_min}")
+        _require(self.ratio_max <= _F32_MAX,
+                 f"capability.ratio_max must be <= {_F32_MAX:.4g} (float32's largest: omega is "
+                 f"float32), got {self.ratio_max}")
         _require(self.ratio_min <= self.ratio_max,
                  f"capability.ratio_min ({self.ratio_min}) must be <= ratio_max "
                  f"({self.ratio_max})")
@@ -141,6 +149,34 @@ class AlgorithmConfig(ConfigMixin):
     def token_level(self) -> bool:
         return self.name == "grpo"
 
+    def unused_settings(self) -> list[str]:
+        """``KEY=VALUE`` of the settings this algorithm never reads that differ from their
+        default (e.g. ``loss.alpha`` under gspo, the GSPO clip under grpo); ``capability.*``
+        is read by every algorithm (the tracker's metrics), hacpo's ratios by hacpo only."""
+        default = AlgorithmConfig()
+        if self.name == "hacpo":
+            keys = GRPO_ONLY
+        elif self.name == "grpo":
+            keys = HACPO_ONLY + SEQUENCE_ONLY
+        else:
+            keys = HACPO_ONLY + GRPO_ONLY
+        out = []
+        for key in keys:
+            section, name = key.split(".")
+            v = getattr(getattr(self, section), name)
+            if v != getattr(getattr(default, section), name):
+                out.append(f"algorithm.{key}={v!r}")
+        return out
+
+
+# what each algorithm never reads (algorithm.py): hacpo's advantage and cross-objective
+# switches outside hacpo, GSPO's sequence clip under grpo (its own token clip, +-20 bound),
+# grpo's clip outside grpo
+HACPO_ONLY = ("advantage.uniform_guard", "advantage.binary_guard", "advantage.cross_baseline",
+              "advantage.capability_baseline", "loss.alpha", "loss.capability_coefficient",
+              "loss.cross_clip", "loss.cross_clip_delta", "loss.cross_clip_step")
+SEQUENCE_ONLY = ("loss.self_clip_low", "loss.self_clip_high", "loss.max_abs_log_ratio")
+GRPO_ONLY = ("loss.grpo_clip_low", "loss.grpo_clip_high")
 
 
 _PRESETS: dict[str, dict[str, Any]] = {

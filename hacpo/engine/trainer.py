@@ -48,7 +48,7 @@ from .rewards import RewardComputer
 from .rollout import generate_agents, sync_agents
 from .run_config import (TrainConfig, check_new_run_names, config_diff, config_hash,
                          default_fingerprint, drop_unused_policy_settings, fingerprint_dict,
-                         resolve_paths, resolve_stored_paths)
+                         resolve_paths, resolve_stored_paths, unused_rollout_settings)
 from .timing import Stopwatch, device_sync, null_timer
 
 CHECKPOINT = "checkpoint.pt"
@@ -326,7 +326,9 @@ def _prepare(cfg: TrainConfig, resume: bool, echo):
             check_megatron_policy(p, a.parallel)
     if state is None:       # a resume writes it once the checkpoint is loaded (_run)
         _write_config(cfg)
-    for note in (minibatch_shortfall(cfg), no_signal_note(cfg)):
+    vocab = max(p.tokenizer.vocab_size for p in policies)
+    for note in (unused_algorithm_note(cfg), unused_rollout_note(cfg), minibatch_shortfall(cfg),
+                 no_signal_note(cfg, vocab=vocab)):
         if note:
             echo(f"[warn] {note}")
     warm = build.warm_start(cfg, data, policies, echo) if state is None else state["warmup"]
@@ -365,6 +367,17 @@ def _write_config(cfg: TrainConfig, finished: bool = False) -> None:
             os.unlink(os.path.join(cfg.out_dir, "summary.json"))
 
 
+def _greedy_by_top_p(cfg: TrainConfig, vocab: int, G: int) -> str:
+    own_only = not cfg.algorithm.shares_samples or len(cfg.agents) == 1
+    return (f"rollout.top_p={cfg.rollout.top_p} <= 1/{vocab} (the largest agent vocabulary): "
+            f"nucleus sampling keeps the most likely token alone, so sampling is greedy and "
+            f"each agent's {G} responses to a prompt are identical"
+            + (f" (every {cfg.algorithm.name} group has one reward: no policy-gradient signal)"
+               if own_only else " (a group differs only between agents)")
+            + (f", as are eval_pass_k={cfg.eval_pass_k}'s samples" if cfg.eval_pass_k > 1 else "")
+            + "; raise rollout.top_p")
+
+
 def minibatch_shortfall(cfg: TrainConfig) -> str | None:
     """A note when a step cannot make the configured number of updates: minibatches split by
     prompt (``minibatch_order="mixed"``) with fewer prompts per step than minibatches leave
@@ -375,18 +388,52 @@ def minibatch_shortfall(cfg: TrainConfig) -> str | None:
     algo = cfg.algorithm
     M = algo.num_minibatches * algo.minibatch_factor
     P = cfg.prompts_per_step
-    if algo.minibatch_order != "mixed" or P >= M:
-        return None
     what = (f"algorithm.num_minibatches={algo.num_minibatches}"
             + (f" x {algo.minibatch_factor} for {algo.name}" if algo.minibatch_factor > 1 else ""))
+    if algo.minibatch_order == "self_first":     # contiguous pieces of a learner's samples
+        n = len(cfg.agents) if algo.shares_samples else 1
+        N = P * cfg.rollout.group_size * algo.samples_per_prompt_factor * n
+        if N >= M:
+            return None
+        return (f"{M} minibatches per step ({what}), but a learner has at most {N} samples "
+                f"a step (prompts_per_step={P} x {cfg.rollout.group_size * algo.samples_per_prompt_factor} "
+                f"responses" + (f" x {n} agents" if n > 1 else "") + f"; minibatch_order="
+                f"self_first cuts them into pieces): at most {N} update{'s' if N > 1 else ''} "
+                f"per step, not {M}; raise prompts_per_step or lower algorithm.num_minibatches")
+    if P >= M:
+        return None
     return (f"{M} minibatches per step ({what}), but minibatches are split by prompt "
             f"(algorithm.minibatch_order=mixed) and a step has prompts_per_step={P}: each "
-            f"agent makes at most {P} updates per step, not {M} (the stepwise clip index "
-            f"stays below {P}); raise prompts_per_step to {M} or lower "
+            f"agent makes at most {P} update{'s' if P > 1 else ''} per step, not {M} (the "
+            f"stepwise clip index stays below {P}); raise prompts_per_step to {M} or lower "
             f"algorithm.num_minibatches")
 
 
-def no_signal_note(cfg: TrainConfig) -> str | None:
+def unused_algorithm_note(cfg: TrainConfig) -> str | None:
+    """A note naming the algorithm settings the run's algorithm never reads that differ from
+    their defaults (``--algorithm grpo --set algorithm.loss.alpha=0``: trained as plain grpo).
+    A note, not an error: compare applies the user's settings to each of its algorithms."""
+    unused = cfg.algorithm.unused_settings()
+    if not unused:
+        return None
+    return (f"{', '.join(unused)}: algorithm {cfg.algorithm.name} never reads "
+            f"{'these' if len(unused) > 1 else 'this'} (the run trains as if "
+            f"{'they were' if len(unused) > 1 else 'it was'} not set)")
+
+
+def unused_rollout_note(cfg: TrainConfig) -> str | None:
+    """A note naming the Ray / vLLM rollout pools' settings of a run with the in-process
+    engine (``rollout.engines_per_agent=4`` without ``rollout.engine=ray``: one local sampler)."""
+    unused = unused_rollout_settings(cfg)
+    if not unused:
+        return None
+    return (f"{', '.join(unused)}: for the Ray / vLLM rollout pools (rollout.engine=ray or "
+            f"vllm"+ (", or a Ray trainer" if any("ray_address" in u for u in unused) else "")
+            + f"); this run samples in-process (rollout.engine=local) and never reads "
+            f"{'them' if len(unused) > 1 else 'it'}")
+
+
+def no_signal_note(cfg: TrainConfig, vocab: int | None = None) -> str | None:
     """A note when a prompt's group cannot hold two different responses, so every advantage is
     0 and the run gets no policy gradient (SPEC: uniform-reward groups give zero advantages):
     a group of one agent's samples (grpo, gspo, gspo2x; any algorithm with one agent) with
@@ -394,7 +441,9 @@ def no_signal_note(cfg: TrainConfig) -> str | None:
     agent's G responses are identical). With two agents or more, hacpo / naive groups hold
     every agent's responses: greedy, they differ only between agents (said too). Also: a
     pass@k (``eval_pass_k``) sampled at temperature 0 is k identical greedy responses, i.e.
-    avg@1. None when none of these applies."""
+    avg@1. ``vocab`` (the largest agent vocabulary): a ``rollout.top_p`` <= 1 / vocab is
+    greedy too (the most likely token alone holds at least that mass, and nucleus sampling
+    keeps the next one only below it). None when none of these applies."""
     algo, ro = cfg.algorithm, cfg.rollout
     G = ro.group_size * algo.samples_per_prompt_factor
     greedy = ro.temperature == 0
@@ -404,6 +453,8 @@ def no_signal_note(cfg: TrainConfig) -> str | None:
         notes.append(f"rollout.group_size=1: each {algo.name} group holds one response, so "
                      f"every advantage is 0 (no policy-gradient signal); use "
                      f"rollout.group_size >= 2")
+    elif not greedy and vocab is not None and ro.top_p <= 1 / vocab:
+        return _greedy_by_top_p(cfg, vocab, G)
     elif own_only and greedy:
         notes.append(f"rollout.temperature=0 (greedy): each agent's {G} responses to a prompt "
                      f"are identical, so every {algo.name} group has one reward and every "

@@ -75,7 +75,7 @@ def test_optional_fields_parse_from_strings():
     ({"capability.minimum": 1.0}, r"capability.minimum must be in \(0, 1\)"),
     ({"capability.minimum": math.inf}, r"capability.minimum must be in \(0, 1\)"),
     ({"capability.ratio_min": math.inf, "capability.ratio_max": math.inf},
-     r"capability.ratio_min must be finite and > 0"),
+     r"capability.ratio_min must be finite and >= 1.175e-38"),
     ({"loss.cross_clip_delta": 1.2}, r"cross_clip_delta must be in \[0, 1\]"),
     ({"loss.cross_clip_delta": -0.1}, r"cross_clip_delta must be in \[0, 1\]"),
     ({"capability.window": 0}, "window must be an integer >= 1"),

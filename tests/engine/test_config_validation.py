@@ -50,6 +50,13 @@ def _yaml(tmp_path, text: str) -> str:
                                         r"0 \(0: no limit\), got inf"),
     ("rollout.gpu_memory_utilization", "0.5", r"rollout.gpu_memory_utilization=0.5 is for "
                                               r"vLLM engines on GPUs .*nothing would use it"),
+    # a temperature whose reciprocal overflows float32: an error after the warm-up before
+    ("rollout.temperature", "1e-39", r"rollout.temperature=1e-39 is too small: 1/temperature "
+                                     r"overflows float32 \(use 0 for greedy\)"),
+    # omega is float32 in the loss: a bound past its range made it inf mid-run
+    ("algorithm.capability.ratio_max", "1e300", r"capability.ratio_max must be <= 3.403e\+38"),
+    ("algorithm.capability.ratio_min", "1e-300", r"capability.ratio_min must be finite and >= "
+                                                 r"1.175e-38"),
     ("agents.0.warmup.steps", "-1", r"warmup.steps must be an integer >= 0"),
     ("agents.0.warmup.batch_size", "0", r"warmup.batch_size must be an integer >= 1, got 0"),
     ("agents.0.warmup.lr", "0", r"warmup.lr must be a finite number > 0, got 0.0"),

@@ -569,6 +569,63 @@ def test_groups_that_cannot_differ_are_said_to_give_no_signal(tmp_path):
                                                                      "eval_pass_k": "4"}))
 
 
+def test_settings_a_run_never_reads_are_said(tmp_path):
+    """Extreme but legal settings that changed nothing, silently: algorithm settings the
+    algorithm never reads (grpo with loss.alpha / the GSPO clip: bit for bit plain grpo), a
+    self_first split into more minibatches than a learner has samples (9 updates, not 64), a
+    rollout.top_p so small that sampling is greedy (every group one reward)."""
+    from hacpo.engine.compare import with_algorithm
+    from hacpo.engine.trainer import (minibatch_shortfall, no_signal_note,
+                                      unused_algorithm_note, unused_rollout_note)
+    pools = _cfg(tmp_path, **{"rollout.engines_per_agent": "4", "rollout.call_timeout_s": "60",
+                              "rollout.ray_address": "10.9.9.9:6379"})
+    assert unused_rollout_note(pools) == (
+        "rollout.engines_per_agent=4, rollout.call_timeout_s=60.0, rollout.ray_address="
+        "'10.9.9.9:6379': for the Ray / vLLM rollout pools (rollout.engine=ray or vllm, or a Ray "
+        "trainer); this run samples in-process (rollout.engine=local) and never reads them")
+    assert unused_rollout_note(_cfg(tmp_path)) is None
+    assert unused_rollout_note(_cfg(tmp_path, **{"rollout.engine": "ray",
+                                                 "rollout.engines_per_agent": "4"})) is None
+    assert unused_rollout_note(_cfg(tmp_path, **{"trainer_backend": "ray",
+                                                 "rollout.ray_address": "h:1"})) is None
+    grpo = with_algorithm(_cfg(tmp_path), "grpo", {"loss.alpha": 0.0, "loss.self_clip_low": 0.9,
+                                                  "capability.window": 1})
+    assert unused_algorithm_note(grpo) == (
+        "algorithm.loss.alpha=0.0, algorithm.loss.self_clip_low=0.9: algorithm grpo never "
+        "reads these (the run trains as if they were not set)")
+    assert unused_algorithm_note(with_algorithm(_cfg(tmp_path), "gspo", {})) is None
+    assert unused_algorithm_note(_cfg(tmp_path, **{"algorithm.loss.grpo_clip_high": "0.5"})) \
+        == ("algorithm.loss.grpo_clip_high=0.5: algorithm hacpo never reads this (the run "
+            "trains as if it was not set)")
+    sf = {"algorithm.minibatch_order": "self_first", "prompts_per_step": "1",
+          "rollout.group_size": "2"}
+    gspo = with_algorithm(_cfg(tmp_path, **sf, **{"algorithm.num_minibatches": "64"}), "gspo",
+                          {"minibatch_order": "self_first"})
+    assert "a learner has at most 2 samples a step (prompts_per_step=1 x 2 responses; " \
+        "minibatch_order=self_first cuts them into pieces): at most 2 updates per step, " \
+        "not 64" in minibatch_shortfall(gspo)
+    hacpo = _cfg(tmp_path, **sf, **{"algorithm.num_minibatches": "6"})      # 1 x 2 x 3 agents
+    assert minibatch_shortfall(hacpo) is None
+    assert "at most 6 samples" in minibatch_shortfall(
+        _cfg(tmp_path, **sf, **{"algorithm.num_minibatches": "7"}))
+    tiny = with_algorithm(_cfg(tmp_path, **{"rollout.top_p": "0.001", "eval_pass_k": "4"}),
+                          "gspo", {})
+    note = no_signal_note(tiny, vocab=562)
+    assert note.startswith("rollout.top_p=0.001 <= 1/562 (the largest agent vocabulary): "
+                           "nucleus sampling keeps the most likely token alone") and \
+        "(every gspo group has one reward" in note and "eval_pass_k=4's samples" in note
+    assert no_signal_note(tiny, vocab=1001) is None      # 0.001 > 1/1001: a second token fits
+    lines = []
+    train(with_algorithm(_cfg(tmp_path, "warned", steps="0", plots="false",
+                              tensorboard="false", **{"data.eval_size": "0",
+                                                      "rollout.top_p": "0.001"}),
+                         "grpo", {"loss.alpha": 0.0}), echo=lines.append)
+    warned = [ln for ln in lines if ln.startswith("[warn]")]
+    assert warned[0].startswith("[warn] algorithm.loss.alpha=0.0: algorithm grpo never reads")
+    assert warned[1].startswith("[warn] rollout.top_p=0.001 <= 1/562 (the largest agent "
+                                "vocabulary)")
+
+
 def test_unknown_tokenizer_path_is_clear_error(tmp_path):
     cfg = _cfg(tmp_path, **{"agents.1.policy.tokenizer": str(tmp_path / "nope")})
     with pytest.raises(FileNotFoundError, match="nope"):
