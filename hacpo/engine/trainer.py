@@ -690,7 +690,8 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
         b, a = before[name], after[name]
         if a is None:
             continue
-        diff = a["accuracy"] - b["accuracy"]
+        # equal accuracies summed in another order differ by ~1e-17: "+0.000", not "-0.000"
+        diff = round(a["accuracy"] - b["accuracy"], 12) + 0.0
         se = (a["stderr"] ** 2 + b["stderr"] ** 2) ** 0.5
         echo(f"[result] {name}: held-out accuracy {b['accuracy']:.3f} -> {a['accuracy']:.3f} "
              f"({diff:+.3f}" + (f", {diff / se:+.1f} SE" if se else ", SE 0") + f") on "
