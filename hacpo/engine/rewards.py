@@ -200,12 +200,13 @@ _VALUE_START_RE = re.compile(r"[-\u2212+]?\s*(?:\d|\.\d|\\)|[(\[{]|[A-Za-z]\s*="
 # An arithmetic expression of numbers and one-letter variables only ("3 - 2i", "x - 2",
 # "3 x 4"): a value, not words around a number.
 _TERM = r"\(?(?:\d[\d,]*(?:\.\d+)?[A-Za-z]?|\.\d+|[A-Za-z])\)?"
-_EXPRESSION_RE = re.compile(r"[-+]?\s*" + _TERM + r"(?:\s*[-+*/^x\u00d7\u00f7\u00b7]\s*[-+]?" + _TERM
-                            + r")+")
+_EXPRESSION_RE = re.compile(r"[-+]?\s*" + _TERM
+                            + r"(?:\s*[-+*/^x\u00d7\u00f7\u00b7]\s*[-+]?" + _TERM + r")+")
 # More numbers after a comma, and nothing else: a list ("2, 3"; "1, 2 and 3"), not one number
 # with words after it ("12, 5 more than Bob").
-_LIST_REST_RE = re.compile(r"\s*[,;]\s*(?:" + _NUMBER_RE.pattern + r")(?:\s*(?:[,;]|,?\s*(?:and|or)\b)"
-                           r"\s*(?:" + _NUMBER_RE.pattern + r"))*\s*")
+_LIST_REST_RE = re.compile(r"\s*[,;]\s*(?:" + _NUMBER_RE.pattern + r")"
+                           r"(?:\s*(?:[,;]|,?\s*(?:and|or)\b)\s*(?:" + _NUMBER_RE.pattern
+                           + r"))*\s*")
 
 
 def _fragment_answer(frag: str) -> Optional[str]:

@@ -392,12 +392,13 @@ def minibatch_shortfall(cfg: TrainConfig) -> str | None:
             + (f" x {algo.minibatch_factor} for {algo.name}" if algo.minibatch_factor > 1 else ""))
     if algo.minibatch_order == "self_first":     # contiguous pieces of a learner's samples
         n = len(cfg.agents) if algo.shares_samples else 1
-        N = P * cfg.rollout.group_size * algo.samples_per_prompt_factor * n
+        G = cfg.rollout.group_size * algo.samples_per_prompt_factor
+        N = P * G * n
         if N >= M:
             return None
         return (f"{M} minibatches per step ({what}), but a learner has at most {N} samples "
-                f"a step (prompts_per_step={P} x {cfg.rollout.group_size * algo.samples_per_prompt_factor} "
-                f"responses" + (f" x {n} agents" if n > 1 else "") + f"; minibatch_order="
+                f"a step (prompts_per_step={P} x {G} responses"
+                + (f" x {n} agents" if n > 1 else "") + f"; minibatch_order="
                 f"self_first cuts them into pieces): at most {N} update{'s' if N > 1 else ''} "
                 f"per step, not {M}; raise prompts_per_step or lower algorithm.num_minibatches")
     if P >= M:
@@ -428,7 +429,7 @@ def unused_rollout_note(cfg: TrainConfig) -> str | None:
     if not unused:
         return None
     return (f"{', '.join(unused)}: for the Ray / vLLM rollout pools (rollout.engine=ray or "
-            f"vllm"+ (", or a Ray trainer" if any("ray_address" in u for u in unused) else "")
+            f"vllm" + (", or a Ray trainer" if any("ray_address" in u for u in unused) else "")
             + f"); this run samples in-process (rollout.engine=local) and never reads "
             f"{'them' if len(unused) > 1 else 'it'}")
 
