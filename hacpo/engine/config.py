@@ -18,9 +18,6 @@ ALGORITHMS = ("grpo", "gspo", "gspo2x", "naive", "hacpo")
 MINIBATCH_ORDERS = ("mixed", "self_first")
 
 
-_F32_TINY, _F32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38
-
-
 def _require(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
@@ -43,12 +40,12 @@ class CapabilityConfig:
         _require(0 < self.minimum < 1, f"capability.minimum must be in (0, 1) (a floor under "
                                        f"success rates), got {self.minimum}")
         # the coefficient omega is float32 in the loss: bounds past its range are 0 or inf
-        _require(_F32_TINY <= self.ratio_min < math.inf,
-                 f"capability.ratio_min must be finite and >= {_F32_TINY:.4g} (float32's "
-                 f"smallest normal number: omega is float32), got {self.ratio_min}")
-        _require(self.ratio_max <= _F32_MAX,
-                 f"capability.ratio_max must be <= {_F32_MAX:.4g} (float32's largest: omega is "
-                 f"float32), got {self.ratio_max}")
+        _require(D.FLOAT32_TINY <= self.ratio_min < math.inf,
+                 f"capability.ratio_min must be finite and >= {D.FLOAT32_TINY:.4g} "
+                 f"(float32's smallest normal number: omega is float32), got {self.ratio_min}")
+        _require(self.ratio_max <= D.FLOAT32_MAX,
+                 f"capability.ratio_max must be <= {D.FLOAT32_MAX:.4g} (float32's largest: "
+                 f"omega is float32), got {self.ratio_max}")
         _require(self.ratio_min <= self.ratio_max,
                  f"capability.ratio_min ({self.ratio_min}) must be <= ratio_max "
                  f"({self.ratio_max})")

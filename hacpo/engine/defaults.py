@@ -37,3 +37,8 @@ GRPO_MAX_ABS_LOG_RATIO = 20.0
 
 # KL to a reference policy (self samples only); the paper's runs used 0.001
 KL_COEF = 0.0
+
+# float32's range: omega (the capability coefficient) and sampling's logits / temperature are
+# float32, so settings past it would be 0 or inf there
+FLOAT32_TINY = 1.1754943508222875e-38   # smallest normal number
+FLOAT32_MAX = 3.4028234663852886e38

@@ -13,6 +13,7 @@ from typing import Any
 from hacpo.models.decoder import DecoderConfig
 from hacpo.models.policy import DTYPES, LM_HEADS, PolicyConfig
 
+from . import defaults as D
 from .config import AlgorithmConfig, preset as algorithm_preset
 from .configtools import ConfigMixin
 
@@ -519,7 +520,6 @@ TRAINER_BACKENDS = ("local", "ray")
 EVAL_ENGINES = ("trainer", "rollout")
 
 
-FLOAT32_MAX = 3.4028234663852886e38
 # what only the Ray / vLLM rollout pools read (rollout.ray_address: the Ray trainer too)
 POOL_ONLY_ROLLOUT_KEYS = ("engines_per_agent", "max_engine_restarts", "call_timeout_s",
                           "weight_bucket_mb")
@@ -538,6 +538,8 @@ def unused_rollout_settings(cfg: TrainConfig) -> list[str]:
     if r.ray_address and cfg.trainer_backend == "local":
         out.append(f"rollout.ray_address={r.ray_address!r}")
     return out
+
+
 ENGINE_MEMORY = 0.85             # rollout.gpu_memory_utilization defaults (engine_memory_fraction)
 COLOCATED_ENGINE_MEMORY = 0.5
 
@@ -575,7 +577,7 @@ class RolloutConfig:
         _check_range("rollout.temperature", self.temperature, 0 <= self.temperature < math.inf,
                      "a finite number >= 0 (0: greedy)")
         _check_range("rollout.top_p", self.top_p, 0 < self.top_p <= 1, "in (0, 1] (1: off)")
-        if 0 < self.temperature < 1 / FLOAT32_MAX:   # logits / T would overflow: mid-run error
+        if 0 < self.temperature < 1 / D.FLOAT32_MAX:   # logits / T would overflow: mid-run error
             raise ValueError(f"rollout.temperature={self.temperature!r} is too small: "
                              f"1/temperature overflows float32 (use 0 for greedy)")
         if self.engine not in ROLLOUT_ENGINES:
