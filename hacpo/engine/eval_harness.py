@@ -326,6 +326,7 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
         except OSError as e:
             raise StorageError.like(e, f"{e} (--out-dir chooses another)", d) from None
     results: list[dict] = []
+    written: set[str] = set()
     for (ck_path, run_dir, state, cfg, _), label, rdir in zip(runs, labels, out_dirs):
         tmpl = template or cfg.data.template
         max_new = (max_new_tokens if max_new_tokens is not None else
@@ -378,6 +379,7 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
                                                           "responses")} for p in per]}
                     ckpt.write_text_atomic(os.path.join(rdir, f"{name}__{b.name}.json"),
                                            json.dumps(rec, indent=1))
+                    written.add(os.path.join(rdir, f"{name}__{b.name}.json"))
                     echo(f"[eval] {label}/{name} {b.name}: avg@{samples} "
                          f"{rec[f'avg@{samples}']:.3f} ± {rec['ci95']:.3f} (n={rec['n']})")
                     results.append(rec)
@@ -387,6 +389,14 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
     for d in dict.fromkeys(targets):
         ckpt.write_text_atomic(os.path.join(d, "eval.md"), table)
         ckpt.write_text_atomic(os.path.join(d, "eval.json"), json.dumps(report, indent=1))
+        # per-pair files of an earlier evaluation into the same folder are kept (results), but
+        # said: eval.md / eval.json are this evaluation's only
+        older = sorted(f for f in os.listdir(d) if f.endswith(".json") and "__" in f
+                       and os.path.join(d, f) not in written)
+        if older:
+            echo(f"[eval] {d} also holds {len(older)} file(s) of an earlier evaluation "
+                 f"({', '.join(older[:4])}{', ...' if len(older) > 4 else ''}): kept; "
+                 f"eval.md and eval.json are this evaluation's")
     return {**report, "table": table, "out_dirs": list(dict.fromkeys(targets))}
 
 

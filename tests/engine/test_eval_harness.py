@@ -593,3 +593,18 @@ def test_eval_and_export_of_some_agents_build_those_only(run, tmp_path, monkeypa
     with pytest.raises(FileNotFoundError, match="/gone/llama"):    # the agent asked for: said
         export_checkpoint(str(run["dir"]), str(tmp_path / "y"), agents=["llama"],
                           tokenizer=False, echo=lambda *_: None)
+
+
+def test_an_earlier_evaluations_files_in_the_out_dir_are_said(run, tmp_path, capsys):
+    """A second evaluation into the same --out-dir kept the first's per-pair files beside its
+    own eval.md / eval.json, with nothing said; they are kept (results) and named."""
+    out = tmp_path / "ev"
+    common = ["eval", str(run["dir"]), "--bench", *run["benches"], "--limit", "1",
+              "--max-new-tokens", "8", "--out-dir", str(out)]
+    assert cli.main([*common, "--agents", "char"]) == 0
+    assert "of an earlier evaluation" not in capsys.readouterr().out
+    assert cli.main([*common, "--agents", "qwen3"]) == 0
+    said = capsys.readouterr().out
+    assert f"[eval] {out} also holds 2 file(s) of an earlier evaluation (char__gsm.json, " \
+           f"char__math.json): kept; eval.md and eval.json are this evaluation's" in said
+    assert (out / "char__gsm.json").exists() and "| char |" not in (out / "eval.md").read_text()
