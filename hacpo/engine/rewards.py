@@ -651,17 +651,19 @@ class RewardComputer:
     Use as a context manager, or call ``close()``: no worker process outlives it.
     """
 
-    def __init__(self, name: str = "math", num_workers: int = 0, timeout_s: float = 5.0, *,
-                 mp_context: str = "spawn", hard_timeout_s: Optional[float] = None,
-                 startup_timeout_s: float = 120.0):
+    def __init__(self, name: "str | RewardSpec" = "math", num_workers: int = 0,
+                 timeout_s: float = 5.0, *, mp_context: str = "spawn",
+                 hard_timeout_s: Optional[float] = None, startup_timeout_s: float = 120.0):
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if mp_context not in ("spawn", "forkserver"):
             raise ValueError(f"mp_context must be 'spawn' or 'forkserver', got {mp_context!r}")
-        self.spec = get_reward_spec(name)
-        self.name = name
+        # a RewardSpec itself: one registered in another process (a Ray trainer actor scores
+        # with the driver's reward, which its own registry may not hold)
+        self.spec = name if isinstance(name, RewardSpec) else get_reward_spec(name)
+        self.name = self.spec.name
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
         self.hard_timeout_s = (self.timeout_s + max(1.0, self.timeout_s)

@@ -50,7 +50,7 @@ from hacpo.engine.agents import score_temperature
 from hacpo.engine.algorithm import split_minibatches
 from hacpo.engine.evaluate import evaluate_policy
 from hacpo.engine.pool import LearnerView, StepPool, score_responses
-from hacpo.engine.rewards import RewardComputer
+from hacpo.engine.rewards import RewardComputer, RewardSpec, get_reward_spec
 from hacpo.engine.rollout import agents_at_once
 from hacpo.engine.run_config import rollout_cpus, trainer_cpus
 from hacpo.engine.timing import Stopwatch, device_sync
@@ -110,9 +110,13 @@ def drawn_update_result(result, name: str, nonfinite: dict, max_nonfinite: int,
 class TrainerActor:
     """One agent's trainer group (one rank): policy, optimizer, reference policy."""
 
-    def __init__(self, policy: Policy, cfg, agent: int, threads: int):
+    def __init__(self, policy: Policy, cfg, agent: int, threads: int,
+                 reward: RewardSpec | None = None):
         torch.set_num_threads(threads)
         self.cfg = cfg
+        # the driver's reward (a user's, registered in the driver's process only: this actor's
+        # registry holds the built-in ones); None: cfg.reward.name from this process's registry
+        self.reward = reward
         self.name = policy.name
         self.policy = policy
         one = dataclasses.replace(cfg, agents=[cfg.agents[agent]])
@@ -203,7 +207,8 @@ class TrainerActor:
         """evaluate_policy with the run's reward (a RewardComputer of this actor's own)."""
         if self._rc is None:
             r = self.cfg.reward
-            self._rc = RewardComputer(r.name, num_workers=r.num_workers, timeout_s=r.timeout_s)
+            self._rc = RewardComputer(self.reward or r.name, num_workers=r.num_workers,
+                                      timeout_s=r.timeout_s)
         return evaluate_policy(self.policy, prompt_ids, golds, self._rc, **kwargs)
 
     def close(self) -> int:
@@ -259,6 +264,7 @@ class RayAgents:
     def _start(self, timeout_s: float, start_timeout_s: float) -> None:
         remote_cls = ray.remote(TrainerActor)
         bundle = {"CPU": self.threads}
+        reward = get_reward_spec(self.cfg.reward.name)    # the driver's, to every actor
         for k, pol in enumerate(self.policies):
             pg = self.cluster.reserve(        # one bundle per rank (DP=1)
                 [bundle], timeout_s=timeout_s,
@@ -269,7 +275,7 @@ class RayAgents:
                 num_cpus=self.threads, max_restarts=0, max_task_retries=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=0),
-            ).remote(ray.put(pol), self.cfg, k, self.threads))
+            ).remote(ray.put(pol), self.cfg, k, self.threads, reward))
         for k, a in enumerate(self._actors):
             self.cluster.wait_started(a.ready.remote(), timeout_s=start_timeout_s,
                                       what=f"the trainer actor of agent {self.names[k]!r}")

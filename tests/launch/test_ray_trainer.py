@@ -117,6 +117,30 @@ def test_killed_trainer_actor_is_clear_error(cluster, cache, monkeypatch):
     free_cpus_back()
 
 
+def _user_length_reward(response: str, gold: str) -> float:
+    """A user's reward, registered in the driver's process only (not at this module's import:
+    a Ray actor that imports the module must still not know it by name)."""
+    return (len(response) % 5) / 4.0
+
+
+def test_a_users_reward_scores_the_held_out_set_in_the_trainer_actors(cluster, cache):
+    """The Ray trainer actors evaluated with a RewardComputer of the run's reward name from
+    their own registry: a user's reward (registered in the driver) was "unknown reward" there,
+    after the warm-up; a user's override of "math" would have been the built-in one. They get
+    the driver's reward, and score as the in-process trainer does."""
+    from hacpo.engine import rewards
+    rewards.register_reward("_ray_user_length", in_process=True)(_user_length_reward)
+    try:
+        over = {"reward.name": "_ray_user_length", "steps": 0}
+        want, _ = _run(cache, "user-reward-local", **over)
+        got, _ = _run(cache, "user-reward-ray", trainer_backend="ray", **over)
+    finally:
+        rewards._REGISTRY.pop("_ray_user_length", None)
+    assert got["before"] == want["before"] and got["after"] == want["after"]
+    assert any(r["accuracy"] not in (0.0, 1.0) for r in want["before"].values())
+    free_cpus_back()
+
+
 def test_unknown_trainer_backend_is_clear_error():
     with pytest.raises(ValueError, match=r"unknown trainer_backend 'nope'.*local, ray"):
         load_config("tiny3", overrides={"trainer_backend": "nope"})
