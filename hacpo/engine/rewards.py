@@ -34,6 +34,7 @@ import dataclasses
 import logging
 import math
 import multiprocessing
+import os
 import pickle
 import re
 import signal
@@ -478,6 +479,11 @@ _REGISTRY: dict[str, RewardSpec] = {}
 def register_reward(name: str, *, fast_path: Optional[FastPathFn] = None,
                     in_process: bool = False, overwrite: bool = False):
     """Decorator registering ``fn(response, gold) -> float`` under ``name``; returns ``fn``."""
+    if not isinstance(name, str) or not name:
+        # a bare ``@register_reward`` passes the function as the name: nothing registered,
+        # and the user's function replaced by the decorator
+        raise TypeError(f"register_reward takes the reward's name first: use "
+                        f"@register_reward(\"name\") (got {name!r})")
 
     def decorator(fn: RewardFn) -> RewardFn:
         old = _REGISTRY.get(name)
@@ -567,6 +573,16 @@ def _worker_init() -> None:
         import math_verify  # noqa: F401
     except ImportError:
         pass
+    # A parent that dies without stopping its pool (kill -9, an OOM kill, a notebook kernel
+    # restart) leaves its workers to init: each ends itself once its parent is gone.
+    parent = os.getppid()
+
+    def _watch_parent() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(1)
+    threading.Thread(target=_watch_parent, name="hacpo-parent-watch", daemon=True).start()
 
 
 def _ping() -> int:

@@ -327,8 +327,8 @@ def _prepare(cfg: TrainConfig, resume: bool, echo):
     if state is None:       # a resume writes it once the checkpoint is loaded (_run)
         _write_config(cfg)
     vocab = max(p.tokenizer.vocab_size for p in policies)
-    for note in (unused_algorithm_note(cfg), unused_rollout_note(cfg), minibatch_shortfall(cfg),
-                 no_signal_note(cfg, vocab=vocab)):
+    for note in (unused_algorithm_note(cfg), unused_rollout_note(cfg), unused_hook_note(cfg),
+                 minibatch_shortfall(cfg), no_signal_note(cfg, vocab=vocab)):
         if note:
             echo(f"[warn] {note}")
     warm = build.warm_start(cfg, data, policies, echo) if state is None else state["warmup"]
@@ -432,6 +432,15 @@ def unused_rollout_note(cfg: TrainConfig) -> str | None:
             f"vllm" + (", or a Ray trainer" if any("ray_address" in u for u in unused) else "")
             + f"); this run samples in-process (rollout.engine=local) and never reads "
             f"{'them' if len(unused) > 1 else 'it'}")
+
+
+def unused_hook_note(cfg: TrainConfig) -> str | None:
+    """A note when ``trainer_setup_hook`` is set but no agent is a megatron trainer group (the
+    only processes that run it): a misspelt module would otherwise pass unnoticed."""
+    if not cfg.trainer_setup_hook or any(a.trainer == "megatron" for a in cfg.agents):
+        return None
+    return (f"trainer_setup_hook={cfg.trainer_setup_hook!r} runs in megatron trainer ranks "
+            f"only (agents.N.trainer=megatron); this run has none, so it never runs")
 
 
 def no_signal_note(cfg: TrainConfig, vocab: int | None = None) -> str | None:

@@ -361,3 +361,55 @@ def test_the_last_gsm8k_marker_on_a_line_gives_the_answer(text, answer):
     from hacpo.engine.rewards import extract_answer, gold_answer
     assert extract_answer(text) == answer
     assert gold_answer(text) == answer
+
+
+_KILLED_PARENT = r'''
+import os, signal, sys
+from hacpo.engine.rewards import RewardComputer
+rc = RewardComputer("math", num_workers=1)
+rc.score([r"\boxed{x+1}"], ["x+1"])
+with open(sys.argv[1], "w") as f:
+    f.write(" ".join(str(p.pid) for p in rc._pool._processes.values()))
+os.kill(os.getpid(), signal.SIGKILL)      # no close(): as kill -9, an OOM kill, a kernel restart
+'''
+
+
+def test_reward_workers_end_when_their_parent_is_killed(tmp_path):
+    """A trainer (or notebook kernel) killed without stopping its pool left its reward workers
+    running under init; each now ends itself within about a second of its parent's death."""
+    import os
+    import subprocess
+    import sys
+    # no pipes: a worker left running would hold them open
+    rc = subprocess.run([sys.executable, "-c", _KILLED_PARENT, str(tmp_path / "pids")],
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                        timeout=120).returncode
+    assert rc == -signal.SIGKILL
+    pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
+    assert pids
+
+    def alive(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+    deadline = time.monotonic() + 20
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [p for p in pids if alive(p)]
+    for p in left:                     # (without the fix: do not leave them running)
+        os.kill(p, signal.SIGKILL)
+    assert not left
+
+
+def test_a_bare_register_reward_decorator_is_a_type_error():
+    """@register_reward without its name registered nothing and replaced the function by the
+    decorator; the user then saw "unknown reward.name"."""
+    from hacpo.engine.rewards import register_reward
+
+    with pytest.raises(TypeError, match=r'register_reward takes the reward\'s name first: use '
+                                        r'@register_reward\("name"\)'):
+        @register_reward
+        def mine(response, gold):
+            return 1.0

@@ -576,7 +576,13 @@ def test_settings_a_run_never_reads_are_said(tmp_path):
     rollout.top_p so small that sampling is greedy (every group one reward)."""
     from hacpo.engine.compare import with_algorithm
     from hacpo.engine.trainer import (minibatch_shortfall, no_signal_note,
-                                      unused_algorithm_note, unused_rollout_note)
+                                      unused_algorithm_note, unused_hook_note,
+                                      unused_rollout_note)
+    hooked = _cfg(tmp_path, **{"trainer_setup_hook": "no_such_module:setup"})
+    assert unused_hook_note(hooked) == (
+        "trainer_setup_hook='no_such_module:setup' runs in megatron trainer ranks only "
+        "(agents.N.trainer=megatron); this run has none, so it never runs")
+    assert unused_hook_note(_cfg(tmp_path)) is None
     pools = _cfg(tmp_path, **{"rollout.engines_per_agent": "4", "rollout.call_timeout_s": "60",
                               "rollout.ray_address": "10.9.9.9:6379"})
     assert unused_rollout_note(pools) == (
