@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import logging
@@ -116,6 +117,20 @@ def corpus(cfg: TrainConfig, data: Data) -> list[str]:
     tokens that a subset of them may never produce)."""
     texts = [prompt_text(cfg, e) for e in data.train + data.eval]
     return texts + [data.target_text(e) for e in data.train]
+
+
+def keeps_torch_threads(fn):
+    """Decorator: ``fn`` (a run, an evaluation, an export) may set torch's thread count for
+    its work (``threads``: build_policies); the caller's count is restored after it, so a
+    second run in the same process (the Python API, a notebook) starts from its own."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        n = torch.get_num_threads()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.set_num_threads(n)
+    return wrapper
 
 
 def build_policies(cfg: TrainConfig, data: Data,

@@ -236,6 +236,7 @@ def _labels(run_dirs: list[str]) -> list[str]:
     return labels
 
 
+@build.keeps_torch_threads
 def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
                          agents: Optional[Sequence[str]] = None, samples: int = 1,
                          temperature: Optional[float] = None, top_p: Optional[float] = None,

@@ -225,6 +225,7 @@ def _write_agent(pol, final: str, *, record: dict, tokenizer: bool,
         raise
 
 
+@build.keeps_torch_threads
 def export_checkpoint(checkpoint: str, out_dir: str, *, agents: Optional[Sequence[str]] = None,
                       tokenizer: bool = True, dtype: Optional[str] = None,
                       overwrite: bool = False, echo: Callable[[str], None] = print) -> dict:

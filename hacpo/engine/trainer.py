@@ -97,6 +97,7 @@ def evaluate_all(cfg, data, agents, engine, rc, pass_k: int = 0) -> dict[str, di
     return dict(zip(agents.names, out))
 
 
+@build.keeps_torch_threads
 def train(cfg: TrainConfig, *, resume: bool = False, echo=print) -> dict:
     """Run (or resume) training; returns the summary (held-out accuracy before/after). The
     run dir is locked for the whole run: a second run in it (or a resume while the first

@@ -1074,3 +1074,17 @@ def test_extending_a_finished_run_keeps_its_final_eval_point(tmp_path):
     assert {k: v for k, v in got[1].items() if k.startswith("eval/")} == \
         {f"eval/{n}/accuracy": first[n]["accuracy"] for n in first}
     assert _strip_times(got) == _strip_times(ref)
+
+
+def test_a_run_gives_back_the_callers_torch_thread_count(tmp_path):
+    """train(threads=1) left torch at 1 thread for the rest of the process: a later run with
+    threads=0 ("torch's default") ran on 1 (and its metrics differed from a fresh process)."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        train(_cfg(tmp_path, steps="0", plots="false", tensorboard="false",
+                   **{"data.eval_size": "0"}), echo=lambda *_: None)      # threads=1
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
