@@ -525,6 +525,36 @@ def check_prompt_lengths(cfg: TrainConfig, data, policies) -> None:
                 f"not fit its max_len={p.max_len} with {key}={new} new tokens (the longest, "
                 f"example {ids[0]!r}, has {n} prompt tokens; {fit}): give the policy a longer "
                 f"max_len, lower {key}, or remove those examples")
+        if cfg.agents[k].warmup.steps > 0:
+            _check_warmup_lengths(cfg, data, p, k)
+
+
+def _check_warmup_lengths(cfg: TrainConfig, data, p, k: int) -> None:
+    """The warm-up trains on prompt + worked solution + EOS of training examples it draws at
+    random: one longer than the agent's max_len stopped it mid-way ("prompt+response of 155
+    tokens exceeds max_len=140", no example named). Checked with the prompts, before it."""
+    prompt_len: dict[str, int] = {}
+    too_long = []
+    for e in data.train:
+        text = build.prompt_text(cfg, e)
+        if text not in prompt_len:
+            prompt_len[text] = len(p.tokenizer.prompt_ids(text))
+        try:
+            n = prompt_len[text] + len(p.tokenizer.response_ids(data.target_text(e),
+                                                                add_eos=True))
+        except UnencodableTextError as err:
+            raise ValueError(f"agent {p.name!r} (agents.{k}): the warm-up target of example "
+                             f"{e.id!r} cannot be tokenized: {err}") from None
+        if n > p.max_len:
+            too_long.append((n, e.id))
+    if too_long:
+        n, eid = max(too_long)
+        raise ValueError(
+            f"agent {p.name!r} (agents.{k}): {len(too_long)} of {len(data.train)} training "
+            f"examples do not fit its max_len={p.max_len} in the warm-up, which trains on the "
+            f"prompt + worked solution + EOS (the longest, example {eid!r}, has {n} tokens): "
+            f"give the policy a longer max_len, set agents.{k}.warmup.steps=0, or remove those "
+            f"examples")
 
 
 def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:

@@ -1088,3 +1088,21 @@ def test_a_run_gives_back_the_callers_torch_thread_count(tmp_path):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_warm_up_examples_longer_than_max_len_are_an_error_before_it(tmp_path):
+    """The warm-up trains on prompt + worked solution + EOS: a max_len the prompts fit but
+    those do not stopped the warm-up mid-way with no example named (which one depends on
+    the batch drawn). Checked with the prompts, before any work; warmup.steps=0 runs."""
+    over = {"data.difficulty": "medium", "steps": "0", "plots": "false",
+            "tensorboard": "false", "data.eval_size": "0",
+            **{f"agents.{k}.policy.max_len": "140" for k in range(3)}}
+    with pytest.raises(ValueError, match=r"agent 'char' \(agents.0\): \d+ of 200 training "
+                                         r"examples do not fit its max_len=140 in the warm-up, "
+                                         r"which trains on the prompt \+ worked solution \+ EOS "
+                                         r"\(the longest, example 'arith-train-.*', has \d+ "
+                                         r"tokens\)"):
+        train(_cfg(tmp_path, **over), echo=lambda *_: None)
+    assert not (tmp_path / "run").exists()
+    no_warmup = {**over, **{f"agents.{k}.warmup.steps": "0" for k in range(3)}}
+    train(_cfg(tmp_path, "nw", **no_warmup), echo=lambda *_: None)
