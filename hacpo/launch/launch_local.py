@@ -37,8 +37,8 @@ from hacpo.engine.signals import signals_deferred
 
 from .ray_cluster import new_auth_env, use_auth_env
 from .ray_wait import ClusterTimeout, Node, log_tail, wait_for_cluster
-from .slurm import (LaunchError, WaitTimeout, check_resources, check_wait_timeout, driver_argv,
-                    load_run)
+from .slurm import (LaunchError, WaitTimeout, check_launch_numbers, check_resources,
+                    check_wait_timeout, driver_argv, load_run)
 
 _HOST = "127.0.0.1"
 
@@ -211,8 +211,7 @@ def _launch_local(args) -> int:
         raise LaunchError(f"--workers must be >= 0, got {args.workers}")
     cpus = args.cpus_per_node if args.cpus_per_node is not None else os.cpu_count() or 1
     check_resources(cfg, 1 + args.workers, cpus, args.gpus_per_node)
-    if args.ray_timeout <= 0:
-        raise LaunchError(f"--ray-timeout must be > 0, got {args.ray_timeout}")
+    check_launch_numbers(args)
     ray_bin = Path(sys.executable).parent / "ray"
     if not ray_bin.exists():
         raise LaunchError(f"{ray_bin} not found: ray is not installed in this Python "

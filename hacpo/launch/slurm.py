@@ -77,8 +77,12 @@ def load_run(args):
                               f"(the Ray address is the job's head node)")
     run_args = argparse.Namespace(
         preset=args.preset, config=args.config, algorithm=args.algorithm, steps=args.steps,
-        out_dir=args.out_dir, set=[*(args.set or []), f"rollout.engine={args.rollout_engine}"])
+        out_dir=args.out_dir, set=list(args.set or []))
     try:
+        if args.rollout_engine is None:     # the config's engine (a vllm config stays vllm)
+            engine = train_config(run_args)[0].rollout.engine
+            args.rollout_engine = "ray" if engine == "local" else engine
+        run_args.set.append(f"rollout.engine={args.rollout_engine}")
         cfg, _ = train_config(run_args)
         cfg.check_runnable()            # e.g. vLLM engines for plain-torch decoder agents
     except Exception as e:  # the config loader's own error (yaml, unknown key, bad value)
@@ -95,6 +99,12 @@ def _check_run_dir(cfg, resume: bool) -> None:
     run_dir = Path(cfg.out_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise LaunchError(f"the run dir {run_dir} is a file, not a directory")
+    above = run_dir.absolute().parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():      # e.g. --out-dir some_file/run: the driver could not make it
+        raise LaunchError(f"cannot create the run dir {run_dir}: {above} is a file, not a "
+                          f"directory")
     if (run_dir / CHECKPOINT).exists() and not resume:
         raise LaunchError(f"{run_dir} already holds a run ({CHECKPOINT}); pass --resume to "
                           f"continue it or choose another --out-dir")
@@ -229,6 +239,7 @@ SBATCH_TEMPLATE = r"""#!/bin/bash
 # other node (one background srun step per node), wait for all {nodes} nodes (deadline
 # {ray_timeout}s), run the driver, end the srun steps (never `ray stop`).
 set -uo pipefail
+export SLURM_EXPORT_ENV=ALL   # the srun steps get this environment (--export=NONE would drop PATH)
 {setup}export PATH={bin_dir}:$PATH
 export RAY_USAGE_STATS_ENABLED=0
 export RAY_task_events_max_num_task_in_gcs=${{RAY_task_events_max_num_task_in_gcs:-10000}}   # bounded GCS
@@ -351,17 +362,26 @@ def render_sbatch(args, cfg, *, python: str | None = None) -> str:
     python = python or sys.executable
     q = shlex.quote
     run_dir = Path(cfg.out_dir).resolve()
+    for what, path in (("the run dir", str(run_dir)), ("the working directory", os.getcwd())):
+        # sbatch reads '\' in an #SBATCH line as an escape, quoted or not (--output, --chdir
+        # then name another folder); a newline ends the line
+        if "\\" in path or "\n" in path:
+            raise LaunchError(f"{what} {path!r} holds a backslash or a newline, which an "
+                              f"#SBATCH line cannot carry: choose a path without them")
     extra = []
     if args.partition:
-        extra.append(f"--partition={args.partition}")
+        extra.append(f"--partition={q(args.partition)}")
     if args.time:
-        extra.append(f"--time={args.time}")
+        extra.append(f"--time={q(args.time)}")
     if args.gpus_per_node:
         extra.append(f"--gpus-per-node={args.gpus_per_node}")
     if args.cpus_per_node:
         extra.append(f"--cpus-per-task={args.cpus_per_node}")
     for a in args.sbatch_arg or []:
-        extra.append(a)
+        # the value of --key=value quoted ("--comment=my run": sbatch split it at the space,
+        # and a '#' in it began a comment)
+        key, eq, value = a.partition("=")
+        extra.append(f"{key}={q(value)}" if eq and key.startswith("-") else a)
     node_args = [f"--num-cpus={args.cpus_per_node}" if args.cpus_per_node
                  else "--num-cpus=${SLURM_CPUS_ON_NODE:-1}",
                  f"--num-gpus={args.gpus_per_node}"]
@@ -441,11 +461,27 @@ def wait_job(job_id: str, *, poll_s: float = 2.0, timeout_s: float | None = None
         time.sleep(poll_s)
 
 
+def check_launch_numbers(args) -> None:
+    """The launchers' numbers: a non-finite --ray-timeout crashed (nan waited forever), a port
+    out of range or an object store <= 0 failed only inside the job (or meant Ray's default
+    silently), a --poll <= 0 crashed after the job was submitted or polled without pause."""
+    if not 0 < args.ray_timeout < math.inf:
+        raise LaunchError(f"--ray-timeout must be a finite number of seconds > 0, got "
+                          f"{args.ray_timeout}")
+    if args.ray_port is not None and not 1 <= args.ray_port <= 65535:
+        raise LaunchError(f"--ray-port must be a port in 1..65535, got {args.ray_port}")
+    if args.object_store_mb is not None and args.object_store_mb < 1:
+        raise LaunchError(f"--object-store-mb must be >= 1 (leave it out for Ray's default), "
+                          f"got {args.object_store_mb}")
+    poll = getattr(args, "poll", None)
+    if poll is not None and not 0 < poll < math.inf:
+        raise LaunchError(f"--poll must be a finite number of seconds > 0, got {poll}")
+
+
 def launch_slurm(args) -> int:
+    check_launch_numbers(args)
     cfg = load_run(args)
     check_resources(cfg, args.nodes, args.cpus_per_node, args.gpus_per_node)
-    if args.ray_timeout <= 0:
-        raise LaunchError(f"--ray-timeout must be > 0, got {args.ray_timeout}")
     check_wait_timeout(args.wait_timeout)
     if args.wait_timeout is not None and not args.wait:
         raise LaunchError("--wait-timeout needs --wait")
@@ -559,8 +595,9 @@ def _add_run_args(p) -> None:
                    help="continue the run in the run dir (the driver runs `hacpo train "
                         "--resume`); without it a run dir holding a run is an error. A Slurm "
                         "job that Slurm requeues resumes either way")
-    p.add_argument("--rollout-engine", default="ray", choices=["ray", "vllm", "local"],
-                   help="rollout.engine of the driver (default ray: actors over the cluster)")
+    p.add_argument("--rollout-engine", default=None, choices=["ray", "vllm", "local"],
+                   help="rollout.engine of the driver (default: the config's, its 'local' "
+                        "as 'ray': actors over the cluster)")
     p.add_argument("--cpus-per-node", type=int, default=None,
                    help="Ray logical CPUs per node (slurm: also --cpus-per-task; default "
                         "Slurm's CPUs on the node / local: this machine's CPU count)")

@@ -129,6 +129,24 @@ def test_dry_run_extra_options(tmp_path, capsys):
     assert "rollout.engine=vllm" in script and "rollout.engine=ray" not in script
 
 
+def test_dry_run_keeps_the_configs_engine_and_quotes_sbatch_values(tmp_path, capsys):
+    """The launcher appended rollout.engine=ray whatever the config said (a vllm config sampled
+    without vLLM); an --sbatch-arg value with a space or '#' reached sbatch unquoted (split,
+    or cut at the '#'); --export=NONE would have left the srun steps without PATH."""
+    vllm = tmp_path / "vllm.yaml"
+    vllm.write_text("rollout:\n  engine: vllm\n")
+    script, _ = _dry_run(tmp_path, capsys, "--config", str(vllm), *_HF_AGENTS,
+                         "--sbatch-arg=--comment=my run #5", "--sbatch-arg=--exclusive")
+    assert "rollout.engine=vllm" in script and "rollout.engine=ray" not in script
+    assert "#SBATCH --comment='my run #5'" in script.splitlines()
+    assert "#SBATCH --exclusive" in script.splitlines()
+    assert "export SLURM_EXPORT_ENV=ALL" in script
+    plain, _ = _dry_run(tmp_path, capsys)       # tiny3's local engine: Ray actors
+    assert "rollout.engine=ray" in plain
+    p = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
+    assert p.returncode == 0, p.stderr
+
+
 def _driver_after_requeue(script: str, restart_count: int | None) -> list[str]:
     """The driver command the job would run, from the script's own lines (the DRIVER array and
     the requeue branch), with ``SLURM_RESTART_COUNT`` as given (None: unset)."""
@@ -238,6 +256,17 @@ _HF_AGENTS = ("--set", *(f"agents.{k}.policy.{f}" for k in range(3)
      "with rollout.device=cuda, rollout.engine_tp each) but 1 node(s) x --gpus-per-node 4 "
      "give 4"),
     (["--nodes", "0"], "--nodes must be >= 1"),
+    # numbers that crashed (nan, inf), failed only inside the job, or meant a default silently
+    (["--ray-timeout", "nan"], "--ray-timeout must be a finite number of seconds > 0, got nan"),
+    (["--ray-timeout", "inf"], "--ray-timeout must be a finite number of seconds > 0"),
+    (["--ray-port", "0"], "--ray-port must be a port in 1..65535, got 0"),
+    (["--ray-port", "99999"], "--ray-port must be a port in 1..65535, got 99999"),
+    (["--object-store-mb", "0"], "--object-store-mb must be >= 1 (leave it out for Ray's "
+                                 "default), got 0"),
+    (["--wait", "--poll", "-1"], "--poll must be a finite number of seconds > 0, got -1.0"),
+    (["--out-dir", "{file}/run"], "cannot create the run dir {file}/run: {file} is a file"),
+    (["--out-dir", "{tmp}/back\\slash"], "holds a backslash or a newline, which an #SBATCH "
+                                          "line cannot carry"),
     (["--wait-timeout", "60"], "--wait-timeout needs --wait"),
     (["--wait", "--wait-timeout", "-1"], "--wait-timeout must be > 0 seconds, got -1"),
 ])
@@ -245,8 +274,11 @@ def test_bad_input_fails_before_submitting(tmp_path, capsys, monkeypatch, args, 
     """Each is a clear error, exit 2, and nothing submitted (a fake sbatch records calls)."""
     (tmp_path / "bad.yaml").write_text("rollout: [unclosed\n")
     (tmp_path / "unknown.yaml").write_text("no_such_key: 1\n")
-    args = [a.format(bad_yaml=tmp_path / "bad.yaml", unknown_key=tmp_path / "unknown.yaml")
-            for a in args]
+    (tmp_path / "afile").write_text("")
+    fmt = dict(bad_yaml=tmp_path / "bad.yaml", unknown_key=tmp_path / "unknown.yaml",
+               file=tmp_path / "afile", tmp=tmp_path)
+    args = [a.format(**fmt) for a in args]
+    message = message.format(**fmt)
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "sbatch").write_text(f"#!/bin/sh\necho called >> {tmp_path}/sbatch-called\necho 1\n")
@@ -254,8 +286,8 @@ def test_bad_input_fails_before_submitting(tmp_path, capsys, monkeypatch, args, 
     if "--nodes" not in args:
         args = ["--nodes", "1", *args]
     monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
-    rc, out, err = launch(["launch", "slurm", "--preset", "tiny3", "--out-dir",
-                           str(tmp_path / "run"), *args], capsys)
+    out_dir = [] if "--out-dir" in args else ["--out-dir", str(tmp_path / "run")]
+    rc, out, err = launch(["launch", "slurm", "--preset", "tiny3", *out_dir, *args], capsys)
     assert rc == 2, (out, err)
     assert "hacpo launch: error:" in err and message in err, err
     assert not (tmp_path / "sbatch-called").exists()
