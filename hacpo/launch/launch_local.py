@@ -13,7 +13,10 @@ tail of its log. With ``--wait-timeout S``, a launch not finished S seconds afte
 (Ray bring-up included) kills the driver's process group (SIGTERM, SIGKILL after 10 s), tears
 the cluster down the same way and exits 124 naming the driver's process group, the elapsed
 time and where the logs are. SIGTERM to the launcher ends the driver's process group and the
-cluster the same way (exit 143). Ctrl-C in the terminal (SIGINT to
+cluster the same way (exit 143), and so does SIGHUP (the terminal closed; exit 129) unless it
+is ignored (nohup). A SIGKILLed launcher cannot tear down: its driver and ``ray start``
+processes get SIGTERM from the kernel when it dies (PR_SET_PDEATHSIG), and stop as they do on
+a teardown's (the Ray temp dir is left). Ctrl-C in the terminal (SIGINT to
 the launcher's process group: the driver and the Ray nodes run in sessions of their own and do
 not see it) is passed on to the driver's process group as SIGINT, so the run stops as an
 interrupted ``hacpo train`` does; then the cluster is torn down and the launcher prints one
@@ -23,6 +26,7 @@ still running is SIGKILLed at once, one line says so).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -49,6 +53,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# what stops a launch (SIGINT: Ctrl-C, as KeyboardInterrupt)
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 class _Teardown:
     """Held while the launcher stops the driver and the Ray nodes: Ctrl-C or SIGTERM then does
     not interrupt the teardown (a KeyboardInterrupt there left the Ray nodes running, after a
@@ -60,8 +68,9 @@ class _Teardown:
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> "_Teardown":
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._hurry)
+        for sig in _STOP_SIGNALS:
+            if signal.getsignal(sig) is not signal.SIG_IGN:    # (nohup: SIGHUP stays ignored)
+                self._previous[sig] = signal.signal(sig, self._hurry)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -177,30 +186,72 @@ def _wait_driver(driver: subprocess.Popen, procs: list[subprocess.Popen], nodes:
 
 
 class _Terminated(BaseException):
-    """SIGTERM (``kill``, ``timeout``, a scheduler) to the launcher: unwinds through its
-    teardown like Ctrl-C, then exits 143."""
+    """SIGTERM (``kill``, ``timeout``, a scheduler) or SIGHUP (the terminal closed, an SSH
+    session dropped) to the launcher: unwinds through its teardown like Ctrl-C, then exits
+    128 + the signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
 
 
-def _on_sigterm(signum, frame):
-    raise _Terminated()
+class _Quiet:
+    """A stream whose writes may fail (the terminal of a SIGHUP is gone: EIO) without ending
+    the teardown that prints its progress."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except (OSError, ValueError):
+            return len(text)
+
+    def flush(self):
+        with contextlib.suppress(OSError, ValueError):
+            self._stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _on_stop_signal(signum, frame):
+    if signum == signal.SIGHUP:
+        sys.stdout, sys.stderr = _Quiet(sys.stdout), _Quiet(sys.stderr)
+    raise _Terminated(signum)
+
+
+def _end_with_parent() -> None:
+    """In a child (preexec_fn): SIGTERM when the launcher dies, even by SIGKILL (its own
+    teardown never runs then; the children are in sessions of their own, which no terminal
+    hang-up reaches)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
 
 
 def launch_local(args) -> int:
-    """See the module docstring; SIGTERM tears down the driver and the cluster as Ctrl-C
-    does, and the launcher exits 143."""
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    """See the module docstring; SIGTERM, or SIGHUP (unless ignored: nohup), tears down the
+    driver and the cluster as Ctrl-C does, and the launcher exits 128 + the signal."""
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    for sig, handler in previous.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(sig, _on_stop_signal)
     try:
         return _launch_local(args)
-    except _Terminated:
-        print("[hacpo launch] terminated (SIGTERM): the driver and the Ray cluster were "
-              "stopped", file=sys.stderr, flush=True)
-        return 128 + signal.SIGTERM
+    except _Terminated as e:
+        name = "SIGHUP: the terminal closed" if e.signum == signal.SIGHUP else "SIGTERM"
+        print(f"[hacpo launch] terminated ({name}): the driver and the Ray cluster were "
+              f"stopped", file=sys.stderr, flush=True)
+        return 128 + e.signum
     except KeyboardInterrupt:    # a traceback before
         print("[hacpo launch] interrupted (Ctrl-C): the driver and the Ray cluster were "
               "stopped", file=sys.stderr, flush=True)
         return 128 + signal.SIGINT
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _launch_local(args) -> int:
@@ -255,9 +306,10 @@ def _launch_local(args) -> int:
     def start(name, extra):
         log = log_dir / f"ray-{name}.log"
         # a Ctrl-C / SIGTERM while it starts is handled once it is recorded (then stopped)
-        with signals_deferred(signal.SIGINT, signal.SIGTERM), open(log, "w") as f:
+        with signals_deferred(*_STOP_SIGNALS), open(log, "w") as f:
             p = subprocess.Popen([str(ray_bin), "start", *extra, *node_args], stdout=f,
-                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                                 stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                 preexec_fn=_end_with_parent)
             procs.append(p)
             nodes.append(Node(name, None, p.pid, str(log)))   # Ray registers it under the host IP
 
@@ -275,8 +327,9 @@ def _launch_local(args) -> int:
         print("[hacpo launch] driver: " + " ".join(argv), flush=True)
         # its own session: on a timeout (or if this launcher is interrupted) the whole driver
         # process group is ended, whatever it started
-        with signals_deferred(signal.SIGINT, signal.SIGTERM):    # recorded, then stopped
-            driver = subprocess.Popen(argv, env=env, start_new_session=True)
+        with signals_deferred(*_STOP_SIGNALS):    # recorded, then stopped
+            driver = subprocess.Popen(argv, env=env, start_new_session=True,
+                                      preexec_fn=_end_with_parent)
         try:
             rc, lost = _wait_driver(driver, procs, nodes, wall)
         except subprocess.TimeoutExpired:

@@ -354,3 +354,51 @@ def test_a_second_signal_hurries_the_teardown_and_never_cuts_it(tmp_path):
         assert stdout == "stopped -9 -9 -9\n", (stdout, stderr)
         assert stderr == (f"[hacpo launch] {signal.Signals(sig).name} while stopping: killing "
                           "the driver's process group and the Ray nodes now (SIGKILL)\n"), stderr
+
+
+def _launch_until_training(out: Path, tmp_path: Path) -> subprocess.Popen:
+    args = tiny_run_args(out, tmp_path)
+    args[args.index(f"steps={TINY_STEPS}")] = "steps=1000"       # still running when stopped
+    p = subprocess.Popen([sys.executable, "-m", "hacpo.launch.cli", "launch", "local",
+                          "--cpus-per-node", "3", "--ray-timeout", "240", "--ray-port",
+                          str(free_port()), *args], cwd=REPO,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", **INHERITED_RAY_ENV},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (out / "metrics.jsonl").exists():
+        time.sleep(0.5)
+    assert (out / "metrics.jsonl").exists(), "the driver never started training"
+    return p
+
+
+@pytest.mark.slow
+def test_launch_local_hang_up_or_kill_9_leaves_nothing_running(tmp_path):
+    """The terminal closing (SIGHUP) killed the launcher alone: the driver trained on and the
+    Ray head ran on under init. SIGHUP now tears down as SIGTERM does (exit 129); a SIGKILLed
+    launcher, whose teardown cannot run, takes its driver and Ray nodes with it (they get
+    SIGTERM when it dies)."""
+    out = tmp_path / "hup"
+    p = _launch_until_training(out, tmp_path)
+    p.send_signal(signal.SIGHUP)
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode == 129, stdout + stderr
+    assert "terminated (SIGHUP: the terminal closed)" in stderr
+    tmp = _temp_dir(stdout)
+    assert not Path(tmp).exists()
+    assert not processes_mentioning(tmp), "Ray processes left running"
+    assert not processes_mentioning(str(out)), "the driver was left running"
+
+    out = tmp_path / "kill9"
+    p = _launch_until_training(out, tmp_path)
+    p.kill()
+    stdout, _ = p.communicate(timeout=60)
+    tmp = _temp_dir(stdout)
+    deadline = time.time() + 90
+    while time.time() < deadline and (processes_mentioning(tmp)
+                                       or processes_mentioning(str(out))):
+        time.sleep(0.5)
+    left = processes_mentioning(tmp) + processes_mentioning(str(out))
+    for line in left:                          # never leave them running (a failed check)
+        with __import__("contextlib").suppress(OSError):
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+    assert not left, left
