@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from collections import defaultdict
 
@@ -148,10 +149,49 @@ def lock_run_dir(out_dir: str):
     mounted without flock) is logged and the run goes on unlocked. A lock held from another
     host is waited for up to ``$HACPO_RUN_LOCK_WAIT_S`` (default 120) seconds first: a node
     that died holding it keeps it on a network filesystem until its lease ends."""
-    import fcntl
-
     # a file, a dangling link, a read-only parent, no permission: one line naming it
     ckpt.ensure_dir(out_dir, "run dir (out_dir)")
+    key = os.path.realpath(out_dir)
+    with _HELD_GUARD:   # POSIX locks are per process: a second run of this one (two threads,
+        if key in _HELD:    # a notebook) would take it again, and its close() drop the first's
+            raise RuntimeError(f"{out_dir} is in use by another hacpo run in this process "
+                               f"({socket.gethostname()}:{os.getpid()}): wait for it to end, "
+                               f"or choose another out_dir")
+        _HELD.add(key)
+    try:
+        return _HeldLock(_lock_file(out_dir), key)
+    except BaseException:
+        with _HELD_GUARD:
+            _HELD.discard(key)
+        raise
+
+
+# run dirs this process holds (realpath), guarded: lockf cannot tell its own process's runs apart
+_HELD: set[str] = set()
+_HELD_GUARD = threading.Lock()
+
+
+class _HeldLock:
+    """The open lock file of a run dir this process holds; ``close()`` releases both."""
+
+    def __init__(self, f, key: str):
+        self._f, self._key = f, key
+
+    def close(self) -> None:
+        try:
+            self._f.close()
+        finally:
+            with _HELD_GUARD:
+                _HELD.discard(self._key)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
+def _lock_file(out_dir: str):
+    """lock_run_dir's lock of ``<out_dir>/.hacpo-run.lock`` against other processes."""
+    import fcntl
+
     path = os.path.join(out_dir, RUN_LOCK)
     f = open(path, "a+")
     deadline = None

@@ -1106,3 +1106,30 @@ def test_warm_up_examples_longer_than_max_len_are_an_error_before_it(tmp_path):
     assert not (tmp_path / "run").exists()
     no_warmup = {**over, **{f"agents.{k}.warmup.steps": "0" for k in range(3)}}
     train(_cfg(tmp_path, "nw", **no_warmup), echo=lambda *_: None)
+
+
+def test_a_second_run_of_one_process_in_a_run_dir_in_use_is_an_error(tmp_path):
+    """POSIX record locks are per process: a second train() in the same process (two threads,
+    a notebook) took the run dir's lock again, both runs wrote one metrics.jsonl (steps 0, 0,
+    1, 1), and the second's close() dropped the first's lock."""
+    import threading
+
+    from hacpo.engine.trainer import lock_run_dir
+    run = tmp_path / "run"
+    first = lock_run_dir(str(run))
+    errors = []
+
+    def second():
+        try:
+            lock_run_dir(str(tmp_path / "." / "run"))     # the same folder by another spelling
+        except RuntimeError as e:
+            errors.append(str(e))
+    t = threading.Thread(target=second)
+    t.start()
+    t.join()
+    assert len(errors) == 1 and "is in use by another hacpo run in this process" in errors[0]
+    with pytest.raises(RuntimeError, match="in use by another hacpo run in this process"):
+        train(_cfg(tmp_path, steps="1"), echo=lambda *_: None)
+    assert not (run / "metrics.jsonl").exists()
+    first.close()
+    lock_run_dir(str(run)).close()                        # free again once closed
