@@ -166,6 +166,33 @@ def lock_run_dir(out_dir: str):
         raise
 
 
+def run_dir_holder(out_dir: str) -> str | None:
+    """``host:pid`` of the run that holds ``out_dir``'s lock now, or None (no lock file, free,
+    or a filesystem that cannot lock). For a launcher: refuse before it starts a cluster whose
+    driver would be refused."""
+    import fcntl
+
+    path = os.path.join(out_dir, RUN_LOCK)
+    with _HELD_GUARD:
+        if os.path.realpath(out_dir) in _HELD:
+            return f"{socket.gethostname()}:{os.getpid()}"
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, "a+") as f:    # (this process holds no lock there: closing drops none)
+            try:
+                fcntl.lockf(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno not in (errno.EACCES, errno.EAGAIN):
+                    return None
+                f.seek(0)
+                return f.read().strip() or "unknown"
+            fcntl.lockf(f.fileno(), fcntl.LOCK_UN)
+            return None
+    except OSError:
+        return None
+
+
 # run dirs this process holds (realpath), guarded: lockf cannot tell its own process's runs apart
 _HELD: set[str] = set()
 _HELD_GUARD = threading.Lock()

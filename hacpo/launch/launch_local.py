@@ -263,6 +263,10 @@ def _launch_local(args) -> int:
     cpus = args.cpus_per_node if args.cpus_per_node is not None else os.cpu_count() or 1
     check_resources(cfg, 1 + args.workers, cpus, args.gpus_per_node)
     check_launch_numbers(args)
+    from hacpo.engine.trainer import run_dir_holder
+    if holder := run_dir_holder(cfg.out_dir):   # its driver would be refused, after Ray is up
+        raise LaunchError(f"{cfg.out_dir} is in use by another hacpo run (process {holder}): "
+                          f"wait for it to end (or stop it), or choose another --out-dir")
     ray_bin = Path(sys.executable).parent / "ray"
     if not ray_bin.exists():
         raise LaunchError(f"{ray_bin} not found: ray is not installed in this Python "
@@ -306,7 +310,11 @@ def _launch_local(args) -> int:
     def start(name, extra):
         log = log_dir / f"ray-{name}.log"
         # a Ctrl-C / SIGTERM while it starts is handled once it is recorded (then stopped)
-        with signals_deferred(*_STOP_SIGNALS), open(log, "w") as f:
+        # appended: the logs of an earlier launch of this run dir (which its error named) stay
+        with signals_deferred(*_STOP_SIGNALS), open(log, "a") as f:
+            f.write(f"==== hacpo launch local (pid {os.getpid()}), "
+                    f"{time.strftime('%Y-%m-%d %H:%M:%S')}: ray start {name} ====\n")
+            f.flush()
             p = subprocess.Popen([str(ray_bin), "start", *extra, *node_args], stdout=f,
                                  stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                  preexec_fn=_end_with_parent)

@@ -76,6 +76,23 @@ def test_launch_local_needs_enough_cpus(tmp_path, capsys):
     assert not (tmp_path / "r").exists()
 
 
+def test_launch_local_into_a_run_dir_in_use_is_refused_before_ray_starts(tmp_path, capsys):
+    """A second launch on a run dir a run holds started a whole Ray cluster (and truncated the
+    first launch's Ray logs) before its driver was refused; now refused first, nothing started
+    (here the holder is this process; another process's lock is found the same way)."""
+    from hacpo.engine.trainer import lock_run_dir
+    run = tmp_path / "r"
+    lock = lock_run_dir(str(run))
+    try:
+        rc = main(["launch", "local", "--cpus-per-node", "3", *tiny_run_args(run, tmp_path),
+                   "--resume"])
+    finally:
+        lock.close()
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{run} is in use by another hacpo run (process " in err, err
+    assert sorted(p.name for p in run.iterdir()) == [".hacpo-run.lock"]
+
+
 def test_launch_local_ray_head_that_exits_is_a_clear_error(tmp_path):
     """An impossible Ray setting (1 MiB object store; Ray's minimum is 75 MiB): the head's
     `ray start` exits; the error names it and shows Ray's own message, without waiting for
