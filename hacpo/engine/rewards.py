@@ -585,8 +585,17 @@ def _worker_init() -> None:
     threading.Thread(target=_watch_parent, name="hacpo-parent-watch", daemon=True).start()
 
 
-def _ping() -> int:
-    return 0
+def _ping(reward: Optional[bytes] = None) -> Optional[str]:
+    """A worker's start-up call: ``reward`` (the pickled reward function) is unpickled here,
+    i.e. its module imported; returns why that failed, or None. A reward no worker can load
+    then fails the pool's start with that reason, not every item with a broken pool."""
+    if reward is None:
+        return None
+    try:
+        pickle.loads(reward)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 @contextlib.contextmanager
@@ -699,6 +708,12 @@ class RewardComputer:
 
     # -- pool management --------------------------------------------------------------------
 
+    def start(self) -> None:
+        """Start the worker pool now (a no-op without workers): a reward the workers cannot
+        load is then an error before a run's warm-up, not at its first scoring."""
+        if self.num_workers > 0 and not self.spec.in_process:
+            self._get_pool()
+
     def _get_pool(self) -> cf.ProcessPoolExecutor:
         if self._closed:
             raise RuntimeError("RewardComputer is closed")
@@ -712,15 +727,25 @@ class RewardComputer:
                         max_workers=self.num_workers,
                         mp_context=multiprocessing.get_context(self.mp_context),
                         initializer=_worker_init)
-                    pings = [pool.submit(_ping) for _ in range(self.num_workers)]
+                    blob = pickle.dumps(self.spec.fn) if not self.spec.in_process else None
+                    pings = [pool.submit(_ping, blob) for _ in range(self.num_workers)]
                 done, not_done = cf.wait(pings, timeout=self.startup_timeout_s)
             except BaseException:       # interrupted: no half-started worker left behind
                 if pool is not None:
                     self._kill(pool)
                 raise
             errors = [f.exception() for f in done if f.exception() is not None]
-            if not_done or errors:
+            unloadable = [f.result() for f in done if f.exception() is None and f.result()]
+            if not_done or errors or unloadable:
                 self._kill(pool)
+                if unloadable:     # the reward itself: its module not importable there
+                    fn = self.spec.fn
+                    where = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
+                    raise ValueError(
+                        f"reward {self.name!r} ({where}) cannot be loaded in a reward worker "
+                        f"process ({unloadable[0]}): a worker imports the reward's module, so "
+                        f"one defined in __main__ (python -c, a notebook) cannot run there: "
+                        f"define it in an importable module, or set reward.num_workers=0")
                 why = (f"a worker failed: {errors[0]!r}" if errors
                        else f"not ready within {self.startup_timeout_s} s")
                 raise RuntimeError(f"reward worker pool ({self.mp_context}) did not start: {why}")

@@ -120,6 +120,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, echo=print) -> dict:
     try:
         with RewardComputer(cfg.reward.name, num_workers=cfg.reward.num_workers,
                             timeout_s=cfg.reward.timeout_s) as rc:   # no worker outlives the run
+            with user_errors(ValueError):
+                rc.start()           # a reward its workers cannot load: before any work
             return _train(cfg, rc, resume, echo)
     except BaseException:
         # a new run refused before its config.json (an agent name new runs may not use, a

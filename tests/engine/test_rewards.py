@@ -413,3 +413,41 @@ def test_a_bare_register_reward_decorator_is_a_type_error():
         @register_reward
         def mine(response, gold):
             return 1.0
+
+
+_MAIN_REWARD = r'''
+import sys
+from hacpo.engine.rewards import register_reward
+from hacpo.engine.run_config import load_config
+from hacpo.engine.trainer import train
+
+@register_reward("nb_reward")
+def nb_reward(response, gold):
+    return 1.0
+
+cfg = load_config("tiny3", overrides={"out_dir": sys.argv[1], "cache_dir": sys.argv[2],
+                                      "reward.name": "nb_reward", "reward.num_workers": 1,
+                                      "steps": 0, "threads": 1})
+try:
+    train(cfg, echo=lambda line: print(line, flush=True))
+except ValueError as e:
+    print("ERROR", e, flush=True)
+'''
+
+
+def test_a_reward_its_workers_cannot_load_is_an_error_before_the_warm_up(tmp_path):
+    """A reward defined in __main__ (python -c, a notebook) with reward.num_workers > 0: every
+    item broke the pool and scored 0, one pool restart each, and the run exited 0. The pool's
+    start now loads the reward in its workers: one error, before any work."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _MAIN_REWARD, str(tmp_path / "run"),
+                          str(tmp_path / "cache")], capture_output=True, text=True,
+                         timeout=300)
+    lines = out.stdout.splitlines()
+    err = next(ln for ln in lines if ln.startswith("ERROR"))
+    assert "reward 'nb_reward' (__main__.nb_reward) cannot be loaded in a reward worker " \
+           "process (AttributeError: Can't get attribute 'nb_reward'" in err, out.stdout
+    assert "define it in an importable module, or set reward.num_workers=0" in err
+    assert not any("[warm-up]" in ln for ln in lines), lines
+    assert not (tmp_path / "run").exists()
