@@ -195,9 +195,15 @@ def test_launch_local_refuses_strangers_and_sigterm_stops_driver_and_cluster(tmp
         assert p.poll() is None, "the launch ended while strangers knocked"
     finally:
         p.send_signal(signal.SIGTERM)
+    _assert_torn_down(p, out, 143, "terminated (SIGTERM)")
+
+
+def _assert_torn_down(p: subprocess.Popen, out: Path, code: int, said: str) -> None:
+    """The launcher ``p`` (signalled) exits ``code`` saying ``said``; its Ray temp dir is gone
+    and none of its Ray processes or its driver (run dir ``out``) is left running."""
     stdout, stderr = p.communicate(timeout=120)
-    assert p.returncode == 143, stdout + stderr
-    assert "terminated (SIGTERM)" in stderr
+    assert p.returncode == code, stdout + stderr
+    assert said in stderr
     tmp = _temp_dir(stdout)
     assert not Path(tmp).exists()
     assert not processes_mentioning(tmp), "Ray processes left running"
@@ -397,13 +403,7 @@ def test_launch_local_hang_up_or_kill_9_leaves_nothing_running(tmp_path):
     out = tmp_path / "hup"
     p = _launch_until_training(out, tmp_path)
     p.send_signal(signal.SIGHUP)
-    stdout, stderr = p.communicate(timeout=120)
-    assert p.returncode == 129, stdout + stderr
-    assert "terminated (SIGHUP: the terminal closed)" in stderr
-    tmp = _temp_dir(stdout)
-    assert not Path(tmp).exists()
-    assert not processes_mentioning(tmp), "Ray processes left running"
-    assert not processes_mentioning(str(out)), "the driver was left running"
+    _assert_torn_down(p, out, 129, "terminated (SIGHUP: the terminal closed)")
 
     out = tmp_path / "kill9"
     p = _launch_until_training(out, tmp_path)
