@@ -298,23 +298,36 @@ def test_launcher_sigterm_and_ctrl_c_exit_codes_and_handler_restored(monkeypatch
     def before(signum, frame):
         pass
 
-    previous = signal.signal(signal.SIGTERM, before)
+    previous = {s: signal.signal(s, before) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        for exc, rc, line in ((ll._Terminated, 143, "terminated (SIGTERM)"),
-                              (KeyboardInterrupt, 130, "interrupted (Ctrl-C)")):
+        for exc, rc, line in ((ll._Terminated(signal.SIGTERM), 143, "terminated (SIGTERM)"),
+                              (ll._Terminated(signal.SIGHUP), 129,
+                               "terminated (SIGHUP: the terminal closed)"),
+                              (KeyboardInterrupt(), 130, "interrupted (Ctrl-C)")):
             def body(args):
-                assert signal.getsignal(signal.SIGTERM) is ll._on_sigterm
-                raise exc()
+                for s in (signal.SIGTERM, signal.SIGHUP):
+                    assert signal.getsignal(s) is ll._on_stop_signal
+                raise exc
 
             monkeypatch.setattr(ll, "_launch_local", body)
             assert ll.launch_local(None) == rc
             assert f"[hacpo launch] {line}: the driver and the Ray cluster were stopped" \
                 in capsys.readouterr().err
-            assert signal.getsignal(signal.SIGTERM) is before
+            for s in (signal.SIGTERM, signal.SIGHUP):
+                assert signal.getsignal(s) is before
         with pytest.raises(ll._Terminated):
-            ll._on_sigterm(signal.SIGTERM, None)
+            ll._on_stop_signal(signal.SIGTERM, None)
+        # nohup: an ignored SIGHUP stays ignored (the launch is meant to outlive its terminal)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+        def ignored(args):
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            return 0
+        monkeypatch.setattr(ll, "_launch_local", ignored)
+        assert ll.launch_local(None) == 0
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 def test_teardown_holds_the_signals_hurries_once_and_restores(capsys):
@@ -439,7 +452,9 @@ def test_signals_deferred_is_a_no_op_off_the_main_thread():
 
 @pytest.mark.parametrize("over,message", [
     ({"workers": -1}, "--workers must be >= 0, got -1"),
-    ({"ray_timeout": 0}, "--ray-timeout must be > 0, got 0")])
+    ({"ray_timeout": 0}, "--ray-timeout must be a finite number of seconds > 0, got 0"),
+    ({"ray_timeout": float("nan")}, "--ray-timeout must be a finite number of seconds > 0"),
+    ({"ray_port": 70000}, "--ray-port must be a port in 1..65535, got 70000")])
 def test_bad_counts_are_refused_before_anything_starts(monkeypatch, tmp_path, over, message):
     f = _Fake(monkeypatch, tmp_path, "raise SystemExit(0)", **over)
     with pytest.raises(LaunchError, match=message):
