@@ -386,12 +386,26 @@ def _launch_until_training(out: Path, tmp_path: Path) -> subprocess.Popen:
                           "--cpus-per-node", "3", "--ray-timeout", "240", "--ray-port",
                           str(free_port()), *args], cwd=REPO,
                          env={**os.environ, "OMP_NUM_THREADS": "1", **INHERITED_RAY_ENV},
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         # a test run under nohup (SIGHUP ignored, inherited): not here
+                         preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     deadline = time.time() + 300
     while time.time() < deadline and not (out / "metrics.jsonl").exists():
         time.sleep(0.5)
     assert (out / "metrics.jsonl").exists(), "the driver never started training"
     return p
+
+
+def _kill_leftovers(*texts: str) -> list[str]:
+    """SIGKILL every process whose command line mentions one of ``texts``; returns them (a
+    failed check must not leave a launch running)."""
+    left = [ln for t in texts for ln in processes_mentioning(t)]
+    for line in left:
+        try:
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+        except OSError:
+            pass
+    return left
 
 
 @pytest.mark.slow
@@ -402,8 +416,13 @@ def test_launch_local_hang_up_or_kill_9_leaves_nothing_running(tmp_path):
     SIGTERM when it dies)."""
     out = tmp_path / "hup"
     p = _launch_until_training(out, tmp_path)
-    p.send_signal(signal.SIGHUP)
-    _assert_torn_down(p, out, 129, "terminated (SIGHUP: the terminal closed)")
+    try:
+        p.send_signal(signal.SIGHUP)
+        _assert_torn_down(p, out, 129, "terminated (SIGHUP: the terminal closed)")
+    finally:       # (a failed check: its children get SIGTERM as it dies, PR_SET_PDEATHSIG)
+        if p.poll() is None:
+            p.kill()
+            p.wait()
 
     out = tmp_path / "kill9"
     p = _launch_until_training(out, tmp_path)
@@ -414,8 +433,5 @@ def test_launch_local_hang_up_or_kill_9_leaves_nothing_running(tmp_path):
     while time.time() < deadline and (processes_mentioning(tmp)
                                        or processes_mentioning(str(out))):
         time.sleep(0.5)
-    left = processes_mentioning(tmp) + processes_mentioning(str(out))
-    for line in left:                          # never leave them running (a failed check)
-        with __import__("contextlib").suppress(OSError):
-            os.kill(int(line.split()[0]), signal.SIGKILL)
+    left = _kill_leftovers(tmp, str(out))
     assert not left, left
