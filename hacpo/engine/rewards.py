@@ -861,20 +861,31 @@ class RewardComputer:
 
     def _score_in_pool(self, idx, responses, golds, raw, stats) -> None:
         # At most num_workers items in flight, so submission time ~ start time and each item
-        # gets its own deadline.
+        # gets its own deadline. A worker that dies (a reward calling os._exit, a segfault in
+        # a C extension) breaks the whole pool: every item in flight fails with it, and which
+        # one killed its worker is unknown. Those are re-run one at a time ("suspects", alone
+        # in the pool): the one that breaks it alone scores 0 as an error, the others count.
         pending = collections.deque(idx)
+        suspects: collections.deque[int] = collections.deque()
         inflight: dict[cf.Future, tuple[int, float]] = {}
         fn = self.spec.fn
-        while pending or inflight:
+        while pending or suspects or inflight:
             pool = self._get_pool()
-            while pending and len(inflight) < self.num_workers:
-                i = pending.popleft()
-                fut = pool.submit(_call_guarded, fn, responses[i], golds[i], self.timeout_s)
-                inflight[fut] = (i, time.monotonic())
+            if suspects:
+                if not inflight:
+                    i = suspects.popleft()
+                    fut = pool.submit(_call_guarded, fn, responses[i], golds[i], self.timeout_s)
+                    inflight[fut] = (i, time.monotonic())
+            else:
+                while pending and len(inflight) < self.num_workers:
+                    i = pending.popleft()
+                    fut = pool.submit(_call_guarded, fn, responses[i], golds[i], self.timeout_s)
+                    inflight[fut] = (i, time.monotonic())
             next_deadline = min(t for _, t in inflight.values()) + self.hard_timeout_s
             done, _ = cf.wait(list(inflight), timeout=max(0.0, next_deadline - time.monotonic()),
                               return_when=cf.FIRST_COMPLETED)
-            broken = False
+            alone = len(inflight) == 1
+            broken: list[tuple[int, BaseException]] = []
             for fut in done:
                 i, _ = inflight.pop(fut)
                 exc = fut.exception()
@@ -884,9 +895,10 @@ class RewardComputer:
                         raw[i] = value
                     else:
                         self._fail(stats, i, status, value, raw)
-                else:  # the worker died (BrokenProcessPool) or the result did not unpickle
+                elif isinstance(exc, cf.process.BrokenProcessPool):   # a worker died
+                    broken.append((i, exc))
+                else:  # the result did not unpickle
                     self._fail(stats, i, "error", f"{type(exc).__name__}: {exc}", raw)
-                    broken = broken or isinstance(exc, cf.process.BrokenProcessPool)
             now = time.monotonic()
             expired = [f for f, (_, t) in inflight.items() if now - t >= self.hard_timeout_s]
             for fut in expired:
@@ -896,8 +908,14 @@ class RewardComputer:
             if expired or broken:
                 # Replace the pool; items still in flight are re-run on the new one.
                 for fut, (i, _) in list(inflight.items()):
-                    pending.appendleft(i)
+                    (suspects if broken else pending).appendleft(i)
                 inflight.clear()
+                if alone and broken:     # it ran alone: it killed its worker
+                    i, exc = broken[0]
+                    self._fail(stats, i, "error", f"the reward's worker process died scoring "
+                               f"it ({type(exc).__name__}: {exc})", raw)
+                else:
+                    suspects.extend(i for i, _ in broken)
                 stats.pool_restarts += 1
                 pool, self._pool = self._pool, None
                 self._kill(pool)

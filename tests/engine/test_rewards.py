@@ -4,9 +4,11 @@ Pool tests share one 1-worker pool (module fixture) to keep process start-up cos
 """
 import math
 import multiprocessing
+import os
 import signal
 import time
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 
@@ -36,6 +38,21 @@ def _raise_reward(response: str, gold: str) -> float:
     if response == "boom":
         raise RuntimeError("boom")
     return 0.5
+
+
+@register_reward("test_crash")
+def _crash_reward(response: str, gold: str) -> float:
+    """``gold``: a folder. "crash" and "a" wait for each other (both run at once, one per
+    worker), then "crash" kills its worker process (as a segfaulting C extension would)."""
+    (Path(gold) / f"{response}.started").touch()
+    other = Path(gold) / ("a.started" if response == "crash" else "crash.started")
+    deadline = time.monotonic() + 30
+    while not other.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if response == "crash":
+        os._exit(3)
+    time.sleep(0.5)          # still running when its pool breaks
+    return 1.0
 
 
 @register_reward("test_range", in_process=True)
@@ -285,6 +302,20 @@ def test_pool_math_timeouts_errors_and_hang():
         rc.close()
     assert rc._pool is None
     assert not any(p.is_alive() for p in procs)
+    assert not multiprocessing.active_children()
+
+
+def test_a_worker_that_dies_scores_only_its_own_item_zero(tmp_path):
+    """A reward that kills its worker process broke the pool: every item in flight with it
+    (running on the other worker) scored 0 with BrokenProcessPool. Those are re-run alone now,
+    and only the one that kills its worker alone scores 0 (an error naming the dead worker)."""
+    with RewardComputer("test_crash", num_workers=2, timeout_s=30, hard_timeout_s=60) as rc:
+        rewards, stats = rc.score(["a", "crash", "b", "c"], [str(tmp_path)] * 4)
+        assert rewards == [1.0, 0.0, 1.0, 1.0]
+        assert stats.errors == 1 and stats.timeouts == 0 and stats.pool_restarts == 2
+        (index, message), = stats.failures
+        assert index == 1 and "the reward's worker process died scoring it" in message
+        assert rc.score(["d", "e"], [str(tmp_path)] * 2)[0] == [1.0, 1.0]   # the pool works on
     assert not multiprocessing.active_children()
 
 
