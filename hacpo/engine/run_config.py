@@ -885,6 +885,15 @@ def _tokenizer_path(spec: Any) -> Any:
     return spec if spec == "char" or spec in KNOWN_TOKENIZERS else _absolute(spec)
 
 
+def revalidated(cfg: TrainConfig) -> TrainConfig:
+    """A checked copy of ``cfg``. A config's checks run when it is made: one edited in place
+    afterwards (``cfg.agents[0].optim.lr = -1``, ``cfg.steps = "2"``) is checked (and its
+    values coerced) as a loaded one is, never run with what no loader would accept."""
+    if not isinstance(cfg, TrainConfig):
+        raise TypeError(f"expected a TrainConfig, got {type(cfg).__name__}")
+    return TrainConfig.from_dict(cfg.to_dict())
+
+
 def resolve_paths(cfg: TrainConfig) -> TrainConfig:
     """``cfg`` with the files it reads named by absolute path: relative ``data.train_path`` /
     ``data.eval_path``, an agent's ``policy.path`` and a tokenizer folder that exist (relative

@@ -49,7 +49,8 @@ from .rewards import RewardComputer
 from .rollout import generate_agents, sync_agents
 from .run_config import (TrainConfig, check_new_run_names, config_diff, config_hash,
                          default_fingerprint, drop_unused_policy_settings, fingerprint_dict,
-                         resolve_paths, resolve_stored_paths, unused_rollout_settings)
+                         resolve_paths, resolve_stored_paths, revalidated,
+                         unused_rollout_settings)
 from .timing import Stopwatch, device_sync, null_timer
 
 CHECKPOINT = "checkpoint.pt"
@@ -104,8 +105,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, echo=print) -> dict:
     run dir is locked for the whole run: a second run in it (or a resume while the first
     still runs) is an error, never two writers of one metrics.jsonl and checkpoint."""
     with user_errors():
+        cfg = revalidated(cfg)             # a copy; checked again if edited in place
         cfg.check_runnable()               # before the warm-up, not at the engines' start
-        cfg = resolve_paths(copy.deepcopy(cfg))     # files by absolute path (config.json)
+        cfg = resolve_paths(cfg)           # files by absolute path (config.json)
         made = ckpt.first_missing(cfg.out_dir)    # the folder lock_run_dir creates, if any
         lock_path = os.path.join(cfg.out_dir, RUN_LOCK)
         new_lock = not os.path.lexists(lock_path)

@@ -1133,3 +1133,27 @@ def test_a_second_run_of_one_process_in_a_run_dir_in_use_is_an_error(tmp_path):
     assert not (run / "metrics.jsonl").exists()
     first.close()
     lock_run_dir(str(run)).close()                        # free again once closed
+
+
+def test_a_config_edited_in_place_is_checked_again_before_any_work(tmp_path):
+    """A TrainConfig's checks ran only when it was made: ``cfg.agents[0].optim.lr = -1`` after
+    loading went through the warm-up into torch's own "Invalid learning rate" mid-run (a run
+    dir made); ``cfg.prompts_per_step = 0`` likewise. Now each is the loader's error, before
+    the run dir exists; a value a loader coerces (``"1"``) is coerced, the caller's object
+    untouched."""
+    from hacpo.engine.run_config import TrainConfig
+    cfg = _cfg(tmp_path)
+    cfg.agents[0].optim.lr = -1.0
+    with pytest.raises(ValueError, match=r"agents\.0\): optim\.lr must be a finite number > 0"):
+        train(cfg, echo=lambda *_: None)
+    cfg = _cfg(tmp_path)
+    cfg.prompts_per_step = 0
+    with pytest.raises(ValueError, match="prompts_per_step"):
+        train(cfg, echo=lambda *_: None)
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(TypeError, match="expected a TrainConfig, got dict"):
+        train(cfg.to_dict(), echo=lambda *_: None)
+    cfg = _cfg(tmp_path, steps="0", eval_every="0")
+    cfg.steps = "1"            # as a loader would take it
+    assert isinstance(cfg, TrainConfig) and train(cfg, echo=lambda *_: None)["steps"] == 1
+    assert cfg.steps == "1"
