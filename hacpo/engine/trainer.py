@@ -334,44 +334,12 @@ def _prepare(cfg: TrainConfig, resume: bool, echo):
     policies and their warm start."""
     ck_path = os.path.join(cfg.out_dir, CHECKPOINT)
     state = None
-    if os.path.islink(ck_path) and not os.path.exists(ck_path):
-        # (a checkpoint volume not mounted): never "no checkpoint, start over" over its results
-        raise FileNotFoundError(f"{ck_path} is a symbolic link to {os.readlink(ck_path)}, "
-                                f"which does not exist: restore its target (or remove the link "
-                                f"to start the run over)")
+    _check_link(ck_path)
     if resume and os.path.exists(ck_path):
         state = ckpt.load(ck_path)
-        if not isinstance(state, dict) or not {"step", "fingerprint", "agents",
-                                                "sampler"} <= set(state):
-            raise ValueError(f"{ck_path} is not a hacpo training checkpoint (no 'step', "
-                             f"'fingerprint', 'agents' and 'sampler'); move it away to start "
-                             f"a new run there")
-        diff = config_diff(_stored_fingerprint(state["fingerprint"]), fingerprint_dict(cfg),
-                           defaults=default_fingerprint(cfg))
-        if diff:
-            own = os.path.join(cfg.out_dir, "config.json")
-            raise ValueError(f"cannot resume {ck_path}: the config differs from the "
-                             f"checkpoint's in {', '.join(diff)} (resume with the run's own "
-                             f"settings: " + (f"--config {own}, or " if os.path.isfile(own)
-                                              else "") + "the --preset / --set it was started "
-                             "with)")
-        if state["step"] > cfg.steps:
-            raise ValueError(f"cannot resume {ck_path} at step {state['step']} with steps="
-                             f"{cfg.steps}: the run is past it (its metrics and checkpoint "
-                             f"hold {state['step']} steps); pass steps >= {state['step']}")
-    if state is None:
-        check_new_run_names(cfg)    # names a stored run may keep (spaces, '->') new runs may not
-    if os.path.exists(ck_path) and not resume:
-        raise FileExistsError(f"{cfg.out_dir} already holds a run ({CHECKPOINT}); pass --resume "
-                              f"to continue it or choose another out_dir")
-    held = _results_held(cfg.out_dir) if state is None else []
-    if held and not resume:     # a run stopped before its first checkpoint, or whose
-        raise FileExistsError(  # checkpoint was removed: its results are not overwritten
-            f"{cfg.out_dir} holds the results of a run ({', '.join(held)}) but no {CHECKPOINT} "
-            f"to continue it from (it stopped before its first checkpoint, or the checkpoint "
-            f"was removed): pass --resume to start that run over there (replacing them), or "
-            f"choose another out_dir")
-    elif resume and state is None:      # results replaced: a warning (compare passes it on)
+        _check_resumable(cfg, state, ck_path)
+    held = _check_new_run(cfg, resume, ck_path) if state is None else []
+    if resume and state is None:      # results replaced: a warning (compare passes it on)
         echo((f"[warn] no {CHECKPOINT} in {cfg.out_dir}: starting a new run there "
               f"({', '.join(held)} of the run before are replaced)") if held else
              f"[resume] no {CHECKPOINT} in {cfg.out_dir}: starting a new run there")
@@ -405,6 +373,74 @@ def _prepare(cfg: TrainConfig, resume: bool, echo):
             echo(f"[warn] {note}")
     warm = build.warm_start(cfg, data, policies, echo) if state is None else state["warmup"]
     return data, policies, state, warm, ck_path
+
+
+def check_run_dir(cfg: TrainConfig, resume: bool) -> None:
+    """What :func:`train` would refuse about ``cfg.out_dir`` and its checkpoint, checked
+    without building anything, for a launcher before its job waits in a queue: a dangling
+    checkpoint link, a run (checkpoint or results) there without ``resume``, new-run agent
+    names, and a checkpoint ``resume`` cannot continue with this config (another config,
+    ``steps`` below its step). Only the checkpoint's pickled fields are read (its tensors are
+    memory-mapped, never loaded); its full load and CRC check are the run's. A checkpoint
+    that cannot be read so is left to the run to report."""
+    cfg = resolve_paths(copy.deepcopy(cfg))      # as train() compares them
+    ck_path = os.path.join(cfg.out_dir, CHECKPOINT)
+    _check_link(ck_path)
+    if resume and os.path.isfile(ck_path):
+        try:
+            state = torch.load(ck_path, map_location="cpu", mmap=True, weights_only=True)
+        except Exception:       # damaged, foreign, an older format: the run's load names it
+            return
+        _check_resumable(cfg, state, ck_path)
+    else:
+        _check_new_run(cfg, resume, ck_path)
+
+
+def _check_link(ck_path: str) -> None:
+    if os.path.islink(ck_path) and not os.path.exists(ck_path):
+        # (a checkpoint volume not mounted): never "no checkpoint, start over" over its results
+        raise FileNotFoundError(f"{ck_path} is a symbolic link to {os.readlink(ck_path)}, "
+                                f"which does not exist: restore its target (or remove the link "
+                                f"to start the run over)")
+
+
+def _check_resumable(cfg: TrainConfig, state, ck_path: str) -> None:
+    """The loaded checkpoint ``state`` is a hacpo run's that ``cfg`` continues."""
+    if not isinstance(state, dict) or not {"step", "fingerprint", "agents",
+                                            "sampler"} <= set(state):
+        raise ValueError(f"{ck_path} is not a hacpo training checkpoint (no 'step', "
+                         f"'fingerprint', 'agents' and 'sampler'); move it away to start "
+                         f"a new run there")
+    diff = config_diff(_stored_fingerprint(state["fingerprint"]), fingerprint_dict(cfg),
+                       defaults=default_fingerprint(cfg))
+    if diff:
+        own = os.path.join(cfg.out_dir, "config.json")
+        raise ValueError(f"cannot resume {ck_path}: the config differs from the "
+                         f"checkpoint's in {', '.join(diff)} (resume with the run's own "
+                         f"settings: " + (f"--config {own}, or " if os.path.isfile(own)
+                                          else "") + "the --preset / --set it was started "
+                         "with)")
+    if state["step"] > cfg.steps:
+        raise ValueError(f"cannot resume {ck_path} at step {state['step']} with steps="
+                         f"{cfg.steps}: the run is past it (its metrics and checkpoint "
+                         f"hold {state['step']} steps); pass steps >= {state['step']}")
+
+
+def _check_new_run(cfg: TrainConfig, resume: bool, ck_path: str) -> list[str]:
+    """A new run (none to resume) may start in ``cfg.out_dir``; returns the result files of
+    a run before that it replaces (only with ``resume``)."""
+    check_new_run_names(cfg)    # names a stored run may keep (spaces, '->') new runs may not
+    if os.path.exists(ck_path) and not resume:
+        raise FileExistsError(f"{cfg.out_dir} already holds a run ({CHECKPOINT}); pass --resume "
+                              f"to continue it or choose another out_dir")
+    held = _results_held(cfg.out_dir)
+    if held and not resume:     # a run stopped before its first checkpoint, or whose
+        raise FileExistsError(  # checkpoint was removed: its results are not overwritten
+            f"{cfg.out_dir} holds the results of a run ({', '.join(held)}) but no {CHECKPOINT} "
+            f"to continue it from (it stopped before its first checkpoint, or the checkpoint "
+            f"was removed): pass --resume to start that run over there (replacing them), or "
+            f"choose another out_dir")
+    return held
 
 
 def _carry_final_eval(cfg: TrainConfig, start: int, names: list[str]) -> dict:

@@ -94,8 +94,9 @@ def load_run(args):
 
 def _check_run_dir(cfg, resume: bool) -> None:
     """What the driver would refuse, refused before anything starts (or waits in a queue): a
-    run dir that is a file, or one holding a run without ``--resume``."""
-    from hacpo.engine.trainer import CHECKPOINT
+    run dir that is a file, one holding a run without ``--resume``, a checkpoint ``--resume``
+    cannot continue with this config (:func:`hacpo.engine.trainer.check_run_dir`)."""
+    from hacpo.engine.trainer import CHECKPOINT, check_run_dir
     run_dir = Path(cfg.out_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise LaunchError(f"the run dir {run_dir} is a file, not a directory")
@@ -108,6 +109,10 @@ def _check_run_dir(cfg, resume: bool) -> None:
     if (run_dir / CHECKPOINT).exists() and not resume:
         raise LaunchError(f"{run_dir} already holds a run ({CHECKPOINT}); pass --resume to "
                           f"continue it or choose another --out-dir")
+    try:
+        check_run_dir(cfg, resume)
+    except (ValueError, OSError) as e:     # (FileExistsError, a dangling checkpoint link)
+        raise LaunchError(str(e)) from None
 
 
 def cluster_needs(cfg) -> dict[str, float]:
@@ -262,6 +267,7 @@ T0=$(date +%s)
 DEADLINE=$((T0 + RAY_TIMEOUT))
 SRUN_PIDS=()
 STEP_NODES=()   # the node of each srun step in SRUN_PIDS
+WORKER_NODES=()   # the nodes with a Ray worker (their own temp dir is removed at the end)
 
 say() {{ echo "[hacpo launch] $(date +%H:%M:%S) $*"; }}
 fail() {{ echo "[hacpo launch] ERROR: $*" >&2; exit 1; }}
@@ -278,6 +284,15 @@ cleanup() {{  # end our srun steps: SIGTERM, then SIGKILL after 30 s; then Ray's
     wait 2>/dev/null
   fi
   rm -rf "$RAY_TMP"
+  if ((${{#WORKER_NODES[@]}})); then   # this script runs on the head: the workers' dirs too
+    if timeout 60 srun --nodes=${{#WORKER_NODES[@]}} --ntasks=${{#WORKER_NODES[@]}} \
+        --ntasks-per-node=1 --overlap -w "$(IFS=,; echo "${{WORKER_NODES[*]}}")" \
+        rm -rf "$RAY_TMP" >/dev/null 2>&1; then
+      say "removed Ray's temp dir on ${{WORKER_NODES[*]}}"
+    else
+      say "could not remove Ray's temp dir $RAY_TMP on ${{WORKER_NODES[*]}}"
+    fi
+  fi
   say "job exits with $rc"
   exit $rc
 }}
@@ -324,6 +339,7 @@ for NODE in "${{NODES[@]:1}}"; do
     >"$LOG_DIR/ray-$NODE.log" 2>&1 &
   SRUN_PIDS+=($!)
   STEP_NODES+=("$NODE")
+  WORKER_NODES+=("$NODE")
   WAIT_NODES+=(--node "$NODE=$IP:$!:$LOG_DIR/ray-$NODE.log")
 done
 "$PY" -m hacpo.launch.ray_wait --phase "ray cluster" --address "$ADDR" --deadline "$DEADLINE" \
@@ -488,6 +504,10 @@ def launch_slurm(args) -> int:
     script = render_sbatch(args, cfg)
     if args.dry_run:
         print(script, end="")
+        # Slurm does not create #SBATCH --output's folder: a job without it fails with no output
+        print(f"[hacpo launch] dry run: nothing submitted; to submit this script by hand, "
+              f"mkdir -p {shlex.quote(str(Path(cfg.out_dir).resolve() / 'slurm'))} first (its "
+              f"job output goes there)", file=sys.stderr)
         return 0
     _slurm_bin("sbatch")
     run_dir = Path(cfg.out_dir).resolve()

@@ -42,6 +42,8 @@ def _dry_run(tmp_path, capsys, *extra):
          "--out-dir", str(tmp_path / "run"), "--partition", "gpu", "--time", "01:30:00",
          "--ray-timeout", "123", "--ray-port", "6400", "--dry-run", *extra], capsys)
     assert rc == 0, err
+    # (a script submitted by hand: Slurm does not create its --output folder)
+    assert f"submit this script by hand, mkdir -p {tmp_path / 'run' / 'slurm'} first" in err
     return out, cfg
 
 
@@ -105,6 +107,8 @@ def test_dry_run_script(tmp_path, capsys):
     assert "trap cleanup EXIT" in lines
     cleanup = script[script.index("cleanup() {"):script.index("trap cleanup EXIT")]
     assert 'kill -TERM "${SRUN_PIDS[@]}"' in cleanup and 'rm -rf "$RAY_TMP"' in cleanup
+    assert ('-w "$(IFS=,; echo "${WORKER_NODES[*]}")"' in cleanup      # each worker node's own
+            and 'rm -rf "$RAY_TMP" >/dev/null' in cleanup)
     assert "ray stop" not in script.replace("never `ray stop`", "")
     assert [ln.strip() for ln in lines].count("SRUN_PIDS+=($!)") == 2   # both steps ended
     # token authentication (Ray listens on every interface): a fresh token made when the job
@@ -228,6 +232,45 @@ def test_run_dir_holding_a_run_needs_resume(tmp_path, capsys, launcher):
     (tmp_path / "file").write_text("")
     rc, out, err = launch(base[:-1] + [str(tmp_path / "file")], capsys)
     assert rc == 2 and f"the run dir {tmp_path / 'file'} is a file" in err, err
+
+
+def _checkpoint_of(run: Path, step: int) -> None:
+    """A checkpoint of tiny3 under a launcher (rollout.engine=ray) at ``step``: the fields the
+    pre-submit check reads (its weights are the run's business)."""
+    import argparse
+
+    from hacpo.engine import checkpoint as ckpt
+    from hacpo.engine.run_config import fingerprint_dict, resolve_paths
+    from hacpo.launch.cli import train_config
+    cfg, _ = train_config(argparse.Namespace(preset="tiny3", config=None, algorithm=None,
+                                             steps=None, out_dir=str(run),
+                                             set=["rollout.engine=ray"]))
+    run.mkdir(exist_ok=True)
+    ckpt.save_atomic({"step": step, "fingerprint": fingerprint_dict(resolve_paths(cfg)),
+                      "agents": {}, "sampler": {}}, str(run / "checkpoint.pt"))
+
+
+@pytest.mark.parametrize("launcher", ["slurm", "local"])
+def test_what_the_driver_would_refuse_is_refused_before_submitting(tmp_path, capsys, launcher):
+    """A --resume whose checkpoint is past --steps or was written with another config, and
+    results held without a checkpoint, were refused by the driver only, after the queue wait
+    and the Ray bring-up; now before anything is submitted or started."""
+    run = tmp_path / "run"
+    base = ["launch", launcher, *(["--nodes", "1", "--dry-run"] if launcher == "slurm" else []),
+            "--preset", "tiny3", "--out-dir", str(run)]
+    _checkpoint_of(run, step=3)
+    rc, out, err = launch(base + ["--resume", "--steps", "2"], capsys)
+    assert rc == 2 and f"cannot resume {run / 'checkpoint.pt'} at step 3 with steps=2" in err, err
+    rc, out, err = launch(base + ["--resume", "--set", "agents.0.optim.lr=0.5"], capsys)
+    assert rc == 2 and "the config differs from the checkpoint's in agents.0.optim.lr" in err, err
+    if launcher == "slurm":          # the same run's config passes (the dry run's script)
+        rc, out, err = launch(base + ["--resume", "--steps", "4"], capsys)
+        assert rc == 0 and out.startswith("#!/bin/bash"), err
+    (run / "checkpoint.pt").unlink()
+    (run / "metrics.jsonl").write_text('{"step": 0}\n')
+    rc, out, err = launch(base, capsys)
+    assert rc == 2 and "holds the results of a run (metrics.jsonl) but no checkpoint.pt" in err
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]     # nothing written
 
 
 # tiny3's three agents as HF Llama policies (what vLLM engines serve)
@@ -402,6 +445,7 @@ def test_two_node_slurm_job_trains(local_slurm, tmp_path):
     check_finished_run(out, ray_address_prefix=f"127.0.0.2:{port}")
     assert "ray cluster: 2 node(s) up at 127.0.0.2:" in log
     assert "driver exited with 0" in log and "job exits with 0" in log
+    assert "removed Ray's temp dir on n2" in log    # the worker node's own (not only the head's)
     job_logs = out / "slurm" / f"job-{_job_id(r.stdout)}"
     assert "Ray runtime started" in (job_logs / "ray-n2.log").read_text()   # worker on n2
     assert (out / "slurm" / "job.sbatch").read_text().startswith("#!/bin/bash")
