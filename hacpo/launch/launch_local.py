@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -39,7 +40,8 @@ from pathlib import Path
 
 from hacpo.engine.signals import signals_deferred
 
-from .ray_cluster import new_auth_env, use_auth_env
+from .ray_cluster import (TEMP_PREFIX, _hold_owner_lock, _release_owner_lock, new_auth_env,
+                          sweep_dead_temp_dirs, use_auth_env)
 from .ray_wait import ClusterTimeout, Node, log_tail, wait_for_cluster
 from .slurm import (LaunchError, WaitTimeout, check_launch_numbers, check_resources,
                     check_wait_timeout, driver_argv, load_run)
@@ -283,7 +285,11 @@ def _launch_local(args) -> int:
     # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (e.g. inherited) would refuse the worker nodes
     env = {**os.environ, **auth, "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
-    tmp = tempfile.mkdtemp(prefix="hacpo-launch-ray-")   # short: Ray's socket paths live here
+    # short: Ray's socket paths live here. Held like a private cluster's (ray_cluster): a
+    # launcher killed with SIGKILL cannot remove it, the next launch or private cluster does
+    sweep_dead_temp_dirs()
+    tmp = tempfile.mkdtemp(prefix=TEMP_PREFIX + "launch-")
+    _hold_owner_lock(tmp)
     node_args = [f"--node-ip-address={_HOST}", f"--temp-dir={tmp}", f"--num-cpus={cpus}",
                  f"--num-gpus={args.gpus_per_node}", "--block"]
     if args.object_store_mb:
@@ -332,7 +338,8 @@ def _launch_local(args) -> int:
         print(f"[hacpo launch] Ray cluster of {len(nodes)} node(s) up ({took:.1f}s)",
               flush=True)
         argv = driver_argv(args, cfg, sys.executable) + [f"rollout.ray_address={address}"]
-        print("[hacpo launch] driver: " + " ".join(argv), flush=True)
+        # quoted: the line can be pasted into a shell (a config path or --set value with spaces)
+        print("[hacpo launch] driver: " + shlex.join(argv), flush=True)
         # its own session: on a timeout (or if this launcher is interrupted) the whole driver
         # process group is ended, whatever it started
         with signals_deferred(*_STOP_SIGNALS):    # recorded, then stopped
@@ -372,3 +379,4 @@ def _launch_local(args) -> int:
                             first=signal.SIGINT if interrupted else signal.SIGTERM)
             _stop(procs, teardown)
             shutil.rmtree(tmp, ignore_errors=True)
+            _release_owner_lock(tmp)

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from hacpo.launch.cli import main
+from hacpo.launch.ray_cluster import (OWNER_LOCK, STALE_AFTER_S, TEMP_PREFIX,
+                                      sweep_dead_temp_dirs)
 
 from ._launch_helpers import (INHERITED_RAY_ENV, REPO, TINY_STEPS, check_finished_run, free_port,
                               hacpo, processes_mentioning, tiny_run_args)
@@ -435,3 +437,10 @@ def test_launch_local_hang_up_or_kill_9_leaves_nothing_running(tmp_path):
         time.sleep(0.5)
     left = _kill_leftovers(tmp, str(out))
     assert not left, left
+    # its Ray temp dir, which it could not remove, is removed by the next launch's sweep (its
+    # owner lock, once old enough, is held by nobody); a live launch's dir is never swept
+    assert Path(tmp).name.startswith(TEMP_PREFIX) and (Path(tmp) / OWNER_LOCK).exists()
+    old = time.time() - 2 * STALE_AFTER_S
+    os.utime(Path(tmp) / OWNER_LOCK, (old, old))
+    assert tmp in sweep_dead_temp_dirs(str(Path(tmp).parent))
+    assert not Path(tmp).exists()

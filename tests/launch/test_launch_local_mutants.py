@@ -5,6 +5,7 @@ mutation audit found the Ray-backed tests (test_launch_local.py, test_timeouts.p
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 
 from hacpo.engine.signals import signals_deferred
 from hacpo.launch import launch_local as ll
+from hacpo.launch import ray_cluster
 from hacpo.launch.ray_wait import ClusterTimeout, Node
 from hacpo.launch.slurm import LaunchError, WaitTimeout
 
@@ -110,7 +112,7 @@ def test_ray_nodes_are_started_on_loopback_with_their_resources_and_torn_down(
     assert f.resources == [(2, 3, 2)]                      # 1 head + 1 worker node
     (head, head_kw, head_p), (worker, worker_kw, worker_p) = f.nodes()
     tmp = head[head.index("--block") - 3].split("=", 1)[1]
-    assert Path(tmp).name.startswith("hacpo-launch-ray-")
+    assert Path(tmp).name.startswith("hacpo-ray-launch-")   # swept if its launcher is killed
     node_args = ["--node-ip-address=127.0.0.1", f"--temp-dir={tmp}", "--num-cpus=3",
                  "--num-gpus=2", "--block", f"--object-store-memory={200 * 1024 * 1024}"]
     ray = str(Path(sys.executable).parent / "ray")
@@ -135,8 +137,23 @@ def test_ray_nodes_are_started_on_loopback_with_their_resources_and_torn_down(
     for p in (head_p, worker_p):
         assert p.returncode == 0
         assert _gone(p.child_pid), "a node's child (its group) was left running"
-    assert not Path(tmp).exists()
+    assert not Path(tmp).exists() and tmp not in ray_cluster._owner_fds   # lock released
     assert (f.out / "launch-local").is_dir()
+
+
+def test_the_printed_driver_command_can_be_pasted_into_a_shell(monkeypatch, tmp_path, capsys):
+    """A value with spaces or quotes (a --set value, a config path) was printed unquoted."""
+    code = "import sys; print('it ran'); sys.exit(0)  # a 'quoted' note"
+    f = _Fake(monkeypatch, tmp_path, code, workers=0)
+    try:
+        assert ll.launch_local(f.args) == 0
+    finally:
+        f.cleanup()
+    line = next(ln for ln in capsys.readouterr().out.splitlines()
+                if ln.startswith("[hacpo launch] driver: "))
+    argv = shlex.split(line.split(": ", 1)[1])
+    assert argv[:3] == [sys.executable, "-c", code] and len(argv) == 4
+    assert argv[3].startswith("rollout.ray_address=127.0.0.1:")
 
 
 def test_the_driver_exit_status_is_passed_through(monkeypatch, tmp_path, capsys):
