@@ -142,10 +142,22 @@ def _unclosed_box_start(text: str) -> Optional[int]:
     return None
 
 
+# Scientific notation after a plain number: "1e5", "3.2e-4", "6.02E23" (the exponent is part of
+# the number, never the answer on its own; at most 3 digits: Fraction("1e999999") is huge).
+_SCI_EXPONENT_RE = re.compile(r"[eE][+-]?\d{1,3}(?!\d|\.\d)")
+_SCI_MANTISSA_RE = re.compile(r"^-?(?:\d+(?:\.\d+)?|\.\d+)$")
+
+
 def _last_number(text: str) -> Optional[str]:
     last = None
+    skip_to = 0
     for m in _NUMBER_RE.finditer(text):
+        if m.start() < skip_to:         # the exponent of the number before
+            continue
         s = m.group(0)
+        if _SCI_MANTISSA_RE.match(s) and (e := _SCI_EXPONENT_RE.match(text, m.end())):
+            s += e.group(0)
+            skip_to = e.end()
         # An exponent ("12 cm^2", "m^{3}") is not a final answer on its own.
         before = text[max(0, m.start() - 2):m.start()]
         if before.endswith("^") or before == "^{":
@@ -299,6 +311,7 @@ _INT_SPACES_RE = re.compile(r"^-?\d{1,3}(?: \d{3})+(?:\.\d+)?$")
 _DIGIT_SPACE_DIGIT_RE = re.compile(r"\d +\d")
 _MIXED_RE = re.compile(r"^(-?)(\d+) +(\d+)/(\d+)$")
 _PLAIN_RE = re.compile(r"^-?(?:\d+(?:\.\d*)?|\.\d+)$")
+_SCI_RE = re.compile(r"^-?(?:\d+(?:\.\d*)?|\.\d+)[eE][+-]?\d{1,3}$")   # 1e5, 3.2e-4
 _RATIO_RE = re.compile(r"^(-?\d+)\s*/\s*(\d+)$")
 _FRAC_RE = re.compile(r"^(-?)\\[dt]?frac\{\s*(-?\d+)\s*\}\{\s*(\d+)\s*\}$")
 
@@ -327,7 +340,7 @@ def parse_number(text: str) -> Optional[Fraction]:
         s = s.replace(" ", "")
         if _INT_COMMAS_RE.match(s):
             s = s.replace(",", "")
-        if _PLAIN_RE.match(s):
+        if _PLAIN_RE.match(s) or _SCI_RE.match(s):
             return Fraction(s)
         m = _RATIO_RE.match(s)
         if m:
@@ -748,6 +761,12 @@ class RewardComputer:
                         f"define it in an importable module, or set reward.num_workers=0")
                 why = (f"a worker failed: {errors[0]!r}" if errors
                        else f"not ready within {self.startup_timeout_s} s")
+                if getattr(self.spec.fn, "__module__", None) == "__main__":
+                    # a spawned worker imports the script again: its unguarded train() ran
+                    # there too (and failed, e.g. on the run dir's lock)
+                    why += (f"; reward {self.name!r} is defined in the script run as __main__, "
+                            f"which each worker process imports again: put the script's "
+                            f"train() / evaluation call under `if __name__ == \"__main__\":`")
                 raise RuntimeError(f"reward worker pool ({self.mp_context}) did not start: {why}")
             self._pool = pool
         return self._pool

@@ -482,3 +482,35 @@ def test_a_reward_its_workers_cannot_load_is_an_error_before_the_warm_up(tmp_pat
     assert "define it in an importable module, or set reward.num_workers=0" in err
     assert not any("[warm-up]" in ln for ln in lines), lines
     assert not (tmp_path / "run").exists()
+
+
+def test_a_script_rewards_unguarded_train_call_is_named(tmp_path):
+    """The same reward in a script run as `python my_run.py` (its workers can import it)
+    whose train() call is not under `if __name__ == "__main__":`: each spawned worker imports
+    the script again and its train() ran there too (refused: the run dir is locked), so the pool
+    did not start, with "BrokenProcessPool" as the only explanation. The error now says why."""
+    import subprocess
+    import sys
+    script = tmp_path / "my_run.py"
+    # (its train() fails in a worker as it would unguarded and uncaught: the lock is held)
+    script.write_text(_MAIN_REWARD.replace(
+        "except ValueError as e:\n", "except (ValueError, RuntimeError) as e:\n"
+        "    if __name__ != \"__main__\":\n        raise\n"))
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "run"),
+                          str(tmp_path / "cache")], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)
+    err = next((ln for ln in out.stdout.splitlines() if ln.startswith("ERROR")), out.stderr)
+    assert "reward worker pool (spawn) did not start: a worker failed" in err, err
+    assert "reward 'nb_reward' is defined in the script run as __main__, which each worker " \
+           "process imports again: put the script's train() / evaluation call under " \
+           "`if __name__ == \"__main__\":`" in err, err
+    # what the hint asks for: the same script with its call guarded runs
+    import textwrap
+    head, call = _MAIN_REWARD.split("\ncfg = load_config")
+    script.write_text(head + '\nif __name__ == "__main__":\n'
+                      + textwrap.indent("cfg = load_config" + call, "    "))
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "run2"),
+                          str(tmp_path / "cache")], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)
+    assert out.returncode == 0 and "ERROR" not in out.stdout, out.stdout + out.stderr
+    assert (tmp_path / "run2" / "summary.json").exists()

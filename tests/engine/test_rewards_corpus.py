@@ -121,9 +121,9 @@ GSM8K = [
     ("#### 123456789012345678901234567890", "123456789012345678901234567890", 1.0),
     ("#### 123456789012345678901234567891", "123456789012345678901234567890", 0.0),
     ("#### " + "1" * 5000, "1", 0.0),
-    # Scientific notation in Python style is not a math answer: math-verify reads 1.5e3 as
-    # 1.5*e*3 (Euler's e). Judgment call; math-verify's behaviour kept.
-    ("The answer is 1.5e3", "1500", 0.0),
+    # Scientific notation is a number, as a grader reads it (math-verify alone takes 1.5e3 as
+    # 1.5*e*3 with Euler's e, but 1.5E3 as 1500): judgment call, changed in session 34.
+    ("The answer is 1.5e3", "1500", 1.0),
     # Markdown headings after "####" are not answers.
     ("#### Step 1: Add\n5 + 3 = 8\n#### Step 2: Double\n8 * 2 = 16\nThe answer is 16.", "16", 1.0),
     # ...but words that end the response are its answer (a word gold), and a trailing heading
@@ -148,6 +148,12 @@ GSM8K = [
     ("#### \u00a51,200", "1200", 1.0),
     ("#### 42!", "42", 1.0),
     ("The answer is 42!", "42", 1.0),
+    # Scientific notation is one number (its exponent was read as the last number: "5").
+    ("The result is about 1e5", "100000", 1.0),
+    ("We get 1.5E3.", "1500", 1.0),
+    ("The concentration is 3.2e-4 mol/L", "0.00032", 1.0),
+    ("The concentration is 3.2e-4 mol/L", "4", 0.0),
+    ("#### 2.5e+3", "2500", 1.0),
 ]
 
 # ---- MATH-style boxed answers --------------------------------------------------------------
@@ -394,7 +400,7 @@ NUMBER_FORMS = [
 ]
 # Plain numbers math-verify misreads, where the fast path is right: "2 3/4" is a mixed number
 # (math-verify: 2*3/4), "1 000" / "1\,000" are thousands groups (math-verify: 1*0).
-MISREAD_BY_MATH_VERIFY = ["2 3/4", "-2 1/2", "1 000", "1\\,000"]
+MISREAD_BY_MATH_VERIFY = ["2 3/4", "-2 1/2", "1 000", "1\\,000", "1e5", "3.2e-4"]
 
 
 def _math_verify(gold: str, pred: str) -> float:
@@ -419,7 +425,8 @@ def test_fast_path_never_disagrees_with_math_verify():
 
 
 @pytest.mark.parametrize("form,value", [("2 3/4", 2.75), ("-2 1/2", -2.5), ("1 000", 1000),
-                                        ("1\\,000", 1000)])
+                                        ("1\\,000", 1000), ("1e5", 100000.0),
+                                        ("3.2e-4", 0.00032)])
 def test_fast_path_reads_forms_math_verify_misreads(form, value):
     assert form in MISREAD_BY_MATH_VERIFY
     assert math_fast_path(BOX % form, str(value)) == 1.0
