@@ -492,6 +492,10 @@ def _check_megatron_agent(a: AgentConfig) -> None:
     from hacpo.models.megatron.build import ArchSpec
     p, par = a.policy, a.parallel
     where = f"agent {p.name!r} (trainer=megatron)"
+    if par.transformer_impl == "transformer_engine" and par.device != "cuda":
+        raise ValueError(f"{where}: parallel.transformer_impl='transformer_engine' runs on CUDA "
+                         f"only, but parallel.device={par.device!r}: set parallel.device=cuda "
+                         f"or parallel.transformer_impl=local")
     if p.path is None:
         from hacpo.models.hf import TINY_DEFAULTS   # arch: checked first (AgentConfig)
         hf = {**TINY_DEFAULTS[p.arch], **p.hf_config, "model_type": p.arch}
@@ -852,9 +856,10 @@ RESUMABLE_NESTED_KEYS = {("rollout", "call_timeout_s"), ("rollout", "weight_buck
 # Per-agent keys that may change on resumption ("section.key" under agents.N).
 # how weights move or log-probs are computed, not what they are; the megatron layout's tp / pp
 # / dp and optimizer kind too (the optimizer state moves to the new layout,
-# hacpo/launch/megatron_trainer.py)
+# hacpo/launch/megatron_trainer.py), and its device: checkpoint files and shards are read
+# onto the host (map_location="cpu") and each rank moves what it loads to its own device
 RESUMABLE_AGENT_KEYS = {("parallel", "tp"), ("parallel", "pp"), ("parallel", "dp"),
-                        ("parallel", "distributed_optimizer"),
+                        ("parallel", "distributed_optimizer"), ("parallel", "device"),
                         ("parallel", "weight_bucket_mb"), ("parallel", "lm_head"),
                         ("parallel", "micro_batch_tokens"), ("parallel", "sequence_parallel"),
                         ("parallel", "recompute"), ("parallel", "recompute_modules"),

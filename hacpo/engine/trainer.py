@@ -107,6 +107,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, echo=print) -> dict:
     with user_errors():
         cfg = revalidated(cfg)             # a copy; checked again if edited in place
         cfg.check_runnable()               # before the warm-up, not at the engines' start
+        if any(a.trainer == "megatron" for a in cfg.agents):   # the setup hook and TE: here,
+            from hacpo.launch.megatron_trainer import check_driver_setup   # not in every rank
+            check_driver_setup(cfg)
         cfg = resolve_paths(cfg)           # files by absolute path (config.json)
         made = ckpt.first_missing(cfg.out_dir)    # the folder lock_run_dir creates, if any
         lock_path = os.path.join(cfg.out_dir, RUN_LOCK)

@@ -108,6 +108,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import logging
 import math
 import os
@@ -136,7 +137,8 @@ from hacpo.engine.losses import kl_numerator, low_var_kl
 from hacpo.engine.pool import LearnerView, StepPool, scored_lengths
 from hacpo.engine.rollout import agents_at_once
 from hacpo.engine.timing import device_sync
-from hacpo.engine.run_config import colocated_engines, rollout_cpus, trainer_cpus
+from hacpo.engine.errors import user_errors
+from hacpo.engine.run_config import colocated_engines, gpu_needs, rollout_cpus, trainer_cpus
 from hacpo.engine.update import (UpdateMetrics, _count_nonfinite as count_nonfinite,
                                  _minibatch_metrics, _pad, agent_streak)
 from hacpo.models.buckets import (bucket_bytes_of, check_bucket_shapes, copy_buckets,
@@ -149,15 +151,43 @@ from .ray_trainer import (TrainerActor, actor_update, draw_minibatches,
 log = logging.getLogger("hacpo")
 
 
-def run_setup_hook(spec: str) -> None:
-    """Import ``module`` and call ``function()`` for a ``"module:function"`` spec."""
+def load_setup_hook(spec: str, where: str):
+    """The function a ``"module:function"`` spec names (its module imported); a spec that
+    cannot be loaded is a RuntimeError naming it and ``where`` it was loaded."""
     mod, _, fn = spec.partition(":")
     try:
         f = getattr(importlib.import_module(mod), fn)
     except (ImportError, AttributeError) as e:
-        raise RuntimeError(f"trainer_setup_hook {spec!r} cannot be loaded in the trainer rank "
-                           f"process: {type(e).__name__}: {e}") from e
-    f()
+        raise RuntimeError(f"trainer_setup_hook {spec!r} cannot be loaded {where}: "
+                           f"{type(e).__name__}: {e}") from e
+    if not callable(f):
+        raise RuntimeError(f"trainer_setup_hook {spec!r} names a {type(f).__name__}, not a "
+                           f"function")
+    return f
+
+
+def run_setup_hook(spec: str) -> None:
+    """Import ``module`` and call ``function()`` for a ``"module:function"`` spec."""
+    load_setup_hook(spec, "in the trainer rank process")()
+
+
+def check_driver_setup(cfg) -> None:
+    """What every rank would otherwise fail on only after Ray started, each rank with a long
+    traceback, checked in the driver (whose Python a local cluster's ranks run; a joined
+    cluster's nodes should match it): ``trainer_setup_hook`` loads (its module imports here and
+    has the function; it is not called), and an agent with
+    ``parallel.transformer_impl=transformer_engine`` (on cuda: the config refuses it on cpu)
+    finds transformer_engine installed."""
+    if cfg.trainer_setup_hook:
+        load_setup_hook(cfg.trainer_setup_hook, "in the driver (the ranks import it the same "
+                                                "way)")
+    for a in cfg.agents:
+        if (a.trainer == "megatron" and a.parallel.transformer_impl == "transformer_engine"
+                and importlib.util.find_spec("transformer_engine") is None):
+            raise RuntimeError(f"agent {a.policy.name!r}: parallel.transformer_impl="
+                               f"'transformer_engine' but transformer_engine is not importable "
+                               f"here; install it (CUDA only) or set "
+                               f"parallel.transformer_impl=local")
 
 
 def _pack(prompts: list[list[int]], resps: list[list[int]], b: int, S: int):
@@ -752,24 +782,42 @@ class MegatronAgents:
         self._stale = [False] * len(policies)
         self._published: list[list | None] = [None] * len(policies)
         self.cluster: RayCluster | None = None
+        check_driver_setup(cfg)           # before Ray: not as a traceback from every rank
         worlds = [a.parallel.world if a.trainer == "megatron" else 1 for a in cfg.agents]
         need = trainer_cpus(cfg)          # the ranks' threads + colocated engines' CPU
         self.cluster = connect(cfg.rollout.ray_address, timeout_s=timeout_s,
                                num_cpus=max(need + rollout_cpus(cfg), os.cpu_count() or 1),
                                weights=weight_bytes(policies))
         try:
-            self.cluster.require(
-                "CPU", need,
-                what=f"the megatron trainer groups need {need} CPUs "
-                     f"({'+'.join(map(str, worlds))} ranks x {self.threads} CPU each, "
-                     f"threads={cfg.threads}"
-                     + (f"; {colocated_engines(cfg)} colocated vLLM engines x 1"
-                        if colocated_engines(cfg) else "") + ")",
-                hint="lower threads, tp/pp/dp, or add nodes")
+            with user_errors(RuntimeError):   # a cluster too small: not the code's to fix
+                self.cluster.require(
+                    "CPU", need,
+                    what=f"the megatron trainer groups need {need} CPUs "
+                         f"({'+'.join(map(str, worlds))} ranks x {self.threads} CPU each, "
+                         f"threads={cfg.threads}"
+                         + (f"; {colocated_engines(cfg)} colocated vLLM engines x 1"
+                            if colocated_engines(cfg) else "") + ")",
+                    hint="lower threads, tp/pp/dp, or add nodes")
+                self._require_gpus()
             self._start(timeout_s, start_timeout_s)
         except BaseException:
             self.close()
             raise
+
+    def _require_gpus(self) -> None:
+        """One GPU per rank on ``parallel.device=cuda`` (a colocated engine shares its rank's),
+        checked before any placement group is asked for: a group the cluster cannot grant
+        would wait for GPUs until the reserve timeout, then blame CPUs."""
+        cuda = [(a.policy.name, a.parallel.world) for a in self.cfg.agents
+                if a.trainer == "megatron" and a.parallel.device == "cuda"]
+        if not cuda:
+            return
+        need = gpu_needs(self.cfg)[0]
+        self.cluster.require(
+            "GPU", need,
+            what=f"parallel.device='cuda': the megatron trainer ranks need {need} GPUs ("
+                 + ", ".join(f"{name}: {world}" for name, world in cuda) + " ranks x 1 GPU)",
+            hint="lower tp/pp/dp, set parallel.device=cpu, or add GPUs")
 
     def _start(self, timeout_s: float, start_timeout_s: float) -> None:
         cfg = self.cfg

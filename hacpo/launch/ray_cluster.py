@@ -78,13 +78,18 @@ class RayCluster:
     connected_here: bool       # this handle made the ray.init() call (else it reused one)
     temp_dir: str | None = None
 
-    def num_cpus(self) -> float:
+    def resources(self) -> dict[str, float]:
+        """The cluster's logical resources ({"CPU": n, "GPU": n, ...}; free or not)."""
         import ray
-        return float(ray.cluster_resources().get("CPU", 0))
+        return ray.cluster_resources()
+
+    def num_cpus(self) -> float:
+        return float(self.resources().get("CPU", 0))
 
     def reserve(self, bundles: list[dict], *, what: str, hint: str, timeout_s: float):
         """A PACK placement group for ``bundles``, granted within ``timeout_s``; otherwise it is
-        removed again and the error names ``what``, the cluster's free CPUs and ``hint``."""
+        removed again and the error names ``what``, the cluster's free CPUs (and GPUs, when
+        the bundles ask for any: those are what is usually short) and ``hint``."""
         import ray
         from ray.exceptions import GetTimeoutError
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -92,19 +97,22 @@ class RayCluster:
         try:
             ray.get(pg.ready(), timeout=timeout_s)
         except GetTimeoutError:
-            free = ray.available_resources().get("CPU", 0)
+            free = ray.available_resources()
             remove_placement_group(pg)
+            total = self.resources()
+            kinds = ["CPU"] + (["GPU"] if any(b.get("GPU", 0) for b in bundles) else [])
+            have = " and ".join(f"{free.get(r, 0):g} free {r}s of {total.get(r, 0):g}"
+                                for r in kinds)
             raise RuntimeError(
                 f"{what} was not granted within {timeout_s:g} s (the Ray cluster at "
-                f"{self.address} has {free:g} free CPUs of {self.num_cpus():g}); {hint}") from None
+                f"{self.address} has {have}); {hint}") from None
         return pg
 
     def require(self, resource: str, need: float, *, what: str, hint: str) -> None:
         """An error "``what`` but the Ray cluster at ... has N; ``hint``" when the cluster has
         less than ``need`` of ``resource`` ("CPU", "GPU"; ``what`` says who needs them, e.g.
         "x needs 4 CPUs (...)")."""
-        import ray
-        have = float(ray.cluster_resources().get(resource, 0))
+        have = float(self.resources().get(resource, 0))
         if need > have:
             raise RuntimeError(f"{what} but the Ray cluster at {self.address} has {have:g}; "
                                f"{hint}")

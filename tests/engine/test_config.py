@@ -207,6 +207,30 @@ def test_parallel_settings_on_a_torch_agent_are_an_error():
         cfg.override({"agents.1.parallel.lm_head": "logits"})
 
 
+def test_megatron_device_is_resumable_and_transformer_engine_needs_cuda():
+    """A megatron group's parallel.device may change on --resume (checkpoints are read onto the
+    host; each rank moves its share to its device), as tp / pp / dp may; transformer_impl may
+    not. transformer_engine is CUDA-only: asking for it on parallel.device=cpu is an error
+    naming both settings when the config loads, not a traceback from every rank."""
+    from hacpo.engine.run_config import config_diff, fingerprint_dict, load_config
+    cfg = load_config("tiny3", overrides={
+        "agents.0.policy.kind": "hf", "agents.0.policy.arch": "llama",
+        "agents.0.trainer": "megatron", "trainer_backend": "ray"})
+    cuda = cfg.override({"agents.0.parallel.device": "cuda", "agents.0.parallel.tp": 2})
+    assert config_diff(fingerprint_dict(cfg), fingerprint_dict(cuda)) == []
+    assert config_diff(fingerprint_dict(cuda), fingerprint_dict(cfg)) == []
+    te = cuda.override({"agents.0.parallel.transformer_impl": "transformer_engine"})
+    assert config_diff(fingerprint_dict(cuda), fingerprint_dict(te)) == [
+        "agents.0.parallel.transformer_impl"]
+    with pytest.raises(ValueError, match=r"^agent 'char' \(trainer=megatron\): parallel."
+                                         r"transformer_impl='transformer_engine' runs on CUDA "
+                                         r"only, but parallel.device='cpu': set parallel.device="
+                                         r"cuda or parallel.transformer_impl=local$"):
+        cfg.override({"agents.0.parallel.transformer_impl": "transformer_engine"})
+    with pytest.raises(ValueError, match=r"transformer_engine.*parallel.device='cpu'"):
+        te.override({"agents.0.parallel.device": "cpu"})
+
+
 def test_rollout_devices_and_colocation_are_validated():
     """rollout.device / gpu_memory_utilization / colocate: how engines use GPUs, not the math
     (resumable); what cannot run is a clear error naming it."""

@@ -187,6 +187,17 @@ def test_reserve_that_cannot_be_granted_is_removed_and_named(cluster):
     assert states == {"REMOVED"}
 
 
+def test_reserve_short_of_gpus_names_the_free_gpus(cluster):
+    """Bundles that ask for GPUs (megatron ranks on cuda) name the free GPUs too: the free
+    CPUs alone pointed at the wrong resource."""
+    with pytest.raises(RuntimeError, match=rf"^2 ranks was not granted within 0.5 s \(the Ray "
+                                           rf"cluster at {cluster.address} has 4 free CPUs of 4 "
+                                           rf"and 0 free GPUs of 0\); h$"):
+        cluster.reserve([{"CPU": 1, "GPU": 1}, {"CPU": 1}], what="2 ranks", hint="h",
+                        timeout_s=0.5)
+    assert _free_cpus_within(4) == 4
+
+
 def test_wait_started_names_a_dead_or_slow_actor(cluster):
     ok = _Starter.remote(False)
     assert RayCluster.wait_started(ok.ready.remote(), what="ok", timeout_s=60) == 7
