@@ -513,11 +513,18 @@ def register_reward(name: str, *, fast_path: Optional[FastPathFn] = None,
     return decorator
 
 
+# what an unknown reward name is, most often: one registered by a user's code the CLI never ran
+UNKNOWN_REWARD_HINT = ("(a reward of your own is registered by your code with "
+                       "hacpo.engine.rewards.register_reward: the hacpo command imports none, "
+                       "so train / evaluate such a run through the Python API)")
+
+
 def get_reward_spec(name: str) -> RewardSpec:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise KeyError(f"unknown reward {name!r}; registered: {sorted(_REGISTRY)}") from None
+        raise KeyError(f"unknown reward {name!r}; registered: {sorted(_REGISTRY)} "
+                       f"{UNKNOWN_REWARD_HINT}") from None
 
 
 def get_reward_fn(name: str) -> RewardFn:

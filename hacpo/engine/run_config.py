@@ -728,10 +728,10 @@ class TrainConfig(ConfigMixin):
         sample with temperature 0 or in [0.01, 2], with the model's heads split over
         ``rollout.engine_tp`` workers; ``reward.name`` is a registered reward (rewards
         registered by the caller's own code count: this runs in the driver's process)."""
-        from .rewards import list_rewards
+        from .rewards import UNKNOWN_REWARD_HINT, list_rewards
         if self.reward.name not in list_rewards():
             raise ValueError(f"unknown reward.name {self.reward.name!r}; registered rewards: "
-                             f"{', '.join(list_rewards())}")
+                             f"{', '.join(list_rewards())} {UNKNOWN_REWARD_HINT}")
         if self.rollout.engine == "vllm":
             check_vllm_kinds([(a.policy.name, a.policy.kind) for a in self.agents])
             check_vllm_temperature(self.rollout.temperature, "rollout.temperature")

@@ -76,7 +76,7 @@ def test_unknown_reward_name_is_a_user_error_before_any_work(tmp_path):
     cfg = load_config("tiny3", overrides={"reward.name": "no-such-reward",
                                           "out_dir": str(tmp_path / "run")})
     with pytest.raises(ValueError, match=r"unknown reward\.name 'no-such-reward'; registered "
-                                         r"rewards: .*math") as e:
+                                         r"rewards: .*math.* through the Python API") as e:
         train(cfg, echo=lambda *_: None)
     assert is_user_error(e.value)
     assert not (tmp_path / "run").exists()            # refused before the run dir was made

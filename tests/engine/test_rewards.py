@@ -63,8 +63,11 @@ def _range_reward(response: str, gold: str) -> float:
 def test_builtins_registered():
     assert {"math", "exact", "numeric_closeness"} <= set(list_rewards())
     assert get_reward_fn("math") is math_reward
-    with pytest.raises(KeyError, match="unknown reward 'nope'"):
+    with pytest.raises(KeyError, match="unknown reward 'nope'") as e:
         get_reward_fn("nope")
+    # (a run of a reward registered by the user's code, evaluated by `hacpo eval`)
+    assert "the hacpo command imports none, so train / evaluate such a run through the " \
+           "Python API" in str(e.value)
     with pytest.raises(ValueError, match="already registered"):
         register_reward("math")(lambda r, g: 0.0)
 
