@@ -726,8 +726,10 @@ class TrainConfig(ConfigMixin):
         """What a run of this config needs beyond a valid config, checked before any work
         (``hacpo train``, the launchers' dry runs): vLLM engines serve HF policies only, and
         sample with temperature 0 or in [0.01, 2], with the model's heads split over
-        ``rollout.engine_tp`` workers; ``reward.name`` is a registered reward (rewards
-        registered by the caller's own code count: this runs in the driver's process)."""
+        ``rollout.engine_tp`` workers, from the vLLM venv's Python, which must exist (found
+        after the warm-up, it was a traceback once the run dir was written); ``reward.name``
+        is a registered reward (rewards registered by the caller's own code count: this runs
+        in the driver's process)."""
         from .rewards import UNKNOWN_REWARD_HINT, list_rewards
         if self.reward.name not in list_rewards():
             raise ValueError(f"unknown reward.name {self.reward.name!r}; registered rewards: "
@@ -740,6 +742,8 @@ class TrainConfig(ConfigMixin):
                 hh = _hf_heads(a.policy) if tp > 1 else None
                 if hh is not None and (bad := engine_tp_problem(*hh, tp)):
                     raise engine_tp_error(k, a.policy.name, bad, tp)
+            from hacpo.launch.vllm_rollout import find_vllm_python
+            find_vllm_python()
 
     def __post_init__(self):
         if len(self.agents) < 1:
@@ -850,6 +854,7 @@ RESUMABLE_NESTED_KEYS = {("rollout", "call_timeout_s"), ("rollout", "weight_buck
                          ("rollout", "device"), ("rollout", "gpu_memory_utilization"),
                          ("rollout", "colocate"), ("rollout", "engine_tp"),
                          ("rollout", "ray_address"),
+                         ("rollout", "max_engine_restarts"),   # a restart gives the same samples
                          ("reward", "num_workers")}   # where rewards run, not their values
 
 

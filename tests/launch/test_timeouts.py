@@ -47,10 +47,12 @@ def test_timeout_config_is_checked_and_resumable():
         load_config("tiny3", overrides={"trainer_call_timeout_s": "nan"})
     cfg = load_config("tiny3")
     assert cfg.rollout.call_timeout_s == 1800 and cfg.trainer_call_timeout_s == 3600
-    # a run that timed out may resume with other limits: they are no part of the math
-    other = cfg.override({"rollout.call_timeout_s": 0, "trainer_call_timeout_s": 5})
+    # a run that timed out, or used up its engine restarts, may resume with other limits:
+    # they are no part of the math (a restarted engine re-sends the call with the same seeds)
+    other = cfg.override({"rollout.call_timeout_s": 0, "trainer_call_timeout_s": 5,
+                          "rollout.max_engine_restarts": 9})
     assert fingerprint_dict(other) == fingerprint_dict(cfg)
-    assert fingerprint_dict(cfg.override({"rollout.max_engine_restarts": 9})) != \
+    assert fingerprint_dict(cfg.override({"rollout.engines_per_agent": 2})) != \
         fingerprint_dict(cfg)
 
 
