@@ -12,7 +12,7 @@ import statistics
 
 from .checkpoint import ensure_dir, write_text_atomic
 from .config import preset, preset_settings
-from .plots import save_figure
+from .plots import plot_or_say, save_figure
 from .run_config import TrainConfig, config_hash, resolve_paths
 
 # two-sided 95% Student-t quantiles by degrees of freedom
@@ -93,7 +93,8 @@ def run_compare(base: TrainConfig, algorithms: list[str], seeds: list[int], root
     table = render_table(results, pass_k)
     write_text_atomic(os.path.join(root, "compare.json"), json.dumps(results, indent=2))
     write_text_atomic(os.path.join(root, "compare.md"), table)
-    plot_compare(results, os.path.join(root, "compare.png"))
+    plot_or_say(plot_compare, results, os.path.join(root, "compare.png"), echo,
+                "compare.md and compare.json")
     echo(table)
     return results
 

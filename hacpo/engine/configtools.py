@@ -172,7 +172,9 @@ def _coerce(value: Any, tp, key: str) -> Any:
         if base in (int, float):
             return base(value)
         if typing.get_origin(base) in (list, tuple, dict) or base is dict:
-            import yaml
+            from .errors import require
+            yaml = require("yaml", f"the {getattr(base, '__name__', base)} value {value!r} of "
+                                   f"config key {key!r}")
             try:
                 return yaml.safe_load(value)    # from_dict checks what it gives
             except yaml.YAMLError:

@@ -23,6 +23,7 @@ import random
 import re
 from typing import Iterable, Iterator, Optional, Sequence, Union
 
+from hacpo.engine.errors import require
 from hacpo.engine.rewards import extract_boxed
 
 __all__ = [
@@ -168,10 +169,7 @@ def _iter_jsonl(path: str) -> Iterator[tuple[str, object]]:
 
 
 def _iter_parquet(path: str) -> Iterator[tuple[str, object]]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError as e:
-        raise ImportError("reading parquet needs pyarrow (pip install pyarrow)") from e
+    pq = require("pyarrow.parquet", f"reading {path}", "or give the data as .jsonl")
     try:
         table = pq.read_table(path)
     except FileNotFoundError:

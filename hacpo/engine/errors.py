@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import importlib
+import importlib.util
 
 _MARK = "hacpo_user_error"
 # what reading a config, a dataset, a run directory or a checkpoint raises
@@ -25,6 +27,63 @@ def user_errors(*types: type[BaseException]):
 
 def is_user_error(e: BaseException) -> bool:
     return bool(getattr(e, _MARK, False))
+
+
+# What installs each optional package (all but torch and numpy, setup.py's install_requires),
+# by the name it is imported as: the requirement of setup.py's extras, at the version
+# requirements/constraints.txt pins where the extras pin one (ray; transformers: a range
+# there), unpinned as in the extras otherwise -- never a repository file, which an installed
+# hacpo does not have
+PIP = {"ray": "ray==2.60.0", "transformers": "transformers==5.19.0",
+       "tokenizers": "transformers==5.19.0", "yaml": "pyyaml", "pyarrow": "pyarrow",
+       "tensorboard": "tensorboard", "tqdm": "tqdm", "matplotlib": "matplotlib"}
+DIST = {"yaml": "pyyaml"}        # a package's name on PyPI, where it is not its import name
+
+
+class MissingPackageError(RuntimeError):
+    """An optional package that a setting, an input or a command needs is not installed: one
+    line naming what needs it, the package and the pip command. Marked as the user's to fix
+    (:func:`is_user_error`); a RuntimeError, so the commands' input-error paths report it."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        setattr(self, _MARK, True)
+
+
+def missing_package(module: str, needed_for: str, e: ImportError, hint: str = "") -> str:
+    """The one-line message for ``e``, the ImportError of ``module`` that ``needed_for`` needs:
+    the package and how to install it (``hint``: another way out, e.g. the setting that turns
+    the feature off)."""
+    top = module.split(".")[0]
+    package = e.name.split(".")[0] if isinstance(e, ModuleNotFoundError) and e.name else top
+    how = f"pip install {PIP.get(package, package)}"
+    if isinstance(e, ModuleNotFoundError) and e.name and (package == top or package in PIP):
+        why = f"the Python package {DIST.get(package, package)}, which is not installed"
+    else:       # installed but broken (e.g. a version that lacks what hacpo imports): say how
+        why = (f"the Python package {DIST.get(top, top)}, which cannot be imported "
+               f"({type(e).__name__}: {e})")
+    return f"{needed_for} needs {why}: {how}{f' ({hint})' if hint else ''}"
+
+
+def require(module: str, needed_for: str, hint: str = ""):
+    """``import module`` (returned); where it, or a package it imports, is missing, a
+    :class:`MissingPackageError` saying what needs it and how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise MissingPackageError(missing_package(module, needed_for, e, hint)) from e
+
+
+def require_installed(package: str, needed_for: str, hint: str = "") -> None:
+    """:func:`require` without importing ``package`` (ray: its environment must be set before
+    it is imported, hacpo.launch.ray_cluster): only that it is installed."""
+    try:
+        found = importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):       # a parent package missing, a broken __spec__
+        found = False
+    if not found:
+        e = ModuleNotFoundError(f"No module named {package!r}", name=package)
+        raise MissingPackageError(missing_package(package, needed_for, e, hint))
 
 
 # what a full disk, a quota, a file-size limit (ulimit -f: Python ignores SIGXFSZ, so a write

@@ -50,7 +50,7 @@ from hacpo.models.tokenizer import CharTokenizer
 
 from . import build, checkpoint as ckpt
 from .data import apply_prompt_template
-from .errors import StorageError
+from .errors import StorageError, require
 from .eval_harness import _load_run
 
 __all__ = ["export_checkpoint", "EXPORT_FILE", "PLACEHOLDER"]
@@ -237,9 +237,11 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, agents: Optional[Sequenc
 
     Raises ValueError (an agent that cannot be exported, an unknown agent or dtype, a
     checkpoint whose weights do not fit the run's config), FileExistsError (an agent's
-    directory exists and not ``overwrite``), OSError / StorageError (reading or writing)."""
+    directory exists and not ``overwrite``), OSError / StorageError (reading or writing),
+    MissingPackageError (transformers is not installed)."""
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; one of {', '.join(DTYPES)}")
+    require("transformers", "hacpo export")     # it writes transformers' folders: before any work
     ck_path, run_dir, state, cfg, notes = _load_run(checkpoint, temperature=False,
                                                     max_new_tokens=False, top_p=False)
     for n in notes:

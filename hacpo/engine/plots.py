@@ -7,6 +7,7 @@ import os
 import numpy as np
 
 from .checkpoint import _write_atomic
+from .errors import missing_package
 from .metrics import read_metrics
 
 
@@ -15,6 +16,16 @@ def _plt():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
+
+
+def plot_or_say(plot, data, path: str, echo, complete: str) -> None:
+    """``plot(data, path)``; without matplotlib one line saying the plot is not written and
+    ``complete`` (the results) are: not a traceback after every run has finished."""
+    try:
+        plot(data, path)
+    except ImportError as e:
+        echo(f"[plots] not written: {missing_package('matplotlib', path, e)} ({complete} are "
+             f"complete)")
 
 
 def save_figure(fig, path: str) -> None:

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 from .checkpoint import ensure_dir, write_text_atomic
 from .compare import warnings_only
-from .plots import save_figure
+from .plots import plot_or_say, save_figure
 from .run_config import TrainConfig
 
 DEFAULT_ALGORITHMS = ("gspo", "gspo2x", "hacpo")
@@ -122,7 +122,8 @@ def run_profile(base: TrainConfig, out_dir: str, *, algorithms=DEFAULT_ALGORITHM
     write_text_atomic(os.path.join(out_dir, "profile.json"), json.dumps(report, indent=2))
     md = render_report(report)
     write_text_atomic(os.path.join(out_dir, "profile.md"), md)
-    plot_profile(report, os.path.join(out_dir, "profile.png"))
+    plot_or_say(plot_profile, report, os.path.join(out_dir, "profile.png"), echo,
+                "profile.md and profile.json")
     echo(md)
     return report
 

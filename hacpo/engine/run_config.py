@@ -1050,8 +1050,10 @@ def load_config(preset: str = "default", yaml_path: str | None = None,
 def read_config_file(path: str) -> dict[str, Any]:
     """The dotted overrides a YAML (or JSON) config file gives, read once (a file may be a
     pipe: ``--config <(...)``). ValueError naming the file if it cannot be read, is not text
-    or its top level is not a mapping; ``yaml.YAMLError`` if it is not YAML."""
-    import yaml
+    or its top level is not a mapping; ``yaml.YAMLError`` if it is not YAML;
+    MissingPackageError without pyyaml."""
+    from .errors import require
+    yaml = require("yaml", f"config file {path}")
     try:
         f = open(path, encoding="utf-8")
     except OSError as e:    # missing, a folder, unreadable: say it is the config file

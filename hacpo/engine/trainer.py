@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import errno
+import importlib
 import json
 import logging
 import os
@@ -40,7 +41,8 @@ from .agents import build_agents, score_temperature, update_agents
 from .algorithm import learner_samples, sample_omega
 from .capability import CapabilityTracker
 from .data import PromptSampler, content_digest
-from .errors import StorageError, describe_os_error, user_errors
+from .errors import (StorageError, describe_os_error, missing_package, require_installed,
+                     user_errors)
 from .evaluate import evaluate_policy, score_named
 from .metrics import MetricsLogger, amend_row
 from .plots import RATIO_EDGES, RATIO_FILE, ratio_counts
@@ -107,6 +109,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, echo=print) -> dict:
     with user_errors():
         cfg = revalidated(cfg)             # a copy; checked again if edited in place
         cfg.check_runnable()               # before the warm-up, not at the engines' start
+        for note in check_packages(cfg):   # ray (before megatron_trainer imports it), and
+            echo(f"[warn] {note}")         # the default-on features' packages
         if any(a.trainer == "megatron" for a in cfg.agents):   # the setup hook and TE: here,
             from hacpo.launch.megatron_trainer import check_driver_setup   # not in every rank
             check_driver_setup(cfg)
@@ -718,7 +722,8 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
                  f"± {before[name]['stderr']:.3f}")
 
     with user_errors(ValueError):          # a metrics.jsonl line that cannot be read
-        logger = MetricsLogger(cfg.out_dir, start_step=start, tensorboard=cfg.tensorboard)
+        logger = MetricsLogger(cfg.out_dir, start_step=start, tensorboard=cfg.tensorboard
+                               and missing_feature(cfg, "tensorboard") is None)
     algo = cfg.algorithm
     G = cfg.rollout.group_size * algo.samples_per_prompt_factor
     bar = _progress(cfg, start)
@@ -925,7 +930,45 @@ def _save(path, cfg, next_step, agents, tracker, sampler, engine, shuffle_gen, n
 
 
 def _progress(cfg, start):
-    if not cfg.progress:
+    if not cfg.progress or missing_feature(cfg, "progress") is not None:   # (train warned)
         return None
     from tqdm import tqdm
     return tqdm(total=cfg.steps, initial=start, desc="hacpo", unit="step", dynamic_ncols=True)
+
+
+# default-on features a run goes on without where their package is missing (a warning, said
+# once before any work): setting -> (the module it imports, what the run goes without)
+OPTIONAL_FEATURES = {
+    "tensorboard": ("torch.utils.tensorboard", "TensorBoard events (metrics.jsonl holds every "
+                                               "row)"),
+    "progress": ("tqdm", "a progress bar"),
+}
+
+
+def missing_feature(cfg: TrainConfig, setting: str) -> str | None:
+    """Why the feature ``setting`` turns on (OPTIONAL_FEATURES) is left out of the run: its
+    package is missing (one line: the package, how to install it, the setting that turns it
+    off). None where it is off or its package imports."""
+    if not getattr(cfg, setting):
+        return None
+    module, without = OPTIONAL_FEATURES[setting]
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        return (missing_package(module, f"{setting}=true", e, f"or set {setting}=false")
+                + f"; the run goes on without {without}")
+    return None
+
+
+def check_packages(cfg: TrainConfig) -> list[str]:
+    """The optional packages the run's settings need, before any work: ray for the settings
+    that run on it (a MissingPackageError naming the setting), and the notes of
+    :func:`missing_feature` (the run goes on without those features)."""
+    # the settings that run on Ray: an error now, not a traceback from the first `import ray`
+    # after the warm-up
+    for key, value in (("trainer_backend", cfg.trainer_backend),
+                       ("rollout.engine", cfg.rollout.engine)):
+        if value in ("ray", "vllm"):
+            require_installed("ray", f"{key}={value}", f"or set {key}=local")
+    return [note for setting in OPTIONAL_FEATURES
+            if (note := missing_feature(cfg, setting)) is not None]

