@@ -166,6 +166,25 @@ def test_reduced_vocabulary_covers_prompts_as_the_template_renders_them():
         load_tokenizer("gpt2", prompts=questions)
 
 
+def test_prompts_are_encoded_in_chunks_with_the_same_vocabulary(monkeypatch):
+    """The prompts a reduced vocabulary covers are encoded in chunks of ENCODE_CHUNK, each
+    distinct one once (one encode_batch of a 100k-row dataset held ~1 GB the tokenizers
+    library kept): the vocabulary is the one a single batch gives, across chunk edges."""
+    import hacpo.models.tokenizer as tokmod
+    questions = [f"Q{i}: what is {i} + {i * 7}? Say it." for i in range(11)] * 2 + ["Why?\n"]
+    whole = load_tokenizer("gpt2", corpus=questions[:3], prompts=questions)
+    monkeypatch.setattr(tokmod, "ENCODE_CHUNK", 4)
+    calls = []
+    real = tokmod.HFTokenizer.prompt_text
+    monkeypatch.setattr(tokmod.HFTokenizer, "prompt_text",
+                        lambda self, q: calls.append(q) or real(self, q))
+    chunked = load_tokenizer("gpt2", corpus=questions[:3], prompts=questions)
+    assert chunked._to_orig == whole._to_orig and chunked.vocab_size == whole.vocab_size
+    assert sorted(calls) == sorted({"", *questions})        # each distinct prompt once
+    for q in questions:
+        assert chunked.prompt_ids(q) == whole.prompt_ids(q)
+
+
 def test_a_run_builds_reduced_vocabularies_that_cover_its_prompts():
     """The trainer's path (build.build_policies): a gpt2 agent with data.template=short was
     refused before the run started ("token 'ĠQ' ... was not in the reduction corpus")."""
