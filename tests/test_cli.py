@@ -597,3 +597,44 @@ def test_a_copied_runs_config_without_out_dir_is_an_error(tmp_path, capsys, monk
     assert main([*argv, "--out-dir", str(tmp_path / "copy")]) == 0      # the copy continues
     assert json.loads((tmp_path / "copy" / "summary.json").read_text())["steps"] == 2
     assert main(["train", "--config", str(run / "config.json"), "--resume", "--steps", "2"]) == 0
+
+
+def test_hacpo_version_imports_no_torch_and_an_early_ctrl_c_is_one_line(monkeypatch, capsys):
+    """Building the `hacpo` parser imported launch_local, hence hacpo.engine and torch: every
+    command (`hacpo --version` too) paid the import, and a Ctrl-C during it was a traceback.
+    The launcher is imported when it runs; a Ctrl-C before a command's own handler is one line,
+    exit 130."""
+    import subprocess
+    import sys
+    code = ("import sys\nfrom hacpo.launch.cli import main\n"
+            "try:\n    main(['--version'])\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.splitlines()[-1] == "False", out.stdout + out.stderr
+    import hacpo.launch.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "_run_command", interrupted)
+    assert main(["train"]) == 130
+    assert capsys.readouterr().err == "hacpo: interrupted (Ctrl-C)\n"
+
+
+def test_demo_stops_on_sigterm_with_one_line():
+    """`hacpo demo` ran outside the commands' stop handling: SIGTERM ended it silently, Ctrl-C
+    with a traceback."""
+    import signal
+    import subprocess
+    import sys
+    p = subprocess.Popen([sys.executable, "-u", "-m", "hacpo.launch.cli", "demo", "--steps",
+                          "1000000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "step" in p.stdout.readline()       # it runs (its first progress line)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 143 and err.strip() == "hacpo demo: terminated (SIGTERM)", err

@@ -321,11 +321,38 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
                 for run, label in zip(runs, labels)]
     # every output dir made (and writable) before any policy is scored: a run dir on a
     # read-only mount, or a file in the way, is an error now, not after the evaluation
+    made: dict[str, str | None] = {}     # each output dir -> the folder ensure_dir made
     for d in dict.fromkeys(([out_dir] if out_dir is not None else []) + out_dirs):
+        made[d] = ckpt.first_missing(d)
         try:
             ckpt.ensure_dir(d, "eval output dir")
         except OSError as e:
             raise StorageError.like(e, f"{e} (--out-dir chooses another)", d) from None
+    try:
+        return _evaluate(runs, labels, out_dirs, out_dir, benches, loaded, names, agents=agents,
+                         template=template, max_new_tokens=max_new_tokens,
+                         temperature=temperature, top_p=top_p, samples=samples, seed=seed,
+                         batch=batch, limit=limit, echo=echo)
+    except BaseException:      # failed or stopped: the folders it made and left empty go
+        for d in reversed(list(made)):
+            ckpt.remove_made_dirs(d, made[d])
+        raise
+
+
+def _evaluate(runs, labels, out_dirs, out_dir, benches, loaded, names, *, agents, template,
+              max_new_tokens, temperature, top_p, samples, seed, batch, limit, echo):
+    """evaluate_checkpoints' scoring and writing, once its output dirs exist."""
+    targets = [out_dir] if out_dir is not None else out_dirs
+    for d in dict.fromkeys(targets):
+        # an earlier evaluation's summary: this one's per-pair files replace that one's as they
+        # are scored, so a stopped evaluation left a summary of files it no longer described;
+        # it is rewritten when this one finishes
+        stale = [f for f in ("eval.md", "eval.json") if os.path.isfile(os.path.join(d, f))]
+        for f in stale:
+            os.unlink(os.path.join(d, f))
+        if stale:
+            echo(f"[eval] {d}: removed {' and '.join(stale)} of an earlier evaluation (written "
+                 f"again when this one finishes)")
     results: list[dict] = []
     written: set[str] = set()
     for (ck_path, run_dir, state, cfg, _), label, rdir in zip(runs, labels, out_dirs):
@@ -386,7 +413,6 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
                     results.append(rec)
     report = _report(results, names, samples, multi=len(runs) > 1)
     table = _markdown(report, names, samples)
-    targets = [out_dir] if out_dir is not None else out_dirs
     for d in dict.fromkeys(targets):
         ckpt.write_text_atomic(os.path.join(d, "eval.md"), table)
         ckpt.write_text_atomic(os.path.join(d, "eval.json"), json.dumps(report, indent=1))

@@ -367,6 +367,14 @@ def _add_run_args(p):
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:    # while a command starts (its imports: seconds), before its
+        print("hacpo: interrupted (Ctrl-C)", file=sys.stderr)   # own handler: no traceback
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     ap = argparse.ArgumentParser(prog="hacpo", description="Heterogeneous agent collaborative RL")
     ap.add_argument("--version", action="version", version=f"hacpo {hacpo.__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -443,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.command in ("train", "compare", "profile"):
         return _run_command(args)
-    if args.command in ("eval", "export"):    # eval: reward workers too
+    if args.command in ("eval", "export", "demo"):    # eval: reward workers too
         return _stoppable(args, args.func)
     return args.func(args)
 

@@ -648,7 +648,9 @@ def _run(fn):
 
 def add_launch_parser(subparsers) -> None:
     """``hacpo launch {slurm,local}`` on the ``hacpo`` command's subparsers."""
-    from .launch_local import launch_local
+    def launch_local(args) -> int:     # imported when it runs: building the `hacpo` parser
+        from .launch_local import launch_local as run   # imports no torch (`hacpo --version`,
+        return run(args)                                # a Ctrl-C while it starts)
     lp = subparsers.add_parser("launch", help="run `hacpo train` on a Ray cluster started on "
                                               "Slurm nodes or on this machine")
     sub = lp.add_subparsers(dest="launcher", required=True)

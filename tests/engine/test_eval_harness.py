@@ -608,3 +608,35 @@ def test_an_earlier_evaluations_files_in_the_out_dir_are_said(run, tmp_path, cap
     assert f"[eval] {out} also holds 2 file(s) of an earlier evaluation (char__gsm.json, " \
            f"char__math.json): kept; eval.md and eval.json are this evaluation's" in said
     assert (out / "char__gsm.json").exists() and "| char |" not in (out / "eval.md").read_text()
+
+
+def test_a_stopped_evaluation_leaves_no_summary_of_other_files_nor_folders_it_made(
+        run, tmp_path, capsys, monkeypatch):
+    """An evaluation stopped after some per-pair files (Ctrl-C, a full disk) kept the eval.md /
+    eval.json of the evaluation before it, which no longer described the pair files now there;
+    and one stopped before writing left the (empty) output folders it made."""
+    import hacpo.engine.eval_harness as eh
+    out = tmp_path / "ev"
+    common = ["eval", str(run["dir"]), "--bench", *run["benches"], "--limit", "1",
+              "--max-new-tokens", "8", "--agents", "char", "--out-dir", str(out)]
+    assert cli.main(common) == 0
+    assert (out / "eval.md").exists() and (out / "eval.json").exists()
+    real, calls = eh._score_policy, []
+
+    def stopped_after_one(*a, **k):       # the second benchmark is interrupted
+        calls.append(k["bench"])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+    monkeypatch.setattr(eh, "_score_policy", stopped_after_one)
+    assert cli.main([*common[:6], "2", *common[7:]]) == 130          # --limit 2
+    assert f"[eval] {out}: removed eval.md and eval.json of an earlier evaluation" \
+           in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == ["char__gsm.json", "char__math.json"]
+    assert json.loads((out / "char__gsm.json").read_text())["n"] == 2     # this evaluation's
+    calls.clear()
+    new = tmp_path / "a" / "b"
+    monkeypatch.setattr(eh, "_score_policy", lambda *a, **k: (_ for _ in ()).throw(
+        KeyboardInterrupt))
+    assert cli.main([*common[:-1], str(new)]) == 130
+    assert not (tmp_path / "a").exists()
