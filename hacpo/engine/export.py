@@ -39,6 +39,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import tempfile
 from typing import Callable, Optional, Sequence
 
@@ -151,12 +152,48 @@ def _prompt_record(tok, template: str) -> dict:
             "example": tok.prompt_text(apply_prompt_template(template, "What is 2+3?"))}
 
 
+def _aside(final: str, kind: str) -> str:
+    """The name prefix of ``final``'s temporary siblings (``kind`` "tmp": the folder being
+    written; "old": the previous export while the new one is renamed in): the writer's host
+    and pid in it, so a later export tells a dead writer's leftover (kill -9, the OOM killer)
+    by them."""
+    return f".{os.path.basename(final)}.{kind}-{socket.gethostname()}.{os.getpid()}."
+
+
+def sweep_dead_exports(final: str) -> list[str]:
+    """Remove the temporary siblings of ``final`` that an export killed while writing left
+    (``.<agent>.tmp-HOST.PID.*``, a model's size each; ``.<agent>.old-...``: the previous
+    export, put back as ``final`` where a kill between the two renames left none), where
+    HOST is this host and PID no longer runs. Another host's (a shared filesystem) or a live
+    writer's are left alone. Returns those removed."""
+    parent, base = os.path.dirname(final) or ".", os.path.basename(final)
+    host, removed = socket.gethostname(), []
+    try:
+        names = sorted(os.listdir(parent))
+    except OSError:
+        return removed
+    for name in names:
+        for kind in ("old", "tmp"):
+            prefix = f".{base}.{kind}-{host}."
+            pid = name[len(prefix):].split(".", 1)[0] if name.startswith(prefix) else ""
+            if not pid.isdigit() or int(pid) == os.getpid() or ckpt._alive(int(pid)):
+                continue
+            path = os.path.join(parent, name)
+            kept = os.path.join(path, "x")
+            if kind == "old" and not os.path.lexists(final) and os.path.isdir(kept):
+                os.rename(kept, final)          # the previous export, whole
+            shutil.rmtree(path, ignore_errors=True)
+            if not os.path.lexists(path):
+                removed.append(path)
+    return removed
+
+
 def _write_agent(pol, final: str, *, record: dict, tokenizer: bool,
                  dtype: Optional[torch.dtype], overwrite: bool) -> None:
     """Write one agent's directory to a temporary sibling, then rename it to ``final``."""
     parent, tmp = os.path.dirname(final), None
     try:
-        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.tmp-", dir=parent)
+        tmp = tempfile.mkdtemp(prefix=_aside(final, "tmp"), dir=parent)
         tok = pol.tokenizer
         model = pol.model if pol.kind == "hf" else to_llama(
             pol.model, eos_id=tok.eos_id, pad_id=tok.pad_id, bos_id=tok.bos_id)
@@ -189,7 +226,7 @@ def _write_agent(pol, final: str, *, record: dict, tokenizer: bool,
         elif not overwrite:         # checked up front too: one made since then
             raise FileExistsError(f"{final} exists (--force replaces it)")
         else:                       # the old folder moves aside only for the rename
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.old-", dir=parent)
+            old = tempfile.mkdtemp(prefix=_aside(final, "old"), dir=parent)
             try:
                 os.rename(final, os.path.join(old, "x"))
             except BaseException:
@@ -264,6 +301,10 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, agents: Optional[Sequenc
     chosen = [n for n in chosen if n not in bad]
     folder = _dir_names([a.policy.name for a in cfg.agents])
     dirs = {n: os.path.join(out_dir, folder[n]) for n in chosen}
+    for d in dirs.values():     # first: a previous export it puts back is one that exists
+        if gone := sweep_dead_exports(d):
+            echo(f"[export] removed what an export of {d} killed while writing left: "
+                 f"{', '.join(os.path.basename(g) for g in gone)}")
     if not overwrite and (there := [d for d in dirs.values() if os.path.lexists(d)]):
         raise FileExistsError(f"{', '.join(there)} already exist(s) (--force replaces them)")
     made = ckpt.first_missing(out_dir)      # the folders it makes (its parents too)

@@ -500,3 +500,36 @@ def test_hacpo_traceback_raises_the_input_error(tmp_path, monkeypatch, capsys):
     assert "hacpo export: error" not in capsys.readouterr().err
     monkeypatch.delenv("HACPO_TRACEBACK")
     assert cli.main(["export", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out")]) == 2
+
+
+def test_what_an_export_killed_while_writing_left_is_removed_by_the_next(run, exported, capsys):
+    """kill -9 (the OOM killer) mid-write left a hidden .<agent>.tmp-XXXX/ folder, a model's
+    size, that nothing removed (a successful rerun kept it, each kill added one); killed
+    between its two renames, the previous export sat in .<agent>.old-XXXX/x with no <agent>/.
+    The writer's host and pid are in the names now: the next export removes a dead one's
+    leftovers and puts the previous export back; a live writer's, or another host's, stay."""
+    import socket
+    import subprocess
+    import sys
+    out = run / "killed"
+    export_checkpoint(str(run / "run"), str(out), agents=["g2"], echo=_quiet)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    tmp = out / f".g2.tmp-{host}.{dead.pid}.abc123"
+    tmp.mkdir()
+    (tmp / "model.safetensors").write_bytes(b"half")
+    old = out / f".g2.old-{host}.{dead.pid}.def456"
+    old.mkdir()
+    os.rename(out / "g2", old / "x")              # killed between the renames
+    live = out / f".g2.tmp-{host}.{os.getppid()}.ghi789"      # a live writer's
+    other = out / f".g2.tmp-otherhost.{dead.pid}.jkl012"       # another host's
+    live.mkdir()
+    other.mkdir()
+    with pytest.raises(FileExistsError, match="already exist"):   # the previous one, back
+        export_checkpoint(str(run / "run"), str(out), agents=["g2"], echo=print)
+    said = capsys.readouterr().out
+    assert f"[export] removed what an export of {out / 'g2'} killed while writing left: " \
+           f"{old.name}, {tmp.name}" in said
+    assert sorted(os.listdir(out)) == sorted(["g2", live.name, other.name])
+    assert (out / "g2" / "hacpo_export.json").exists()
