@@ -197,11 +197,16 @@ def test_kv_cache_refusal_names_the_variable(monkeypatch):
                                      "... Decrease VLLM_CPU_KVCACHE_SPACE"), "cpu", 9) is None
 
 
-def test_engine_past_its_restart_budget_says_resume(tmp_path):
+def test_engine_past_its_restart_budget_says_resume(tmp_path, monkeypatch):
     """The error that ends a run whose engine died past rollout.max_engine_restarts ends with
     the next step, as a stopped run's does, where there is a run to continue (config.json)."""
     import types
 
+    import ray
+    # (a real ray.kill of the stand-in actor started a default 2-CPU Ray cluster in this
+    # process, which later modules reused: tests/conftest.py named this module for it)
+    monkeypatch.setattr(ray, "kill", lambda *a, **k: None)
+    connected = ray.is_initialized()
     pool = VLLMRolloutEngine.__new__(VLLMRolloutEngine)
     pool.policies, pool.actors = [types.SimpleNamespace(name="llama")], [[object()]]
     pool.max_restarts, pool.restarts, pool.timeouts = 1, [[1]], [[0]]
@@ -218,3 +223,4 @@ def test_engine_past_its_restart_budget_says_resume(tmp_path):
         with pytest.raises(RuntimeError) as e:
             pool._restart(0, 0, RuntimeError("engine killed"), hung=hung)
         assert "--resume" not in str(e.value)
+    assert ray.is_initialized() == connected          # no Ray cluster started here
