@@ -157,7 +157,12 @@ def _aside(final: str, kind: str) -> str:
     written; "old": the previous export while the new one is renamed in): the writer's host
     and pid in it, so a later export tells a dead writer's leftover (kill -9, the OOM killer)
     by them."""
-    return f".{os.path.basename(final)}.{kind}-{socket.gethostname()}.{os.getpid()}."
+    return f"{_host_aside(final, kind)}{os.getpid()}."
+
+
+def _host_aside(final: str, kind: str) -> str:
+    """:func:`_aside` up to the pid: every writer's on this host."""
+    return f".{os.path.basename(final)}.{kind}-{socket.gethostname()}."
 
 
 def sweep_dead_exports(final: str) -> list[str]:
@@ -166,15 +171,14 @@ def sweep_dead_exports(final: str) -> list[str]:
     export, put back as ``final`` where a kill between the two renames left none), where
     HOST is this host and PID no longer runs. Another host's (a shared filesystem) or a live
     writer's are left alone. Returns those removed."""
-    parent, base = os.path.dirname(final) or ".", os.path.basename(final)
-    host, removed = socket.gethostname(), []
+    parent, removed = os.path.dirname(final) or ".", []
     try:
         names = sorted(os.listdir(parent))
     except OSError:
         return removed
     for name in names:
         for kind in ("old", "tmp"):
-            prefix = f".{base}.{kind}-{host}."
+            prefix = _host_aside(final, kind)
             pid = name[len(prefix):].split(".", 1)[0] if name.startswith(prefix) else ""
             if not pid.isdigit() or int(pid) == os.getpid() or ckpt._alive(int(pid)):
                 continue

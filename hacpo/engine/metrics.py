@@ -8,7 +8,7 @@ import math
 import os
 
 from .checkpoint import _write_atomic, remove_stale_temps
-from .errors import StorageError, describe_os_error, missing_package
+from .errors import StorageError, describe_os_error
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +36,12 @@ class MetricsLogger:
             log.warning("removed %d temporary file(s) left by a writer of %s that died "
                         "mid-save: %s", len(removed), self.path, ", ".join(removed))
         self.tb = None
-        writer = _summary_writer() if tensorboard else None
-        if writer is not None:
+        if tensorboard:     # (train() checked the package first: without it, it passes False)
+            from torch.utils.tensorboard import SummaryWriter
             # purge also at step 0: a run restarted without a checkpoint (killed before its
             # first) hides the killed run's events, as a resume hides those after its step
-            self.tb = writer(os.path.join(out_dir, "tensorboard"), purge_step=start_step)
+            self.tb = SummaryWriter(os.path.join(out_dir, "tensorboard"),
+                                    purge_step=start_step)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
@@ -82,20 +83,6 @@ class MetricsLogger:
 
     def close(self) -> None:
         self._tensorboard(lambda tb: (tb.flush(), tb.close()))
-
-
-def _summary_writer():
-    """torch's SummaryWriter; None (a warning) where the tensorboard package is missing: the
-    run goes on without events, as when they cannot be written (the trainer checks it before
-    any work and passes tensorboard=False)."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as e:
-        log.warning("%s; the run goes on without TensorBoard events (metrics.jsonl holds every "
-                    "row)", missing_package("torch.utils.tensorboard", "tensorboard=true", e,
-                                            "or set tensorboard=false"))
-        return None
-    return SummaryWriter
 
 
 def _warn_missing_rows(path: str, keep: list[str], start_step: int) -> None:

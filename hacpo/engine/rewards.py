@@ -144,8 +144,11 @@ def _unclosed_box_start(text: str) -> Optional[int]:
 
 # Scientific notation after a plain number: "1e5", "3.2e-4", "6.02E23" (the exponent is part of
 # the number, never the answer on its own; at most 3 digits: Fraction("1e999999") is huge).
-_SCI_EXPONENT_RE = re.compile(r"[eE][+-]?\d{1,3}(?!\d|\.\d)")
-_SCI_MANTISSA_RE = re.compile(r"^-?(?:\d+(?:\.\d+)?|\.\d+)$")
+_PLAIN = r"-?(?:\d+(?:\.\d*)?|\.\d+)"     # a plain decimal number
+_SCI_EXPONENT = r"[eE][+-]?\d{1,3}"
+_SCI_EXPONENT_RE = re.compile(_SCI_EXPONENT + r"(?!\d|\.\d)")
+_PLAIN_RE = re.compile(rf"^{_PLAIN}$")
+_SCI_RE = re.compile(rf"^{_PLAIN}{_SCI_EXPONENT}$")     # 1e5, 3.2e-4
 
 
 def _last_number(text: str) -> Optional[str]:
@@ -155,7 +158,7 @@ def _last_number(text: str) -> Optional[str]:
         if m.start() < skip_to:         # the exponent of the number before
             continue
         s = m.group(0)
-        if _SCI_MANTISSA_RE.match(s) and (e := _SCI_EXPONENT_RE.match(text, m.end())):
+        if _PLAIN_RE.match(s) and (e := _SCI_EXPONENT_RE.match(text, m.end())):
             s += e.group(0)
             skip_to = e.end()
         # An exponent ("12 cm^2", "m^{3}") is not a final answer on its own.
@@ -310,8 +313,6 @@ _INT_COMMAS_RE = re.compile(r"^-?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
 _INT_SPACES_RE = re.compile(r"^-?\d{1,3}(?: \d{3})+(?:\.\d+)?$")
 _DIGIT_SPACE_DIGIT_RE = re.compile(r"\d +\d")
 _MIXED_RE = re.compile(r"^(-?)(\d+) +(\d+)/(\d+)$")
-_PLAIN_RE = re.compile(r"^-?(?:\d+(?:\.\d*)?|\.\d+)$")
-_SCI_RE = re.compile(r"^-?(?:\d+(?:\.\d*)?|\.\d+)[eE][+-]?\d{1,3}$")   # 1e5, 3.2e-4
 _RATIO_RE = re.compile(r"^(-?\d+)\s*/\s*(\d+)$")
 _FRAC_RE = re.compile(r"^(-?)\\[dt]?frac\{\s*(-?\d+)\s*\}\{\s*(\d+)\s*\}$")
 

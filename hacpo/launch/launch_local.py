@@ -29,19 +29,17 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from hacpo.engine.signals import signals_deferred
 
-from .ray_cluster import (TEMP_PREFIX, _hold_owner_lock, _release_owner_lock, new_auth_env,
-                          sweep_dead_temp_dirs, use_auth_env)
+from .ray_cluster import (TEMP_PREFIX, new_auth_env, new_temp_dir, remove_temp_dir,
+                          use_auth_env)
 from .ray_wait import ClusterTimeout, Node, log_tail, wait_for_cluster
 from .slurm import (LaunchError, WaitTimeout, check_launch_numbers, check_resources,
                     check_wait_timeout, driver_argv, load_run)
@@ -285,11 +283,9 @@ def _launch_local(args) -> int:
     # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (e.g. inherited) would refuse the worker nodes
     env = {**os.environ, **auth, "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
-    # short: Ray's socket paths live here. Held like a private cluster's (ray_cluster): a
-    # launcher killed with SIGKILL cannot remove it, the next launch or private cluster does
-    sweep_dead_temp_dirs()
-    tmp = tempfile.mkdtemp(prefix=TEMP_PREFIX + "launch-")
-    _hold_owner_lock(tmp)
+    # short: Ray's socket paths live here. Held like a private cluster's: a launcher killed
+    # with SIGKILL cannot remove it, the next launch or private cluster does
+    tmp = new_temp_dir(TEMP_PREFIX + "launch-")
     node_args = [f"--node-ip-address={_HOST}", f"--temp-dir={tmp}", f"--num-cpus={cpus}",
                  f"--num-gpus={args.gpus_per_node}", "--block"]
     if args.object_store_mb:
@@ -378,5 +374,4 @@ def _launch_local(args) -> int:
                 _kill_group(driver, teardown,
                             first=signal.SIGINT if interrupted else signal.SIGTERM)
             _stop(procs, teardown)
-            shutil.rmtree(tmp, ignore_errors=True)
-            _release_owner_lock(tmp)
+            remove_temp_dir(tmp)

@@ -156,8 +156,7 @@ class RayCluster:
             ray.shutdown()       # a local cluster started by ray.init() stops with its driver
         self.connected_here = False
         if self.owned and self.temp_dir:
-            shutil.rmtree(self.temp_dir, ignore_errors=True)
-            _release_owner_lock(self.temp_dir)
+            remove_temp_dir(self.temp_dir)
 
 
 # A private cluster's temp dir (Ray's sockets, session logs: ~250 KB) is removed when the
@@ -185,6 +184,22 @@ def _release_owner_lock(temp_dir: str) -> None:
     fd = _owner_fds.pop(temp_dir, None)
     if fd is not None:
         os.close(fd)
+
+
+def new_temp_dir(prefix: str = TEMP_PREFIX) -> str:
+    """A temp dir for a Ray cluster this process starts (``prefix`` must start with
+    TEMP_PREFIX): the dirs of owners that died are swept first, and this process holds the
+    owner lock of the new one until :func:`remove_temp_dir`."""
+    sweep_dead_temp_dirs()
+    temp_dir = tempfile.mkdtemp(prefix=prefix)
+    _hold_owner_lock(temp_dir)
+    return temp_dir
+
+
+def remove_temp_dir(temp_dir: str) -> None:
+    """Remove a :func:`new_temp_dir` (its cluster stopped) and release its owner lock."""
+    shutil.rmtree(temp_dir, ignore_errors=True)
+    _release_owner_lock(temp_dir)
 
 
 def sweep_dead_temp_dirs(root: str | None = None) -> list[str]:
@@ -406,9 +421,7 @@ def _connect(address: str = "", *, num_cpus: int | None = None,
                         "MiB (30%% of this machine's memory), so syncs will spill to disk",
                         weights / 2**20, _OBJECT_STORE_COPIES * weights / 2**20,
                         store / 2**20)
-        sweep_dead_temp_dirs()
-        temp_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX)   # short: Ray's socket paths live here
-        _hold_owner_lock(temp_dir)
+        temp_dir = new_temp_dir()     # short: Ray's socket paths live here
         try:
             # Ctrl-C held until ray.init returns (seconds): interrupted after it made the
             # driver's core worker but before it counts as connected, that core worker is left
@@ -426,8 +439,7 @@ def _connect(address: str = "", *, num_cpus: int | None = None,
                               temp_dir=temp_dir)
         except BaseException:    # Ctrl-C / SIGTERM while Ray starts too: no cluster, no dir
             _stop_half_started()
-            shutil.rmtree(temp_dir, ignore_errors=True)
-            _release_owner_lock(temp_dir)
+            remove_temp_dir(temp_dir)
             raise
     if address != "auto":
         from hacpo.engine.errors import user_errors
