@@ -7,12 +7,13 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, asdict
 
 import torch
 
 from hacpo.models.policy import Policy, build_policy
+from hacpo.models.tokenizer import Tokenizer, load_tokenizer
 
 from . import checkpoint as ckpt
 from .data import DataError, Example, GSM8K_FIELDS, LoadStats, MATH_ANSWER_FIELDS, \
@@ -133,14 +134,23 @@ def keeps_torch_threads(fn):
     return wrapper
 
 
-def build_policies(cfg: TrainConfig, data: Data,
-                   names: Collection[str] | None = None) -> list[Policy]:
+def build_policies(cfg: TrainConfig, data: Data | None,
+                   names: Collection[str] | None = None,
+                   tokenizers: Mapping[str, Tokenizer] | None = None) -> list[Policy]:
     """The run's policies in config order; ``names``: those agents' only (`hacpo eval` /
-    `export --agents`: another agent's missing model or tokenizer files do not stop them)."""
+    `export --agents`: another agent's missing model or tokenizer files do not stop them).
+    ``tokenizers``: tokenizers already made, by agent name (:func:`rebuild_policies`: reduced
+    vocabularies a checkpoint records); the others' vocabularies are reduced to ``data``
+    (None where none is)."""
+    tokenizers = tokenizers or {}
     texts = prompts = None
     policies = []
     for a in cfg.agents:
-        if names is not None and a.policy.name not in names:
+        name = a.policy.name
+        if names is not None and name not in names:
+            continue
+        if name in tokenizers:
+            policies.append(build_policy(a.policy, tokenizer=tokenizers[name]))
             continue
         if a.policy.reduce_vocab and texts is None:
             texts = corpus(cfg, data)
@@ -150,6 +160,48 @@ def build_policies(cfg: TrainConfig, data: Data,
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     return policies
+
+
+def tokenizer_record(policies: list[Policy]) -> dict[str, list]:
+    """What a training checkpoint records of each policy's tokenizer: ``tokenizers``, a digest
+    of what its ids mean (a run resumed, evaluated or exported with another is refused:
+    :func:`tokenizer_mismatch`), and ``vocabs``, by agent name, each reduced vocabulary (its
+    kept original ids, int64), from which `hacpo eval` / `export` rebuild it without reading
+    the data."""
+    vocabs = {}
+    for p in policies:
+        if (kept := p.tokenizer.kept_ids()) is not None:
+            vocabs[p.name] = torch.tensor(kept, dtype=torch.int64)
+    return {"tokenizers": [tokenizer_digest(p.tokenizer) for p in policies], "vocabs": vocabs}
+
+
+def saved_vocabs(state: dict) -> dict[str, list[int]]:
+    """The reduced vocabularies a training checkpoint records, by agent name (one written
+    before it recorded them has none: its agents' are reduced to the data again)."""
+    vocabs = state.get("vocabs")
+    if not isinstance(vocabs, dict):
+        return {}
+    return {n: v.tolist() for n, v in vocabs.items() if isinstance(v, torch.Tensor)}
+
+
+def rebuild_policies(cfg: TrainConfig, state: dict, names: Collection[str],
+                     where: str) -> list[Policy]:
+    """Agents ``names`` of training checkpoint ``state`` (of ``cfg``; ``where``: e.g. "cannot
+    evaluate <path>", for errors), rebuilt (not yet loaded): a reduced vocabulary from the
+    checkpoint's record of it; the run's data is read only for one that has none (a
+    checkpoint written before it recorded them)."""
+    vocabs, made = saved_vocabs(state), {}
+    for a in cfg.agents:
+        if (name := a.policy.name) in vocabs and name in names and a.policy.reduce_vocab:
+            try:
+                made[name] = load_tokenizer(a.policy.tokenizer, kept=vocabs[name])
+            except ValueError as e:
+                raise ValueError(f"{where}: agent {name}'s reduced vocabulary recorded there "
+                                 f"does not fit its tokenizer: {e}") from None
+    reduced_here = any(a.policy.reduce_vocab and a.policy.name not in made
+                       for a in cfg.agents if a.policy.name in names)
+    data = load_data(cfg) if reduced_here else None
+    return build_policies(cfg, data, names=set(names), tokenizers=made)
 
 
 def warm_start(cfg: TrainConfig, data: Data, policies: list[Policy], echo=print) -> list[dict]:

@@ -1,10 +1,10 @@
 """`hacpo eval`: evaluate trained checkpoints on JSONL/parquet benchmarks.
 
-Each checkpoint's policies are rebuilt exactly as its run built them (``build.load_data`` +
-``build.build_policies`` on the run's own config, since reduced vocabularies depend on the run's
-corpus), then the saved weights are loaded. Every selected agent answers every problem of every
-benchmark (``samples`` responses each), and the responses are scored by the run's verifier
-(:class:`RewardComputer` with the run's reward name).
+Each checkpoint's policies are rebuilt exactly as its run built them (``build.rebuild_policies``
+on the run's own config: a reduced vocabulary from the checkpoint's record of its tokens, or the
+run's corpus for a checkpoint without one), then the saved weights are loaded. Every selected
+agent answers every problem of every benchmark (``samples`` responses each), and the responses
+are scored by the run's verifier (:class:`RewardComputer` with the run's reward name).
 
 Reported per agent and benchmark: avg@k (mean reward over the k samples, averaged over problems)
 with a 95% normal CI over problems (``1.96 * SE``; SE = population sd of the per-problem avg@k
@@ -367,8 +367,8 @@ def _evaluate(runs, labels, out_dirs, out_dir, benches, loaded, names, *, agents
         chosen = list(dict.fromkeys(agents)) if agents else [a["name"] for a in state["agents"]]
         echo(f"[eval] {label}: rebuilding {len(chosen)} polic{'y' if len(chosen) == 1 else 'ies'}"
              f" from {ck_path}")
-        data = build.load_data(cfg)
-        policies = {p.name: p for p in build.build_policies(cfg, data, names=set(chosen))}
+        policies = {p.name: p for p in build.rebuild_policies(
+            cfg, state, chosen, f"cannot evaluate {ck_path}")}
         for name in chosen:     # no prompt of even one token would fit: every problem a 0
             if max_new >= policies[name].max_len:
                 raise ValueError(f"max_new_tokens {max_new} leaves no room for a prompt in agent "

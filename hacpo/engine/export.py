@@ -23,7 +23,8 @@ user message as the agent's prompts were.
   hacpo_export.json).
 
 The policies are rebuilt exactly as `hacpo eval` rebuilds them (the run's own config; a reduced
-vocabulary from the run's own corpus) and the checkpoint's weights are loaded, so every backend
+vocabulary from the checkpoint's record of its tokens, or the run's own corpus for a checkpoint
+without one; ``hacpo_export.json`` records them as ``tokenizer.kept_ids``) and the checkpoint's weights are loaded, so every backend
 that writes the checkpoint exports alike: the local and Ray trainers, and megatron-core rank
 groups (their checkpoint holds the driver's Hugging Face copy, gathered from the TP / PP
 shards).
@@ -330,8 +331,8 @@ def _export(ck_path, run_dir, state, cfg, by_name, dirs, *, tokenizer, dtype, ov
     chosen = list(dirs)
     echo(f"[export] rebuilding {len(chosen)} polic{'y' if len(chosen) == 1 else 'ies'} from "
          f"{ck_path}")
-    data = build.load_data(cfg)
-    policies = {p.name: p for p in build.build_policies(cfg, data, names=set(chosen))}
+    policies = {p.name: p for p in build.rebuild_policies(cfg, state, chosen,
+                                                          f"cannot export from {ck_path}")}
     if why := build.tokenizer_mismatch(state, [policies[n] for n in chosen], cfg):
         raise ValueError(f"cannot export from {ck_path}: {why}")
     saved = {a["name"]: a for a in state["agents"]}
@@ -358,7 +359,10 @@ def _export(ck_path, run_dir, state, cfg, by_name, dirs, *, tokenizer, dtype, ov
             "tokenizer": {"name": tok.name, "files_written": tokenizer,
                           "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
                           "pad_id": tok.pad_id, "bos_id": tok.bos_id,
-                          "reduced": bool(getattr(tok, "reduced", False))},
+                          "reduced": bool(getattr(tok, "reduced", False)),
+                          # the tokenizer's id of each of the model's ids (reduced: its files
+                          # would misread them; decode through this)
+                          "kept_ids": tok.kept_ids()},
             "prompt": _prompt_record(tok, cfg.data.template),
         }
         _write_agent(pol, dirs[n], record=record, tokenizer=tokenizer,

@@ -681,7 +681,7 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
     # plots: sequence-ratio counts per "<agent>/<part>" (RATIO_EDGES), summed over the steps
     ratio_log: dict[str, np.ndarray] = defaultdict(lambda: np.zeros(len(RATIO_EDGES) - 1,
                                                                     dtype=np.int64))
-    tokenizers = [build.tokenizer_digest(p.tokenizer) for p in policies]   # for checkpoints
+    tokenizers = build.tokenizer_record(policies)     # for checkpoints
     heldout = content_digest(data.eval)    # the set "before RL" was measured on
     if state is None:
         before, start = None, 0
@@ -926,7 +926,7 @@ def _save(path, cfg, next_step, agents, tracker, sampler, engine, shuffle_gen, n
         "nonfinite": dict(nonfinite), "warmup": warm, "eval_before": before,
         # tensors, not numpy arrays: the checkpoint loads with torch.load(weights_only=True)
         "ratio_hist": {key: torch.from_numpy(c.copy()) for key, c in ratio_log.items()},
-        "tokenizers": tokenizers, "heldout": heldout}, path)
+        **tokenizers, "heldout": heldout}, path)
 
 
 def _progress(cfg, start):

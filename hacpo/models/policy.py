@@ -375,7 +375,8 @@ class Policy(nn.Module):
 
 def build_policy(config: PolicyConfig, *, corpus: Iterable[str] | None = None,
                  tokenizer: Tokenizer | None = None,
-                 prompts: Iterable[str] | None = None) -> Policy:
+                 prompts: Iterable[str] | None = None,
+                 kept: Sequence[int] | None = None) -> Policy:
     """Build a :class:`Policy` from its config.
 
     Args:
@@ -383,17 +384,22 @@ def build_policy(config: PolicyConfig, *, corpus: Iterable[str] | None = None,
         corpus: texts for the reduced vocabulary (required iff ``config.reduce_vocab``).
         prompts: questions the reduced vocabulary covers inside the prompt template too (see
             :class:`~hacpo.models.tokenizer.HFTokenizer`).
+        kept: instead of ``corpus``, the reduced vocabulary already made (the original ids
+            it keeps: the tokenizer's ``kept_ids()``, which a training checkpoint records).
         tokenizer: an already-built tokenizer to use instead of ``config.tokenizer``.
     """
     if config.dtype not in DTYPES:
         raise ValueError(f"unknown dtype {config.dtype!r}; one of {sorted(DTYPES)}")
     dtype = DTYPES[config.dtype]
     if tokenizer is None:
-        if config.reduce_vocab and corpus is None:
+        if config.reduce_vocab and corpus is None and kept is None:
             raise ValueError(f"policy {config.name!r}: reduce_vocab=True needs a corpus")
-        tokenizer = load_tokenizer(config.tokenizer,
-                                   corpus=corpus if config.reduce_vocab else None,
-                                   prompts=prompts if config.reduce_vocab else None)
+        if kept is not None and not config.reduce_vocab:
+            raise ValueError(f"policy {config.name!r}: kept= is a reduced vocabulary, and "
+                             f"reduce_vocab is False")
+        reduce = config.reduce_vocab and kept is None
+        tokenizer = load_tokenizer(config.tokenizer, corpus=corpus if reduce else None,
+                                   prompts=prompts if reduce else None, kept=kept)
     if config.kind == "decoder":
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed)

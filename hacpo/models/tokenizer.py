@@ -100,6 +100,11 @@ class Tokenizer:
         """Ids that are never content (EOS, pad, BOS, template markers)."""
         raise NotImplementedError
 
+    def kept_ids(self) -> list[int] | None:
+        """A vocabulary reduced from a larger one: the larger one's id of each id; None if not
+        reduced."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, vocab_size={self.vocab_size})"
 
@@ -272,6 +277,10 @@ class HFTokenizer(Tokenizer):
             encodes them, inside the prompt template: without a chat template's special tokens
             around the question, BPE merges across its edges (gpt2's ``" What"`` after
             ``"Question:"``, ``"?\n"``), tokens the question alone never gives.
+        kept: instead of ``corpus``, a reduced vocabulary given by its tokens: the original
+            ids that ids ``0..len(kept)-1`` stand for (:meth:`kept_ids` of the tokenizer that
+            reduced it; a training checkpoint records it, so evaluating or exporting a run
+            does not read its data again).
 
     With a reduced vocabulary, ``errors="fallback"`` spells an unseen token with single-byte
     tokens (lossless); tokenizers that are not byte-level have no fallback and raise.
@@ -279,7 +288,11 @@ class HFTokenizer(Tokenizer):
 
     def __init__(self, hf, *, name: str, eos_token: str | None = None,
                  template: str | None = None, template_kwargs: dict | None = None,
-                 corpus: Iterable[str] | None = None, prompts: Iterable[str] | None = None):
+                 corpus: Iterable[str] | None = None, prompts: Iterable[str] | None = None,
+                 kept: Sequence[int] | None = None):
+        if kept is not None and (corpus is not None or prompts is not None):
+            raise ValueError("kept= is a reduced vocabulary already made: not with corpus= or "
+                             "prompts=")
         self.hf = hf
         self.name = name
         self._backend = hf.backend_tokenizer  # tokenizers.Tokenizer: fast batch-free encode
@@ -308,8 +321,10 @@ class HFTokenizer(Tokenizer):
             self._byte_char_to_id = {ch: vocab[ch] for ch in table.values()}
             self._byte_ids = sorted(self._byte_char_to_id.values())
 
-        self.reduced = corpus is not None
-        if self.reduced:
+        self.reduced = corpus is not None or kept is not None
+        if kept is not None:
+            keep = self._check_kept(kept)
+        elif corpus is not None:
             keep = set(self._orig_specials)
             if self._byte_ids is not None:
                 keep.update(self._byte_ids)
@@ -329,6 +344,7 @@ class HFTokenizer(Tokenizer):
                 rendered = [self.prompt_text(q) for q in questions[i:i + ENCODE_CHUNK]]
                 for enc in self._backend.encode_batch(rendered, add_special_tokens=False):
                     keep.update(enc.ids)
+        if self.reduced:
             self._to_orig = sorted(keep)
             self._from_orig = {o: i for i, o in enumerate(self._to_orig)}
             self.vocab_size = len(self._to_orig)
@@ -341,6 +357,28 @@ class HFTokenizer(Tokenizer):
         self.bos_id = self._map_one(orig_bos) if orig_bos is not None else None
         self._special = frozenset(self._map_one(i) for i in self._orig_specials
                                   if self._from_orig is None or i in self._from_orig)
+
+    def _check_kept(self, kept: Sequence[int]) -> set[int]:
+        """``kept`` as a set of original ids, checked: each an id of this tokenizer, and every
+        id a reduction keeps whatever its corpus (special tokens, the 256 byte tokens)."""
+        ids = [int(i) for i in kept]
+        where = f"tokenizer {self.name!r}: the reduced vocabulary given (kept=, {len(ids)} ids)"
+        if bad := [i for i in ids if not 0 <= i < len(self.hf)]:
+            raise ValueError(f"{where} has ids outside this tokenizer's 0..{len(self.hf) - 1}: "
+                             f"{bad[:5]} (another tokenizer's?)")
+        keep = set(ids)
+        if len(keep) != len(ids) or ids != sorted(ids):
+            raise ValueError(f"{where} is not a list of distinct ids in increasing order")
+        must = set(self._orig_specials) | set(self._byte_ids or ())
+        if missing := sorted(must - keep):
+            raise ValueError(f"{where} lacks ids every reduction keeps (special or byte "
+                             f"tokens): {missing[:5]} (another tokenizer's?)")
+        return keep
+
+    def kept_ids(self) -> list[int] | None:
+        """A reduced vocabulary's tokens: the original id of each id ``0..vocab_size-1``
+        (``kept=`` rebuilds it); None for the full vocabulary."""
+        return None if self._to_orig is None else list(self._to_orig)
 
     # -- id mapping -----------------------------------------------------------------------------
     def _map_one(self, orig: int) -> int:
@@ -485,7 +523,7 @@ def tokenizer_path(name: str) -> str:
 
 
 def load_tokenizer(spec: str, *, corpus: Iterable[str] | None = None,
-                   prompts: Iterable[str] | None = None,
+                   prompts: Iterable[str] | None = None, kept: Sequence[int] | None = None,
                    template: str | None = None, template_kwargs: dict | None = None,
                    eos_token: str | None = None) -> Tokenizer:
     """Build a tokenizer from a spec.
@@ -495,6 +533,8 @@ def load_tokenizer(spec: str, *, corpus: Iterable[str] | None = None,
             with ``tokenizer.json``/``tokenizer_config.json``, or a ``tokenizer.json`` file).
         corpus: texts for a reduced vocabulary (HF tokenizers only; see :class:`HFTokenizer`).
         prompts: questions it must cover inside the prompt template (with ``corpus``).
+        kept: a reduced vocabulary already made (instead of ``corpus``; see
+            :class:`HFTokenizer`).
         template, template_kwargs, eos_token: override the defaults of the spec.
 
     Raises:
@@ -504,7 +544,7 @@ def load_tokenizer(spec: str, *, corpus: Iterable[str] | None = None,
     if prompts is not None and corpus is None:
         raise ValueError("prompts= extends a reduced vocabulary: it needs corpus=")
     if spec == "char":
-        if corpus is not None:
+        if corpus is not None or kept is not None:
             raise ValueError("the char tokenizer has a fixed vocabulary; corpus= is for HF "
                              "tokenizers")
         return CharTokenizer(**({"template": template} if template else {}))
@@ -526,4 +566,4 @@ def load_tokenizer(spec: str, *, corpus: Iterable[str] | None = None,
     return HFTokenizer(hf, name=name, eos_token=eos_token, template=template,
                        template_kwargs=template_kwargs,
                        corpus=list(corpus) if corpus is not None else None,
-                       prompts=list(prompts) if prompts is not None else None)
+                       prompts=list(prompts) if prompts is not None else None, kept=kept)

@@ -640,3 +640,33 @@ def test_a_stopped_evaluation_leaves_no_summary_of_other_files_nor_folders_it_ma
         KeyboardInterrupt))
     assert cli.main([*common[:-1], str(new)]) == 130
     assert not (tmp_path / "a").exists()
+
+
+def test_a_reduced_vocabulary_comes_from_the_checkpoint_not_the_data(run, tmp_path,
+                                                                      monkeypatch):
+    """The checkpoint records the reduced vocabularies' tokens: `hacpo eval` rebuilds
+    it from them and reads none of the run's data (a large training file took minutes to
+    tokenize again), with the same responses as a checkpoint that records none (written before
+    it did), whose vocabulary is reduced to the data again."""
+    from hacpo.engine import build
+    from hacpo.engine import checkpoint as ckpt
+    state = ckpt.load(str(run["dir"] / "checkpoint.pt"))
+    assert list(state["vocabs"]) == ["qwen3", "llama"]          # char: no vocabulary to reduce
+    del state["vocabs"]
+    ckpt.save_atomic(state, str(tmp_path / "old" / "checkpoint.pt"))
+    kw = {"agents": ["qwen3", "llama"], "limit": 3, "max_new_tokens": 8, "echo": lambda *_: None}
+    old = evaluate_checkpoints([str(tmp_path / "old")], run["benches"],
+                               out_dir=str(tmp_path / "ev-old"), **kw)
+
+    def no_data(*a, **k):
+        raise AssertionError("the run's data was read")
+    monkeypatch.setattr(build, "load_data", no_data)
+    new = evaluate_checkpoints([str(run["dir"])], run["benches"],
+                               out_dir=str(tmp_path / "ev-new"), **kw)
+    assert [{**r, "run": "-", "row": "-"} for r in new["rows"]] == \
+        [{**r, "run": "-", "row": "-"} for r in old["rows"]]         # (labels: the folders)
+    for f in ("qwen3__gsm.json", "qwen3__math.json", "llama__gsm.json", "llama__math.json"):
+        assert json.loads((tmp_path / "ev-new" / f).read_text())["problems"] == \
+            json.loads((tmp_path / "ev-old" / f).read_text())["problems"]
+    with pytest.raises(AssertionError, match="data was read"):     # the old one reads it
+        evaluate_checkpoints([str(tmp_path / "old")], run["benches"], **kw)

@@ -211,7 +211,12 @@ def test_reduced_vocabulary_model_alone_in_bfloat16(run):
     tok = pols["small"].tokenizer
     assert rec["tokenizer"] == {"name": "qwen3", "files_written": False,
                                 "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
-                                "pad_id": tok.pad_id, "bos_id": tok.bos_id, "reduced": True}
+                                "pad_id": tok.pad_id, "bos_id": tok.bos_id, "reduced": True,
+                                "kept_ids": tok.kept_ids()}
+    # the tokenizer's id of each model id: generated ids mapped through it decode as hacpo's
+    ids = tok.encode("What is 12 + 30? 42", errors="fallback")   # bytes where unseen
+    assert tok.decode(ids) == tok.hf.decode([rec["tokenizer"]["kept_ids"][i] for i in ids]) \
+        == "What is 12 + 30? 42"
     assert rec["dtype"] == "bfloat16" and rec["policy"]["reduce_vocab"] is True
     model = _hf(d, dtype=None)
     assert model.dtype == torch.bfloat16
@@ -223,12 +228,14 @@ def test_reduced_vocabulary_model_alone_in_bfloat16(run):
 
 
 def test_vocabulary_of_other_data_is_refused(run):
-    """A run whose data no longer gives the reduced vocabulary its weights were trained with
-    (here: its stored config edited to symbolic problems, "3+4-2=?") is refused, naming the
-    agent: its ids would mean other tokens."""
+    """A checkpoint that records no reduced vocabulary (written before it did) rebuilds it
+    from the run's data: data that no longer gives the one its weights were trained with (here:
+    its stored config edited to symbolic problems, "3+4-2=?") is refused, naming the agent:
+    its ids would mean other tokens."""
     from hacpo.engine import checkpoint as ckpt
     state = ckpt.load(str(run / "run" / "checkpoint.pt"))
     state["config"]["data"]["wording"] = "symbolic"
+    del state["vocabs"]
     (run / "edited").mkdir()
     ckpt.save_atomic(state, str(run / "edited" / "checkpoint.pt"))
     with pytest.raises(ValueError, match=r"agent small's tokenizer \(\d+ tokens\) is not the "
@@ -236,6 +243,49 @@ def test_vocabulary_of_other_data_is_refused(run):
         export_checkpoint(str(run / "edited"), str(run / "edited-out"), agents=["small"],
                           tokenizer=False, echo=lambda *_: None)
     assert not (run / "edited-out" / "small").exists()
+
+
+def test_reduced_vocabulary_from_the_checkpoint_reads_no_data(run, monkeypatch):
+    """The checkpoint records each reduced vocabulary's tokens: the export rebuilds it from
+    them, reading none of the run's data (a large training file took minutes to tokenize
+    again; here the data is made unreadable and changed: the same export as from the run)."""
+    from hacpo.engine import checkpoint as ckpt
+    state = ckpt.load(str(run / "run" / "checkpoint.pt"))
+    pols, _, _ = _policies(run / "run")
+    assert state["vocabs"].keys() == {"small"}
+    assert state["vocabs"]["small"].tolist() == pols["small"].tokenizer.kept_ids()
+    state["config"]["data"]["wording"] = "symbolic"
+    (run / "recorded").mkdir()
+    ckpt.save_atomic(state, str(run / "recorded" / "checkpoint.pt"))
+
+    def no_data(*a, **k):
+        raise AssertionError("the run's data was read")
+    monkeypatch.setattr(build, "load_data", no_data)
+    dirs = export_checkpoint(str(run / "recorded"), str(run / "recorded-out"),
+                             agents=["small"], tokenizer=False, echo=lambda *_: None)
+    rec = json.loads(open(os.path.join(dirs["small"], EXPORT_FILE)).read())
+    assert rec["tokenizer"]["kept_ids"] == pols["small"].tokenizer.kept_ids()
+    got = _hf(dirs["small"], dtype=None).state_dict()
+    saved = next(a for a in state["agents"] if a["name"] == "small")["model"]
+    assert all(torch.equal(got[k.removeprefix("model.")], v) for k, v in saved.items())
+    # a recorded vocabulary that is not the one the weights were trained with: refused
+    v = state["vocabs"]["small"]
+    i = next(k for k, x in enumerate(v.tolist()) if 255 < x < 151643)  # a word: not byte/special
+    state["vocabs"]["small"] = torch.cat([v[:i], v[i + 1:]])
+    ckpt.save_atomic(state, str(run / "recorded" / "checkpoint.pt"))
+    with pytest.raises(ValueError, match=r"agent small's tokenizer \(\d+ tokens\) is not the "
+                                         r"one its weights were trained with"):
+        export_checkpoint(str(run / "recorded"), str(run / "recorded-out2"), agents=["small"],
+                          tokenizer=False, echo=lambda *_: None)
+    # one that is no vocabulary of this tokenizer (ids past its end): named as the record
+    state["vocabs"]["small"] = torch.cat([v, torch.tensor([10 ** 7])])
+    ckpt.save_atomic(state, str(run / "recorded" / "checkpoint.pt"))
+    with pytest.raises(ValueError, match=r"cannot export from .*recorded/checkpoint\.pt: agent "
+                                         r"small's reduced vocabulary recorded there does not "
+                                         r"fit .*ids outside this tokenizer's"):
+        export_checkpoint(str(run / "recorded"), str(run / "recorded-out2"), agents=["small"],
+                          tokenizer=False, echo=lambda *_: None)
+    assert not (run / "recorded-out2").exists()
 
 
 def test_a_run_with_another_data_template(run):

@@ -160,6 +160,9 @@ def test_build_policy_errors(tmp_path):
         build_policy(PolicyConfig(kind="hf", arch="mamba"))
     with pytest.raises(ValueError, match="needs a corpus"):
         build_policy(PolicyConfig(tokenizer="qwen3", reduce_vocab=True))
+    with pytest.raises(ValueError, match="kept= is a reduced vocabulary, and reduce_vocab is "
+                                         "False"):
+        build_policy(PolicyConfig(tokenizer="qwen3"), kept=list(range(300)))
     with pytest.raises(FileNotFoundError, match="nope-tokenizer"):
         build_policy(PolicyConfig(tokenizer="nope-tokenizer"))
 

@@ -61,6 +61,34 @@ def test_reduced_vocab_is_compact_and_roundtrips(qwen3, qwen3_reduced):
     assert red.eos_id < red.vocab_size and red.pad_id < red.vocab_size
 
 
+def test_a_reduced_vocabulary_rebuilt_from_its_kept_ids(qwen3, qwen3_reduced):
+    """kept= (a checkpoint's record) gives the same tokenizer as the corpus that made it: ids,
+    prompts, specials, digest; one that is not a reduction of this tokenizer is an error."""
+    from hacpo.engine.build import tokenizer_digest
+    kept = qwen3_reduced.kept_ids()
+    assert qwen3.kept_ids() is None and len(kept) == qwen3_reduced.vocab_size
+    again = load_tokenizer("qwen3", kept=kept)
+    assert again.reduced and again.kept_ids() == kept
+    assert tokenizer_digest(again) == tokenizer_digest(qwen3_reduced)
+    for text in MATH_TEXTS:
+        assert again.encode(text) == qwen3_reduced.encode(text)
+    q = "Tom has 3 apples."
+    assert again.prompt_ids(q) == qwen3_reduced.prompt_ids(q)
+    assert (again.eos_id, again.pad_id, again.special_ids()) == \
+        (qwen3_reduced.eos_id, qwen3_reduced.pad_id, qwen3_reduced.special_ids())
+    bad = {"outside this tokenizer's 0..": kept + [len(qwen3.hf) + 5],
+           "distinct ids in increasing order": [kept[1], kept[0]] + kept[2:],
+           "lacks ids every reduction keeps .*special or byte": kept[1:]}
+    for msg, ids in bad.items():
+        with pytest.raises(ValueError, match=f"tokenizer 'qwen3': the reduced vocabulary given "
+                                             f"\\(kept=, {len(ids)} ids\\) .*{msg}"):
+            load_tokenizer("qwen3", kept=ids)
+    with pytest.raises(ValueError, match="not with corpus="):
+        load_tokenizer("qwen3", kept=kept, corpus=MATH_TEXTS)
+    with pytest.raises(ValueError, match="fixed vocabulary"):
+        load_tokenizer("char", kept=kept)
+
+
 def test_reduced_vocab_unseen_text_strict_error_and_byte_fallback(qwen3_reduced):
     text = "Zebras eat 12 mangoes; café ☕"
     with pytest.raises(UnencodableTextError, match="reduction corpus"):
