@@ -560,25 +560,36 @@ def _call_guarded(fn: RewardFn, response: str, gold: str, timeout_s: Optional[fl
     """Run ``fn`` and return ``("ok", value) | ("error", message) | ("timeout", message)``.
 
     The timeout uses SIGALRM and so applies only in the main thread; elsewhere ``fn`` runs
-    unguarded (the pool's parent-side deadline still applies to pool workers).
+    unguarded (the pool's parent-side deadline still applies to pool workers). A timer of the
+    caller's (``signal.alarm`` / ``ITIMER_REAL``: a notebook's or a sweep's watchdog; a process
+    has one) is put back after the call with what is left of it; one due during the call fires
+    as it returns.
+
+    A reward that calls ``sys.exit`` scores 0 as one that raises does, here as in a pool
+    worker (whose exceptions all come back as errors); a KeyboardInterrupt (Ctrl-C) stops the
+    caller.
     """
     use_timer = bool(timeout_s) and threading.current_thread() is threading.main_thread()
     old_handler = None
     if use_timer:
         old_handler = signal.signal(signal.SIGALRM, _on_alarm)
         _guard.timer_active = True
-        signal.setitimer(signal.ITIMER_REAL, float(timeout_s))
+        start = time.monotonic()
+        caller_delay, caller_interval = signal.setitimer(signal.ITIMER_REAL, float(timeout_s))
     try:
         return "ok", fn(response, gold)
     except _RewardTimeout:
         return "timeout", f"timed out after {timeout_s} s"
-    except Exception as e:  # a failing reward function scores 0, counted by the caller
+    except (Exception, SystemExit) as e:    # a failing reward scores 0, counted by the caller
         return "error", f"{type(e).__name__}: {e}"
     finally:
         if use_timer:
             _guard.timer_active = False
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, old_handler)
+            if caller_delay > 0:
+                left = caller_delay - (time.monotonic() - start)
+                signal.setitimer(signal.ITIMER_REAL, max(left, 1e-6), caller_interval)
 
 
 def _worker_init() -> None:

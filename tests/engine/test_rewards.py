@@ -6,6 +6,7 @@ import math
 import multiprocessing
 import os
 import signal
+import sys
 import time
 from fractions import Fraction
 from pathlib import Path
@@ -37,7 +38,15 @@ def _hang_reward(response: str, gold: str) -> float:
 def _raise_reward(response: str, gold: str) -> float:
     if response == "boom":
         raise RuntimeError("boom")
+    if response == "exit":
+        sys.exit(3)
     return 0.5
+
+
+@register_reward("test_pause")
+def _pause_reward(response: str, gold: str) -> float:
+    time.sleep(0.2)
+    return 1.0
 
 
 @register_reward("test_crash")
@@ -251,6 +260,41 @@ def test_in_process_timeout_and_error_score_zero():
         rewards, stats = rc.score(["ok", "boom"], ["", ""])
     assert rewards == [0.5, 0.0] and stats.errors == 1
     assert "RuntimeError: boom" in stats.failures[0][1]
+    # sys.exit in a reward scores 0 as in a pool worker (it ended the caller's run here)
+    with RewardComputer("test_raise", num_workers=0) as rc:
+        rewards, stats = rc.score(["exit", "ok"], ["", ""])
+    assert rewards == [0.0, 0.5] and stats.errors == 1
+    assert "SystemExit: 3" in stats.failures[0][1]
+
+
+@pytest.fixture
+def caller_timer():
+    """The caller's own SIGALRM handler (counting its calls), its timer disarmed after."""
+    fired = []
+    old = signal.signal(signal.SIGALRM, lambda *_: fired.append(1))
+    yield fired
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, old)
+
+
+def test_in_process_reward_keeps_the_callers_timer(caller_timer):
+    """A caller's alarm (a notebook's or sweep's watchdog) armed before an in-process slow-path
+    reward: it was disarmed for good by the reward's own timeout timer. It is put back with
+    what is left of it, and its handler too; one that fell due during the reward fires as it
+    returns (not lost)."""
+    signal.setitimer(signal.ITIMER_REAL, 100.0)
+    with RewardComputer("test_sleep", num_workers=0, timeout_s=5) as rc:
+        assert rc.score(["fast"], [""])[0] == [1.0]
+    left = signal.getitimer(signal.ITIMER_REAL)[0]
+    assert 0 < left <= 100.0 and not caller_timer
+    assert signal.getsignal(signal.SIGALRM) is not None
+    signal.setitimer(signal.ITIMER_REAL, 0.05)      # due while the reward runs: 0.2 s
+    with RewardComputer("test_pause", num_workers=0, timeout_s=5) as rc:
+        assert rc.score(["x"], [""])[0] == [1.0]     # the reward was not cut short by it
+    deadline = time.monotonic() + 10
+    while not caller_timer and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert caller_timer == [1]
 
 
 @pytest.mark.parametrize("bad", ["1.5", "-0.1", "nan", "inf"])
@@ -290,8 +334,9 @@ def test_pool_math_timeouts_errors_and_hang():
         assert stats.pool_restarts == 0 and rc._pool is pool  # soft timeout: worker survives
         assert time.monotonic() - t0 < 5
         rc.spec = get_reward_spec("test_raise")
-        rewards, stats = rc.score(["boom", "x"], ["", ""])
-        assert rewards == [0.0, 0.5] and stats.errors == 1
+        rewards, stats = rc.score(["boom", "x", "exit"], ["", "", ""])
+        assert rewards == [0.0, 0.5, 0.0] and stats.errors == 2
+        assert "SystemExit: 3" in stats.failures[1][1] and stats.pool_restarts == 0
         rc.spec = get_reward_spec("test_hang")
         old_procs = list(pool._processes.values())
         t0 = time.monotonic()
