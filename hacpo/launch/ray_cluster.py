@@ -70,6 +70,38 @@ def use_auth_env(auth: dict[str, str]) -> None:
 COLOCATED_GPU_SHARE = 0.5
 
 @dataclass
+class ProcessChanges:
+    """What ``ray.init`` changed in this process that outlives ``ray.shutdown``: environment
+    variables (``PYTHONBREAKPOINT`` to Ray's remote debugger: a later ``breakpoint()`` does not
+    stop; ``RAY_AUTH_MODE``, ... inherited by every later subprocess) and ``sys.excepthook``.
+    :meth:`undo` puts back each one that is still as Ray left it (a notebook, a sweep script:
+    the same process goes on after the run)."""
+
+    env: dict[str, tuple[str | None, str | None]]     # name -> (before, as Ray left it)
+    excepthook: tuple[object, object] | None          # (before, Ray's)
+
+    @classmethod
+    def since(cls, env: dict[str, str], excepthook) -> "ProcessChanges":
+        """The changes from ``env`` / ``excepthook`` (taken before ``ray.init``) to now."""
+        now = dict(os.environ)
+        changed = {k: (env.get(k), now.get(k)) for k in env.keys() | now.keys()
+                   if env.get(k) != now.get(k)}
+        hook = None if sys.excepthook is excepthook else (excepthook, sys.excepthook)
+        return cls(changed, hook)
+
+    def undo(self) -> None:
+        for k, (before, ray_s) in self.env.items():
+            if os.environ.get(k) != ray_s:      # changed since by someone else: theirs
+                continue
+            if before is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = before
+        if self.excepthook is not None and sys.excepthook is self.excepthook[1]:
+            sys.excepthook = self.excepthook[0]
+
+
+@dataclass
 class RayCluster:
     """A connection to a Ray cluster. ``owned``: this process started it (and stops it)."""
 
@@ -77,6 +109,7 @@ class RayCluster:
     owned: bool
     connected_here: bool       # this handle made the ray.init() call (else it reused one)
     temp_dir: str | None = None
+    changes: ProcessChanges | None = None    # what its ray.init changed (connect sets it)
 
     def resources(self) -> dict[str, float]:
         """The cluster's logical resources ({"CPU": n, "GPU": n, ...}; free or not)."""
@@ -155,6 +188,8 @@ class RayCluster:
         if ray.is_initialized():
             ray.shutdown()       # a local cluster started by ray.init() stops with its driver
         self.connected_here = False
+        if self.changes is not None:
+            self.changes.undo()
         if self.owned and self.temp_dir:
             remove_temp_dir(self.temp_dir)
 
@@ -365,12 +400,23 @@ def connect(address: str = "", *, num_cpus: int | None = None,
     SIGTERM (exit 134) instead of letting ``hacpo``'s handler unwind the run (closing reward
     workers, engines and the cluster). A SIGTERM that arrives while ``ray.init`` runs meets
     the handler ``ray.init`` sets first (``sys.exit(15)``: exit status 15, no message): that
-    exit is handed to this process's own handler (``hacpo``'s: exit 143 with its line)."""
+    exit is handed to this process's own handler (``hacpo``'s: exit 143 with its line).
+    What else ``ray.init`` changes in the process (:class:`ProcessChanges`) is put back by
+    :meth:`RayCluster.shutdown`."""
     import threading
     main = threading.current_thread() is threading.main_thread()
     handler = signal.getsignal(signal.SIGTERM) if main else None
+    env, excepthook = dict(os.environ), sys.excepthook
     try:
-        return _connect(address, num_cpus=num_cpus, timeout_s=timeout_s, weights=weights)
+        try:
+            cluster = _connect(address, num_cpus=num_cpus, timeout_s=timeout_s,
+                               weights=weights)
+        except BaseException:       # a ray.init that failed (or was stopped): its changes too
+            ProcessChanges.since(env, excepthook).undo()
+            raise
+        if cluster.connected_here:
+            cluster.changes = ProcessChanges.since(env, excepthook)
+        return cluster
     except SystemExit as e:
         if e.code == signal.SIGTERM and callable(handler):
             handler(signal.SIGTERM, None)       # raises hacpo's SystemExit(143)

@@ -1,6 +1,7 @@
 """A private Ray cluster's temp dir (sockets, session logs) is removed when the cluster stops;
 a process killed with SIGKILL left it in the temp directory for good. Its owner now holds a
 lock on a file inside it, and the next private cluster removes the dirs whose owner died."""
+import json
 import os
 import signal
 import subprocess
@@ -125,3 +126,32 @@ def test_a_signal_while_the_private_cluster_starts_leaves_no_cluster_or_dir(sig)
     assert result == ("KeyboardInterrupt None True False" if sig == "SIGINT"
                       else "SystemExit 143 True False"), p.stdout + p.stderr
     assert not os.path.exists(temp_dir)
+
+
+def test_what_ray_init_changed_in_the_process_is_put_back_at_shutdown():
+    """ray.init points PYTHONBREAKPOINT at Ray's remote debugger (a later breakpoint() in a
+    notebook or sweep script did not stop), sets RAY_AUTH_MODE (inherited by every later
+    subprocess) and its own sys.excepthook; ray.shutdown left them. A private cluster's
+    shutdown puts back each one still as Ray left it, and leaves one changed since alone."""
+    code = textwrap.dedent("""
+        import json, os, sys
+        from hacpo.launch import ray_cluster
+        env, hook = dict(os.environ), sys.excepthook
+        c = ray_cluster.connect("", num_cpus=1)
+        during = {k: os.environ.get(k) for k in os.environ.keys() | env.keys()
+                  if os.environ.get(k) != env.get(k)}
+        changed_hook = sys.excepthook is not hook
+        os.environ["RAY_AUTH_MODE"] = "mine"      # changed after ray.init: left as it is
+        c.shutdown()
+        after = {k: os.environ.get(k) for k in os.environ.keys() | env.keys()
+                 if os.environ.get(k) != env.get(k)}
+        print(json.dumps({"during": during, "hook": changed_hook, "after": after,
+                          "hook_back": sys.excepthook is hook}))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["during"]["PYTHONBREAKPOINT"] == "ray.util.rpdb._driver_set_trace"
+    assert "RAY_AUTH_MODE" in got["during"] and got["hook"]
+    assert got["after"] == {"RAY_AUTH_MODE": "mine"} and got["hook_back"]
