@@ -456,15 +456,13 @@ def summarize(rows) -> list[str]:
 
 
 def plot(rows, path, env):
+    from hacpo.engine.plots import subplots    # not pyplot: main() also runs in a test process
+    ops = sorted({r["op"] for r in rows})
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        fig, axes = subplots(len(ops), 2, figsize=(12, 4 * len(ops)), squeeze=False)
     except ImportError:
         print("matplotlib not installed: no plot")
         return
-    ops = sorted({r["op"] for r in rows})
-    fig, axes = plt.subplots(len(ops), 2, figsize=(12, 4 * len(ops)), squeeze=False)
     for i, op in enumerate(ops):
         impls = [m for m in ("naive", "torch", "triton", "liger")
                  if any(r["op"] == op and r["impl"] == m for r in rows)]

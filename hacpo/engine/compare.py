@@ -12,7 +12,7 @@ import statistics
 
 from .checkpoint import ensure_dir, write_text_atomic
 from .config import preset, preset_settings
-from .plots import plot_or_say, save_figure
+from .plots import plot_or_say, save_figure, subplots
 from .run_config import TrainConfig, config_hash, resolve_paths
 
 # two-sided 95% Student-t quantiles by degrees of freedom
@@ -175,13 +175,10 @@ def render_table(results: dict, pass_k: int) -> str:
 
 
 def plot_compare(results: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
     agents = sorted({a for per in results.values() for a in per})
     algos = list(results)
-    fig, ax = plt.subplots(figsize=(1.6 * len(algos) + 3, 4))
+    fig, ax = subplots(figsize=(1.6 * len(algos) + 3, 4))
     width = 0.8 / max(len(agents), 1)
     for j, a in enumerate(agents):
         ms, cis = [], []

@@ -11,11 +11,16 @@ from .errors import missing_package
 from .metrics import read_metrics
 
 
-def _plt():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
+def subplots(nrows: int = 1, ncols: int = 1, figsize=None, squeeze: bool = True):
+    """``(fig, axes)`` as ``pyplot.subplots`` gives them, on a figure of its own drawn by Agg.
+    Not pyplot: ``matplotlib.use("Agg")`` would switch the caller's backend (a notebook's
+    inline one, QtAgg) for the rest of the process, and pyplot's list of open figures is
+    shared with the caller's own plots (unsafe when train() runs in a thread)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=figsize)
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(nrows, ncols, squeeze=squeeze)
 
 
 def plot_or_say(plot, data, path: str, echo, complete: str) -> None:
@@ -29,13 +34,11 @@ def plot_or_say(plot, data, path: str, echo, complete: str) -> None:
 
 
 def save_figure(fig, path: str) -> None:
-    """Lay out ``fig``, write it to ``path`` as a PNG atomically (a crash or a reader never
-    sees half a file; the old one stays until the new one is whole) and close it."""
+    """Lay out ``fig`` and write it to ``path`` as a PNG atomically (a crash or a reader never
+    sees half a file; the old one stays until the new one is whole). A figure of
+    ``subplots`` is in no pyplot list: nothing to close, it is freed with its last reference."""
     fig.tight_layout()
-    try:
-        _write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110))
-    finally:
-        _plt().close(fig)
+    _write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110))
 
 
 # The ratio histograms' bins: sequence ratios s = exp(log-ratio) on [0, 2.5] in 80 bins, s
@@ -52,12 +55,11 @@ def ratio_counts(log_ratios: np.ndarray) -> np.ndarray:
 
 
 def plot_run(out_dir: str, agent_names: list[str]) -> list[str]:
-    plt = _plt()
     rows = read_metrics(os.path.join(out_dir, "metrics.jsonl"))
     written = []
     if rows:
         steps = [r["step"] for r in rows]
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig, ax = subplots(figsize=(7, 4))
         for name in agent_names:
             ys = [r.get(f"reward/{name}") for r in rows]
             ax.plot(steps, ys, label=name, alpha=0.35)
@@ -73,7 +75,7 @@ def plot_run(out_dir: str, agent_names: list[str]) -> list[str]:
 
         keys = sorted(k for k in rows[-1] if k.startswith("omega/"))
         if keys:
-            fig, ax = plt.subplots(figsize=(7, 4))
+            fig, ax = subplots(figsize=(7, 4))
             for k in keys:
                 ax.plot(steps, [r.get(k) for r in rows], label=k[len("omega/"):])
             ax.set_yscale("log"), ax.set_xlabel("step"), ax.set_ylabel("omega[source, learner]")
@@ -86,8 +88,8 @@ def plot_run(out_dir: str, agent_names: list[str]) -> list[str]:
     if os.path.exists(rpath):
         data = np.load(rpath)
         edges = data["edges"]
-        fig, axes = plt.subplots(1, len(agent_names), figsize=(5 * len(agent_names), 3.6),
-                                 squeeze=False)
+        fig, axes = subplots(1, len(agent_names), figsize=(5 * len(agent_names), 3.6),
+                             squeeze=False)
         for ax, name in zip(axes[0], agent_names):
             for kind in ("self", "cross"):
                 key = f"{name}/{kind}"

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 from .checkpoint import ensure_dir, write_text_atomic
 from .compare import warnings_only
-from .plots import plot_or_say, save_figure
+from .plots import plot_or_say, save_figure, subplots
 from .run_config import TrainConfig
 
 DEFAULT_ALGORITHMS = ("gspo", "gspo2x", "hacpo")
@@ -417,10 +417,7 @@ def _num(x: float) -> str:
 
 
 def plot_profile(rep: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, axes = subplots(1, 3, figsize=(16, 4.5))
     meas = rep["measured"]
     ax = axes[0]
     stages = AGENT_STAGES[:-2] + UPDATE_PARTS + ("sync",)
