@@ -638,3 +638,31 @@ def test_demo_stops_on_sigterm_with_one_line():
             p.kill()
             p.wait()
     assert p.returncode == 143 and err.strip() == "hacpo demo: terminated (SIGTERM)", err
+
+
+def test_a_stopped_compare_or_profile_says_what_to_do_next(tmp_path, monkeypatch, capsys):
+    """compare's stop line says the same command continues it (it reuses finished runs and
+    resumes the others); profile's, that its partial runs block the next profile of that out
+    dir (it measures new runs only) — neither said anything."""
+    from hacpo.engine import compare, profile
+
+    def stopped(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(compare, "run_compare", stopped)
+    assert main(["compare", "--preset", "tiny3", "--out-dir", str(tmp_path / "c")]) == 130
+    assert capsys.readouterr().err == ("hacpo compare: interrupted (Ctrl-C); run the same "
+                                       "command again to continue it\n")
+    out = tmp_path / "p"
+
+    def stopped_after_a_step(cfg, out_dir, *, algorithms, **k):
+        (out / "hacpo").mkdir(parents=True)
+        (out / "hacpo" / "checkpoint.pt").write_bytes(b"")
+        raise KeyboardInterrupt
+    monkeypatch.setattr(profile, "run_profile", lambda *a, **k: stopped())
+    assert main(["profile", "--preset", "tiny3", "--out-dir", str(out)]) == 130
+    assert capsys.readouterr().err == "hacpo profile: interrupted (Ctrl-C)\n"   # nothing held
+    monkeypatch.setattr(profile, "run_profile", stopped_after_a_step)
+    assert main(["profile", "--preset", "tiny3", "--out-dir", str(out)]) == 130
+    assert capsys.readouterr().err == (
+        f"hacpo profile: interrupted (Ctrl-C); its runs in {out} are partial ({out}/hacpo): "
+        f"remove them or choose another --out-dir to profile again\n")

@@ -67,6 +67,14 @@ UPDATE_PARTS = ("score_prompt", "backward_prompt", "score_self", "backward_self"
 
 
 # -- measuring ------------------------------------------------------------------------------
+def profile_runs_held(out_dir: str, algorithms=DEFAULT_ALGORITHMS) -> list[str]:
+    """The runs of ``algorithms`` that ``out_dir`` already holds (each ``<out_dir>/<algo>``
+    with a checkpoint): a profile measures new runs only (:func:`run_profile` refuses them)."""
+    from .trainer import CHECKPOINT
+    return [os.path.join(out_dir, a) for a in algorithms
+            if os.path.exists(os.path.join(out_dir, a, CHECKPOINT))]
+
+
 def run_profile(base: TrainConfig, out_dir: str, *, algorithms=DEFAULT_ALGORITHMS,
                 rounds: int = 3, steps_per_round: int = 2, skip_steps: int = 1,
                 kappas=(0.25, 0.5, 1, 2, 4, 8, 16, 32, 64), keep: dict | None = None,
@@ -78,7 +86,7 @@ def run_profile(base: TrainConfig, out_dir: str, *, algorithms=DEFAULT_ALGORITHM
     (its timings are not mixed into, nor replaced by, this profile's)."""
     from .compare import with_algorithm
     from .errors import user_errors
-    from .trainer import CHECKPOINT, train
+    from .trainer import train
     with user_errors(ValueError, OSError):
         if rounds < 1 or steps_per_round < 1 or skip_steps < 0:
             raise ValueError("rounds and steps_per_round must be >= 1, skip_steps >= 0")
@@ -94,9 +102,7 @@ def run_profile(base: TrainConfig, out_dir: str, *, algorithms=DEFAULT_ALGORITHM
         if os.path.exists(out_dir) and not os.path.isdir(out_dir):
             raise ValueError(f"out_dir {out_dir} is a file, not a directory for the profile "
                              f"runs")
-        held = [c.out_dir for c in runs.values()
-                if os.path.exists(os.path.join(c.out_dir, CHECKPOINT))]
-        if held:
+        if held := profile_runs_held(out_dir, algorithms):
             raise FileExistsError(f"{out_dir} already holds profile runs ({', '.join(held)}); "
                                   f"a profile measures new runs only: choose another "
                                   f"--out-dir or remove them")

@@ -149,15 +149,24 @@ def _train(args) -> int:
 def _compare(args) -> int:
     from hacpo.engine.compare import run_compare
     cfg, keep = train_config(args)
+    # a stop's line: the same command continues (finished runs reused, the others resumed)
+    args.stop_hint = lambda: "; run the same command again to continue it"
     run_compare(cfg, args.algorithms, args.seeds, args.out_dir or "runs/compare",
                 pass_k=args.pass_k, keep=keep)
     return 0
 
 
 def _profile(args) -> int:
-    from hacpo.engine.profile import run_profile
+    from hacpo.engine.profile import profile_runs_held, run_profile
     cfg, keep = train_config(args)
-    run_profile(cfg, args.out_dir or "runs/profile", algorithms=args.algorithms,
+    out = args.out_dir or "runs/profile"
+
+    def stop_hint() -> str:     # a profile measures new runs only: the next one needs them gone
+        held = profile_runs_held(out, args.algorithms)
+        return (f"; its runs in {out} are partial ({', '.join(held)}): remove them or choose "
+                f"another --out-dir to profile again") if held else ""
+    args.stop_hint = stop_hint
+    run_profile(cfg, out, algorithms=args.algorithms,
                 rounds=args.rounds, steps_per_round=args.steps_per_round,
                 skip_steps=args.skip_steps, keep=keep)
     return 0
@@ -228,6 +237,8 @@ def _stoppable(args, func) -> int:
     import os
 
     def again() -> str:     # only a run that wrote its config.json can be continued (one
+        if (hint := getattr(args, "stop_hint", None)) is not None:  # compare, profile: theirs
+            return hint()
         run_dir = getattr(args, "run_dir", None)   # stopped before is removed or never was)
         return "; continue it with --resume" if run_dir is not None and os.path.exists(
             os.path.join(run_dir, "config.json")) else ""
