@@ -316,7 +316,18 @@ mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 ((${{#NODES[@]}} == {nodes})) ||
   fail "allocation has ${{#NODES[@]}} nodes (${{NODES[*]}}), expected {nodes}"
 HEAD=${{NODES[0]}}
-HEAD_IP=$(node_ip "$HEAD") || fail "cannot resolve the IP of head node $HEAD"
+declare -A NODE_IP
+for NODE in "${{NODES[@]}}"; do
+  NODE_IP[$NODE]=$(node_ip "$NODE") || fail "cannot resolve the IP of node $NODE"
+done
+HEAD_IP=${{NODE_IP[$HEAD]}}
+if [[ $HEAD_IP == 127.* ]]; then  # e.g. /etc/hosts mapping the host name to 127.0.1.1
+  for NODE in "${{NODES[@]:1}}"; do
+    [[ ${{NODE_IP[$NODE]}} == 127.* ]] || fail "head node $HEAD resolves to the loopback" \
+      "address $HEAD_IP (its NodeAddr, or /etc/hosts): node $NODE (${{NODE_IP[$NODE]}}) cannot" \
+      "reach a Ray head there; give $HEAD a NodeAddr in slurm.conf that other nodes reach"
+  done
+fi
 ADDR=$HEAD_IP:$RAY_PORT
 say "nodes: ${{NODES[*]}}; Ray head $HEAD at $ADDR; logs in $LOG_DIR"
 
@@ -333,7 +344,7 @@ WAIT_NODES=(--node "$HEAD=$HEAD_IP:$!:$LOG_DIR/ray-$HEAD.log")
 
 # 2. a Ray worker on each other node
 for NODE in "${{NODES[@]:1}}"; do
-  IP=$(node_ip "$NODE") || fail "cannot resolve the IP of node $NODE"
+  IP=${{NODE_IP[$NODE]}}
   srun --nodes=1 --ntasks=1 --overlap -w "$NODE" ray start --address="$ADDR" \
     --node-ip-address="$IP" --temp-dir="$RAY_TMP" "${{NODE_ARGS[@]}}" --block \
     >"$LOG_DIR/ray-$NODE.log" 2>&1 &

@@ -108,3 +108,44 @@ def test_ray_timeout_is_never_shortened(tmp_path, capsys, given, expect):
     rc, script, err = _launch(tmp_path, capsys, "--ray-timeout", given)
     assert rc == 0, err
     assert re.findall(r"^RAY_TIMEOUT=(\d+)$", script, re.M) == [str(expect)]
+
+
+def _run_script(tmp_path, script: str, addrs: dict[str, str]):
+    """``script`` run as the job's batch step with stand-ins for scontrol (node ``n`` has
+    NodeAddr ``addrs[n]``) and srun (it records its call and exits)."""
+    import os
+    import subprocess
+    bin_dir = tmp_path / "fakebin"
+    bin_dir.mkdir(exist_ok=True)
+    nodes = "\n".join(addrs)
+    shows = "\n".join(f'  {n}) echo "NodeName={n} NodeAddr={a} State=IDLE";;'
+                      for n, a in addrs.items())
+    (bin_dir / "scontrol").write_text(
+        f'#!/bin/bash\nif [ "$2" = hostnames ]; then printf "%s\\n" "{nodes}"; exit 0; fi\n'
+        f'case "$3" in\n{shows}\nesac\n')
+    (bin_dir / "srun").write_text(f"#!/bin/bash\necho \"$@\" >> {tmp_path}/srun-calls\n")
+    for f in ("scontrol", "srun"):
+        (bin_dir / f).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7",
+           "SLURM_JOB_NODELIST": ",".join(addrs), "TMPDIR": str(tmp_path)}
+    return subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+
+
+def test_a_head_on_loopback_with_nodes_elsewhere_is_named(tmp_path, capsys):
+    """A head node whose name resolves to a loopback address (Debian's /etc/hosts maps the host
+    name to 127.0.1.1) while other nodes have real ones: the Ray workers would dial their own
+    loopback and the job waited out its deadline, the cause left to a worker's log. Named
+    before any srun step; nodes all on loopback (one machine, the local-slurm test) pass."""
+    rc, script, err = _launch(tmp_path, capsys, "--nodes", "2")
+    assert rc == 0, err
+    bad = _run_script(tmp_path, script, {"n1": "127.0.1.1", "n2": "10.0.0.2"})
+    assert bad.returncode == 1
+    assert ("ERROR: head node n1 resolves to the loopback address 127.0.1.1 (its NodeAddr, or "
+            "/etc/hosts): node n2 (10.0.0.2) cannot reach a Ray head there; give n1 a NodeAddr "
+            "in slurm.conf that other nodes reach") in bad.stderr
+    assert not (tmp_path / "srun-calls").exists()
+    one_machine = _run_script(tmp_path, script, {"n1": "127.0.0.1", "n2": "127.0.0.2"})
+    assert "resolves to the loopback" not in one_machine.stderr
+    assert "Ray head on n1 (127.0.0.1:" in one_machine.stderr       # got as far as the head
+    assert "ray start --head --node-ip-address=127.0.0.1" in (tmp_path / "srun-calls").read_text()
