@@ -666,3 +666,29 @@ def test_a_stopped_compare_or_profile_says_what_to_do_next(tmp_path, monkeypatch
     assert capsys.readouterr().err == (
         f"hacpo profile: interrupted (Ctrl-C); its runs in {out} are partial ({out}/hacpo): "
         f"remove them or choose another --out-dir to profile again\n")
+
+
+def test_settings_compare_or_profile_choose_given_in_a_config_file_are_said(
+        tmp_path, monkeypatch, capsys):
+    """`--set seed=5` to hacpo compare is refused (it runs each of --seeds), but `seed: 5` in
+    the --config file was dropped without a word (results for other seeds than meant). Not
+    refused (a run's config.json sets them all), said: a [warn] line per key that differs from
+    the preset's, none for one that does not."""
+    from hacpo.engine import compare, profile
+    got = {}
+    monkeypatch.setattr(compare, "run_compare", lambda cfg, *a, **k: got.update(cfg=cfg))
+    monkeypatch.setattr(profile, "run_profile", lambda cfg, *a, **k: got.update(cfg=cfg))
+    y = tmp_path / "c.yaml"
+    y.write_text("seed: 5\neval_pass_k: 4\nsteps: 7\nplots: true\n")    # tiny3: plots true
+    assert main(["compare", "--preset", "tiny3", "--config", str(y), "--seeds", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out == (f"[warn] seed=5 in --config {y} is not used by hacpo compare: it runs each "
+                   f"of --seeds\n[warn] eval_pass_k=4 in --config {y} is not used by hacpo "
+                   f"compare: its final evaluations take --pass-k samples\n")
+    assert got["cfg"].steps == 7         # a setting compare does not choose: used
+    assert main(["profile", "--preset", "tiny3", "--config", str(y)]) == 0
+    out = capsys.readouterr().out
+    assert f"[warn] steps=7 in --config {y} is not used by hacpo profile: it runs --rounds x " \
+        f"--steps-per-round steps\n" in out and "plots" not in out
+    assert main(["compare", "--preset", "tiny3", "--seeds", "0"]) == 0      # no file: nothing
+    assert capsys.readouterr().out == ""

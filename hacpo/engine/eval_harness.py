@@ -36,7 +36,7 @@ from hacpo.models.tokenizer import UnencodableTextError
 from . import build, checkpoint as ckpt
 from .compare import mean_ci
 from .data import DataError, apply_prompt_template, load_examples
-from .evaluate import pass_at_k, sample_and_score
+from .evaluate import mean_and_stderr, pass_at_k, sample_and_score
 from .errors import StorageError
 from .rewards import RewardComputer
 from .run_config import TrainConfig, drop_unused_policy_settings
@@ -137,9 +137,7 @@ def _score_policy(policy, questions: list[str], golds: list[str], rc: RewardComp
 
 def _summary(per: list[dict], samples: int) -> dict:
     n = len(per)
-    x = [sum(p["rewards"]) / samples for p in per]
-    m = sum(x) / n
-    se = math.sqrt(sum((v - m) ** 2 for v in x) / n / n)
+    m, se = mean_and_stderr([sum(p["rewards"]) / samples for p in per])
     correct = [sum(r > 0.5 for r in p["rewards"]) for p in per]
     return {"n": n, f"avg@{samples}": m, "stderr": se, "ci95": 1.96 * se,
             f"pass@{samples}": sum(pass_at_k(samples, c, samples) for c in correct) / n}
@@ -149,8 +147,9 @@ def _summary(per: list[dict], samples: int) -> dict:
 # Driver
 # --------------------------------------------------------------------------------------------
 
-# What `hacpo eval` reads of a run's stored config: every agent's policy, the data (a reduced
-# vocabulary is built from the run's corpus; the default template), the reward, the torch
+# What `hacpo eval` reads of a run's stored config: every agent's policy, the data (the
+# default template; a reduced vocabulary the checkpoint does not record is built from the
+# run's corpus), the reward, the torch
 # thread count, the run's seed (its evaluation's sampling seed: the default of --seed), and
 # (where no option replaces them) the rollout temperature and top-p (when sampling) and the
 # response-length limits. The rest (rollout engine, trainer, parallel
@@ -409,7 +408,8 @@ def _evaluate(runs, labels, out_dirs, out_dir, benches, loaded, names, *, agents
                                            json.dumps(rec, indent=1))
                     written.add(os.path.join(rdir, f"{name}__{b.name}.json"))
                     echo(f"[eval] {label}/{name} {b.name}: avg@{samples} "
-                         f"{rec[f'avg@{samples}']:.3f} ± {rec['ci95']:.3f} (n={rec['n']})")
+                         f"{rec[f'avg@{samples}']:.3f} ± {rec['ci95']:.3f} (95% CI, "
+                         f"n={rec['n']})")
                     results.append(rec)
     report = _report(results, names, samples, multi=len(runs) > 1)
     table = _markdown(report, names, samples)
@@ -440,16 +440,23 @@ def _report(results: list[dict], benches: list[str], samples: int, multi: bool) 
                 "ci95": 1.96 * math.sqrt(sum(s * s for s in ses)) / len(ses),
                 pk: statistics.fmean(c[pk] for c in cells.values())}
         rows.append({"row": f"{run}/{agent}" if multi else agent, "run": run, "agent": agent,
-                     "ci": "normal", "benchmarks": cells, "mean": mean,
+                     "ci": "normal", "reward": by[benches[0]]["reward"],
+                     "benchmarks": cells, "mean": mean,
                      "fallback": sum(by[b]["fallback"] for b in benches),
                      "unencodable": sum(by[b]["unencodable"] for b in benches),
                      "too_long": sum(by[b]["too_long"] for b in benches),
                      "problems": sum(by[b]["n"] for b in benches)})
+    notes = []
     if multi:   # per agent name over runs: Student t CI over the runs' values
         agents = list(dict.fromkeys(r["agent"] for r in rows))
         for a in agents:
             mine = [r for r in rows if r["agent"] == a and r["ci"] == "normal"]
             if len(mine) < 2:
+                continue
+            if len(rewards := list(dict.fromkeys(r["reward"] for r in mine))) > 1:
+                # each run is scored by its own reward: a mean of different measures
+                notes.append(f"No '{a} (mean of {len(mine)} runs)' row: its runs are scored "
+                             f"by different rewards ({', '.join(rewards)}).")
                 continue
             cells = {}
             for b in benches:
@@ -458,13 +465,13 @@ def _report(results: list[dict], benches: list[str], samples: int, multi: bool) 
                             pk: statistics.fmean(r["benchmarks"][b][pk] for r in mine)}
             m, h = mean_ci([r["mean"][avg] for r in mine])
             rows.append({"row": f"{a} (mean of {len(mine)} runs)", "run": None, "agent": a,
-                         "ci": "t", "benchmarks": cells,
+                         "ci": "t", "reward": rewards[0], "benchmarks": cells,
                          "mean": {avg: m, "ci95": h,
                                   pk: statistics.fmean(r["mean"][pk] for r in mine)},
                          **{k: sum(r[k] for r in mine)
                             for k in ("fallback", "unencodable", "too_long", "problems")}})
     return {"samples": samples, "metric": avg, "benchmarks": benches, "rows": rows,
-            "results": [{k: v for k, v in r.items() if k != "problems"} for r in results]}
+            "notes": notes, "results": [{k: v for k, v in r.items() if k != "problems"} for r in results]}
 
 
 def _markdown(report: dict, benches: list[str], samples: int) -> str:
@@ -493,6 +500,8 @@ def _markdown(report: dict, benches: list[str], samples: int) -> str:
             "mean over benchmarks, its SE = √(Σ SE_b²) / B.")
     if any(r["ci"] == "t" for r in report["rows"]):
         out += " Rows '(mean of N runs)': mean over runs with a Student-t 95% CI over runs."
+    for note in report["notes"]:
+        out += " " + note
     out += (f"\nPrompts encoded with the tokenizer fallback: {fb}; unencodable prompts (scored "
             f"0): {unenc}; prompts too long for the policy (scored 0): {tl}.\n")
     return out

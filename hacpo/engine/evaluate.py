@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 
 import torch
 
@@ -30,6 +31,16 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+def mean_and_stderr(per_problem: Sequence[float]) -> tuple[float, float]:
+    """Mean of per-problem scores (avg@k) and its standard error over problems: the population
+    sd over sqrt(n), in float64 — for 0/1 rewards with k = 1 the binomial sqrt(p(1-p)/n); for
+    rewards in between (``numeric_closeness``, a reward of one's own) or k > 1 the binomial
+    form overstates it."""
+    n = len(per_problem)
+    m = sum(per_problem) / n
+    return m, math.sqrt(sum((v - m) ** 2 for v in per_problem) / n / n)
 
 
 MAX_EVAL_ROWS = 8192     # responses one evaluation call generates at most
@@ -118,9 +129,8 @@ def evaluate_policy(policy, prompt_ids: list[list[int]], golds: list[str], rewar
     # in float64, summed per problem then over problems (as `hacpo eval` does): a float32
     # mean of n rewards is not k/n (0.372 read 0.37200000882), so the run's own accuracy and
     # `hacpo eval` of its checkpoint on its held-out set would differ in the last digits
-    acc = sum(sum(r) / samples for r in rewards) / n
-    out = {"accuracy": acc, "stderr": math.sqrt(max(acc * (1 - acc), 0.0) / n), "n": n,
-           **stats}
+    acc, se = mean_and_stderr([sum(r) / samples for r in rewards])
+    out = {"accuracy": acc, "stderr": se, "n": n, **stats}
     if samples > 1:
         correct = [sum(x > 0.5 for x in r) for r in rewards]
         out[f"pass@{samples}"] = sum(pass_at_k(samples, c, samples) for c in correct) / n

@@ -719,7 +719,7 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
     for name in names:
         if before[name] is not None:
             echo(f"[eval] {name}: before RL {before[name]['accuracy']:.3f} "
-                 f"± {before[name]['stderr']:.3f}")
+                 f"(SE {before[name]['stderr']:.3f})")
 
     with user_errors(ValueError):          # a metrics.jsonl line that cannot be read
         logger = MetricsLogger(cfg.out_dir, start_step=start, tensorboard=cfg.tensorboard

@@ -114,7 +114,14 @@ def train_config(args):
         from_file = _read_config(args.config) if args.config is not None else {}
         cfg = load_config(args.preset, None, {**from_file, **overrides})
         _check_copied_run_config(args.config, cfg.out_dir, command, "out_dir" in overrides)
-        base = load_config(args.preset).algorithm
+        preset_cfg = load_config(args.preset)
+        for key, why in _RUN_SET_KEYS.get(command, {}).items():
+            # one the file sets (a run's config.json sets them all: not refused, said)
+            if key in from_file and key not in overrides and \
+                    getattr(cfg, key) != getattr(preset_cfg, key):
+                print(f"[warn] {key}={getattr(cfg, key)!r} in --config {args.config} is not "
+                      f"used by hacpo {command}: {why}")
+        base = preset_cfg.algorithm
         keep = {}
         for source, given in ((from_file, False), (overrides, True)):
             for k in source:

@@ -117,6 +117,25 @@ def test_two_runs_add_t_rows(run):
     assert [r["row"] for r in rep["rows"]] == ["run#0/char", "run#1/char",
                                                "char (mean of 2 runs)"]
     assert rep["rows"][2]["ci"] == "t" and "Student-t" in rep["table"]
+    assert rep["notes"] == []
+
+
+def test_no_mean_over_runs_scored_by_different_rewards(run, tmp_path):
+    """Each run is scored by its own reward: two runs of another reward (numeric_closeness's
+    partial credit vs math's 0/1) made one '(mean of 2 runs)' row of two measures, said
+    nowhere. No such row; a note names the rewards."""
+    from hacpo.engine import checkpoint as ckpt
+    state = ckpt.load(str(run["dir"] / "checkpoint.pt"))
+    state["config"]["reward"]["name"] = "numeric_closeness"
+    ckpt.save_atomic(state, str(tmp_path / "close" / "checkpoint.pt"))
+    rep = evaluate_checkpoints([str(run["dir"]), str(tmp_path / "close")], run["benches"][:1],
+                               agents=["char"], limit=2, out_dir=str(tmp_path / "ev"),
+                               echo=lambda *_: None)
+    assert [(r["row"], r["reward"]) for r in rep["rows"]] == [
+        ("run/char", "math"), ("close/char", "numeric_closeness")]
+    note = "No 'char (mean of 2 runs)' row: its runs are scored by different rewards (math, " \
+        "numeric_closeness)."
+    assert rep["notes"] == [note] and note in rep["table"]
 
 
 def test_run_labels_are_unique_whatever_the_folder_names(run, tmp_path):
