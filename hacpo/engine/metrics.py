@@ -20,8 +20,10 @@ class MetricsLogger:
 
     def __init__(self, out_dir: str, *, start_step: int = 0, tensorboard: bool = True):
         self.path = os.path.join(out_dir, "metrics.jsonl")
+        self.dropped: list[int] = []    # a resume: the steps of rows past its checkpoint
         if start_step > 0:
-            keep = _rows_before(self.path, start_step) if os.path.exists(self.path) else []
+            keep, self.dropped = _rows_before(self.path, start_step) \
+                if os.path.exists(self.path) else ([], [])
             _warn_missing_rows(self.path, keep, start_step)
             # a new file renamed over the old one: a crash (or a full disk) while it is written
             # leaves the old file, never a truncated one (the steps before start_step are gone)
@@ -102,14 +104,15 @@ def _warn_missing_rows(path: str, keep: list[str], start_step: int) -> None:
                 "from step %d", path, ", ".join(spans), start_step, start_step)
 
 
-def _rows_before(path: str, start_step: int) -> list[str]:
-    """The lines of ``path`` of steps < ``start_step``. A last line cut short (no newline: the
-    interrupted run's last write, e.g. on a full disk; it logged a step >= start_step, as every
-    step is logged before its checkpoint) is dropped; any other unreadable line is a
-    ValueError naming the file and line."""
+def _rows_before(path: str, start_step: int) -> tuple[list[str], list[int]]:
+    """The lines of ``path`` of steps < ``start_step``, and the steps of the rows dropped (those
+    logged after the checkpoint). A last line cut short (no newline: the interrupted run's
+    last write, e.g. on a full disk; it logged a step >= start_step, as every step is logged
+    before its checkpoint) is dropped; any other unreadable line is a ValueError naming the
+    file and line."""
     with open(path, "rb") as f:
         lines = f.readlines()
-    keep = []
+    keep, dropped = [], []
     for i, raw in enumerate(lines):
         if not raw.strip():
             continue
@@ -123,7 +126,9 @@ def _rows_before(path: str, start_step: int) -> list[str]:
                              f"{e}); fix or remove that line to resume") from None
         if step < start_step:
             keep.append(ln if ln.endswith("\n") else ln + "\n")   # the next row on its own line
-    return keep
+        else:
+            dropped.append(step)
+    return keep, dropped
 
 
 def amend_row(path: str, step: int, values: dict[str, float]) -> bool:

@@ -46,6 +46,8 @@ def save_figure(fig, path: str) -> None:
 # every sample's ratio: its memory and checkpoint stay the same size however long it runs.
 RATIO_EDGES = np.linspace(0.0, 2.5, 81)
 RATIO_FILE = "ratio_histograms.npz"     # "edges" and one count array per "<agent>/<part>"
+# what a run with plots=true writes into its run dir when it finishes
+PLOT_FILES = ("reward_curves.png", "capability_ratios.png", "ratio_histograms.png", RATIO_FILE)
 
 
 def ratio_counts(log_ratios: np.ndarray) -> np.ndarray:

@@ -45,7 +45,7 @@ from .errors import (StorageError, describe_os_error, missing_package, require_i
                      user_errors)
 from .evaluate import evaluate_policy, score_named
 from .metrics import MetricsLogger, amend_row
-from .plots import RATIO_EDGES, RATIO_FILE, ratio_counts
+from .plots import PLOT_FILES, RATIO_EDGES, RATIO_FILE, ratio_counts
 from .pool import build_pool, learner_view
 from .rewards import RewardComputer
 from .rollout import generate_agents, sync_agents
@@ -469,17 +469,35 @@ def _carry_final_eval(cfg: TrainConfig, start: int, names: list[str]) -> dict:
                                values) else {}
 
 
+def _steps(steps: list[int]) -> str:
+    """"step 4" / "steps 10-14" (``steps``: consecutive, ascending)."""
+    return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+
+
+def _stopped_note(saved: int | None, logged: int, every: int) -> str:
+    """Where `--resume` goes on from a run stopped after logging steps < ``logged``, its last
+    checkpoint at ``saved`` (None: none yet): the steps logged since run again."""
+    if saved is None:
+        return "[stop] no checkpoint yet: --resume starts the run over"
+    if logged <= saved:
+        return f"[stop] the last checkpoint is at step {saved}: --resume goes on from there"
+    return (f"[stop] the last checkpoint is at step {saved} (checkpoint_every={every}): "
+            f"--resume runs {_steps(list(range(saved, logged)))} again")
+
+
 def _write_config(cfg: TrainConfig, finished: bool = False) -> None:
     """``<out_dir>/config.json``, written once every check of the run's inputs passed: a run or
     resume refused for its config, data or checkpoint leaves the run dir as it was. A
     summary.json there marks a finished run: unless the run is (a resume at its last step),
-    it is the summary of a run before (started over, or resumed for more steps) and goes; the
-    run writes its own when it finishes."""
+    it is the summary of a run before (started over, or resumed for more steps) and goes, with
+    that run's plots (a run with plots=false left them looking like its own); the run writes
+    its own when it finishes."""
     ckpt.write_text_atomic(os.path.join(cfg.out_dir, "config.json"),
                            json.dumps(cfg.to_dict(), indent=2))
     if not finished:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(cfg.out_dir, "summary.json"))
+        for name in ("summary.json", *PLOT_FILES):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(cfg.out_dir, name))
 
 
 def _greedy_by_top_p(cfg: TrainConfig, vocab: int, G: int) -> str:
@@ -724,9 +742,17 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
     with user_errors(ValueError):          # a metrics.jsonl line that cannot be read
         logger = MetricsLogger(cfg.out_dir, start_step=start, tensorboard=cfg.tensorboard
                                and missing_feature(cfg, "tensorboard") is None)
+    if logger.dropped:
+        one = len(logger.dropped) == 1
+        echo(f"[resume] metrics.jsonl's {'row' if one else 'rows'} of "
+             f"{_steps(logger.dropped)}, logged after the checkpoint, "
+             f"{'is' if one else 'are'} dropped: {'that step runs' if one else 'those run'} "
+             f"again")
     algo = cfg.algorithm
     G = cfg.rollout.group_size * algo.samples_per_prompt_factor
     bar = _progress(cfg, start)
+    saved = start if state is not None else None     # the step the last checkpoint resumes at
+    logged = start
     try:
         if state is not None:   # once metrics.jsonl is read (a resume refused for a line of it
             # keeps the summary.json of a finished run)
@@ -808,12 +834,17 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
                 _save(ck_path, cfg, step + 1, agents, tracker, sampler, engine, shuffle_gen,
                       nonfinite, warm, before, ratio_log, tokenizers, heldout)
                 agents.checkpoint_saved()      # e.g. drop optimizer shards no checkpoint names
+                saved = step + 1
+            logged = step + 1
         if cfg.steps == 0 and start == 0:
             # the warm start as a checkpoint: `hacpo eval` scores it on other benchmarks (the
             # baseline before RL) and `--resume` with steps > 0 trains on from it
             _save(ck_path, cfg, 0, agents, tracker, sampler, engine, shuffle_gen, nonfinite,
                   warm, before, ratio_log, tokenizers, heldout)
             agents.checkpoint_saved()
+    except (KeyboardInterrupt, SystemExit):      # Ctrl-C, SIGTERM: where a resume goes on
+        echo(_stopped_note(saved, logged, cfg.checkpoint_every))
+        raise
     finally:
         if bar is not None:
             bar.close()

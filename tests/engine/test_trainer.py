@@ -1157,3 +1157,59 @@ def test_a_config_edited_in_place_is_checked_again_before_any_work(tmp_path):
     cfg.steps = "1"            # as a loader would take it
     assert isinstance(cfg, TrainConfig) and train(cfg, echo=lambda *_: None)["steps"] == 1
     assert cfg.steps == "1"
+
+
+def test_a_stopped_run_says_where_resume_goes_on(tmp_path, monkeypatch):
+    """Ctrl-C / SIGTERM save no checkpoint: the steps logged after the last one run again on
+    --resume, and their metrics rows are dropped — neither was said ("continue it with
+    --resume" only). The stop names the checkpoint's step and the steps that run again; the
+    resume names the rows it drops."""
+    import hacpo.engine.trainer as trainer_mod
+    cfg = _cfg(tmp_path, steps="4", checkpoint_every="2", plots="false", tensorboard="false",
+               **{"data.eval_size": "0"})
+    real, calls = trainer_mod.generate_agents, []
+
+    def stop_in_step_3(*a, **k):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+    said = []
+    with monkeypatch.context() as m:
+        m.setattr(trainer_mod, "generate_agents", stop_in_step_3)
+        with pytest.raises(KeyboardInterrupt):
+            train(cfg, echo=said.append)
+    assert said[-1] == ("[stop] the last checkpoint is at step 2 (checkpoint_every=2): "
+                        "--resume runs step 2 again")
+    said = []
+    train(cfg, resume=True, echo=said.append)
+    assert ("[resume] metrics.jsonl's row of step 2, logged after the checkpoint, is dropped: "
+            "that step runs again") in said
+    rows = [json.loads(l)["step"] for l in open(tmp_path / "run" / "metrics.jsonl")]
+    assert rows == [0, 1, 2, 3]
+    said = []
+    with monkeypatch.context() as m:     # stopped in its first step: no checkpoint yet
+        m.setattr(trainer_mod, "generate_agents", lambda *a, **k: (_ for _ in ()).throw(
+            KeyboardInterrupt()))
+        with pytest.raises(KeyboardInterrupt):
+            train(cfg.override({"out_dir": str(tmp_path / "new")}), echo=said.append)
+    assert said[-1] == "[stop] no checkpoint yet: --resume starts the run over"
+    assert trainer_mod._stopped_note(4, 4, 2) == ("[stop] the last checkpoint is at step 4: "
+                                                  "--resume goes on from there")
+    assert trainer_mod._stopped_note(10, 15, 10).endswith("--resume runs steps 10-14 again")
+
+
+def test_a_resume_without_plots_leaves_no_plots_of_the_run_before(tmp_path):
+    """A finished run resumed for more steps with plots=false kept the earlier run's PNGs and
+    ratio histograms, which then looked like this run's; they go with its summary.json (a
+    resume at the last step, which changes nothing, keeps them)."""
+    from hacpo.engine.plots import PLOT_FILES
+    cfg = _cfg(tmp_path, steps="1", tensorboard="false", **{"data.eval_size": "0"})
+    train(cfg, echo=lambda *_: None)
+    run = tmp_path / "run"
+    assert all((run / f).exists() for f in PLOT_FILES)
+    train(cfg.override({"plots": False}), resume=True, echo=lambda *_: None)   # nothing to do
+    assert all((run / f).exists() for f in PLOT_FILES)
+    train(cfg.override({"plots": False, "steps": 2}), resume=True, echo=lambda *_: None)
+    assert not any((run / f).exists() for f in PLOT_FILES)
+    assert (run / "summary.json").exists()
