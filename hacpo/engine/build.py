@@ -68,7 +68,30 @@ def load_data(cfg: TrainConfig) -> Data:
                                 limit=d.eval_size)
         _check_loaded("eval", d.eval_path, d.field_map, se)
     return Data(train, ev, False, {"train": {"path": d.train_path, **asdict(st)},
-                                   "eval": {"path": d.eval_path, **asdict(se)}})
+                                   "eval": {"path": d.eval_path, **asdict(se)},
+                                   "eval_in_train": _check_held_out(cfg, train, ev)})
+
+
+def _question(text: str) -> str:
+    return " ".join(text.split()).casefold()
+
+
+def _check_held_out(cfg: TrainConfig, train: list[Example], ev: list[Example]) -> int:
+    """How many held-out problems the training file holds too (the same question, up to
+    whitespace and case): warned, since their accuracy is not held out (the same file for
+    both, or an eval file drawn from the training data). Not refused: a user may mean it."""
+    if not ev:
+        return 0
+    seen = {_question(e.prompt) for e in train}
+    both = sum(_question(e.prompt) in seen for e in ev)
+    if both:
+        d = cfg.data
+        same = os.path.realpath(d.train_path) == os.path.realpath(d.eval_path)
+        log.warning(f"data.eval_path {d.eval_path}: {both} of its {len(ev)} held-out problems "
+                    f"are in data.train_path {d.train_path} too"
+                    + (" (the same file)" if same else " (the same question)")
+                    + ": their accuracy after RL is not held out")
+    return both
 
 
 def _read_examples(role: str, path: str, fm, **kw):

@@ -122,6 +122,12 @@ CHAR_SET = (
 )
 
 
+def _check_template(template: str, name: str) -> None:
+    if "{question}" not in template:
+        raise ValueError(f"tokenizer {name!r}: prompt template {template!r} has no "
+                         f"'{{question}}' (where the question goes; other braces are literal)")
+
+
 class CharTokenizer(Tokenizer):
     """One id per character of :data:`CHAR_SET`, plus ``<pad>=0, <bos>=1, <eos>=2, <unk>=3``.
 
@@ -133,6 +139,7 @@ class CharTokenizer(Tokenizer):
                  name: str = "char"):
         if len(set(charset)) != len(charset):
             raise ValueError("CharTokenizer charset has repeated characters")
+        _check_template(template, name)
         self.name = name
         self.template = template
         self._itos = list(CHAR_SPECIALS) + list(charset)
@@ -160,7 +167,7 @@ class CharTokenizer(Tokenizer):
         return "".join(self._itos[i] for i in ids)
 
     def prompt_text(self, question: str) -> str:
-        return self.template.format(question=question)
+        return self.template.replace("{question}", question)   # other braces: literal
 
     def prompt_ids(self, question: str, *, errors: Errors = "strict") -> list[int]:
         return [self.bos_id] + self.encode(self.prompt_text(question), errors=errors)
@@ -293,6 +300,8 @@ class HFTokenizer(Tokenizer):
         if kept is not None and (corpus is not None or prompts is not None):
             raise ValueError("kept= is a reduced vocabulary already made: not with corpus= or "
                              "prompts=")
+        if template is not None:
+            _check_template(template, name)
         self.hf = hf
         self.name = name
         self._backend = hf.backend_tokenizer  # tokenizers.Tokenizer: fast batch-free encode
@@ -446,7 +455,7 @@ class HFTokenizer(Tokenizer):
             return self.hf.apply_chat_template(
                 [{"role": "user", "content": question}], tokenize=False,
                 add_generation_prompt=True, **self.template_kwargs)
-        return self.template.format(question=question)
+        return self.template.replace("{question}", question)   # other braces: literal
 
     def prompt_ids(self, question: str, *, errors: Errors = "strict") -> list[int]:
         text = self.prompt_text(question)

@@ -250,3 +250,25 @@ def test_reduced_vocabulary_covers_every_warm_up_target(tmp_path):
         if a.policy.reduce_vocab:
             for e in data.train:
                 pol.tokenizer.response_ids(data.target_text(e), add_eos=True)
+
+
+def test_held_out_problems_that_are_in_the_training_file_are_said(tmp_path, caplog):
+    """The same file for data.train_path and data.eval_path (or an eval file cut from the
+    training data) trained on the "held-out" problems without a word: a warning counts them
+    (same question up to whitespace and case), and load_stats records the count."""
+    train = _write(tmp_path / "d.jsonl", TRAIN)
+    ev = _write(tmp_path / "e.jsonl", EVAL + [{"question": "  tom has 1 apples and gets 2 "
+                                                            "more.   How many apples?",
+                                                "answer": "#### 3"}])
+    with caplog.at_level(logging.INFO, logger="hacpo"):
+        data = build.load_data(_cfg(tmp_path, train, ev))
+        same = build.load_data(_cfg(tmp_path, train, train))
+        apart = build.load_data(_cfg(tmp_path, train, _write(tmp_path / "x.jsonl", EVAL)))
+    assert (data.load_stats["eval_in_train"], same.load_stats["eval_in_train"],
+            apart.load_stats["eval_in_train"]) == (1, 4, 0)
+    warn = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warn == [
+        f"data.eval_path {ev}: 1 of its 2 held-out problems are in data.train_path {train} too "
+        f"(the same question): their accuracy after RL is not held out",
+        f"data.eval_path {train}: 4 of its 4 held-out problems are in data.train_path {train} "
+        f"too (the same file): their accuracy after RL is not held out"]

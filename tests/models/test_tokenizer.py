@@ -239,3 +239,18 @@ def test_a_tokenizer_json_file_alone_says_to_give_its_folder():
                                          r"tokenizer_config.json"):
         load_tokenizer(os.path.join(folder, "tokenizer.json"))
     assert load_tokenizer(folder).eos_id is not None
+
+
+def test_a_prompt_template_with_other_braces_keeps_them():
+    """A template's other braces are literal, as data templates' are (`\\boxed{}`): str.format
+    raised IndexError for one; one without '{question}' is an error naming it."""
+    tmpl = "{question}\nPut the answer in \\boxed{}.\nAnswer: "
+    tok = load_tokenizer("qwen3", template=tmpl)
+    assert tok.prompt_text("What is {x}?") == "What is {x}?\nPut the answer in \\boxed{}.\nAnswer: "
+    char = CharTokenizer(template="Q {a}: {question}\nA: ")
+    assert char.prompt_text("1+1?") == "Q {a}: 1+1?\nA: "
+    for make in (lambda t: CharTokenizer(template=t), lambda t: load_tokenizer("qwen3",
+                                                                              template=t)):
+        with pytest.raises(ValueError, match=r"prompt template 'Q: \{q\}' has no "
+                                             r"'\{question\}'"):
+            make("Q: {q}")
