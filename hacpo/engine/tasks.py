@@ -163,7 +163,9 @@ class ArithmeticTask:
         return self._split(n, "train")
 
     def heldout_split(self, n: int) -> list[Example]:
-        """``n`` held-out problems; none shares its arithmetic (hence its text) with training."""
+        """``n`` held-out problems; none shares its arithmetic (hence its text) with training.
+        Independent draws, so repeats are possible (the easy task's 500: 221 distinct sums,
+        small starting values favoured), as in the training split."""
         return self._split(n, "heldout")
 
 
