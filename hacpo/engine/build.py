@@ -13,7 +13,7 @@ from dataclasses import dataclass, asdict
 import torch
 
 from hacpo.models.policy import Policy, build_policy
-from hacpo.models.tokenizer import Tokenizer, load_tokenizer
+from hacpo.models.tokenizer import Tokenizer, batches, load_tokenizer
 
 from . import checkpoint as ckpt
 from .data import DataError, Example, GSM8K_FIELDS, LoadStats, MATH_ANSWER_FIELDS, \
@@ -270,8 +270,11 @@ def warm_start(cfg: TrainConfig, data: Data, policies: list[Policy], echo=print)
             out.append({"steps": a.warmup.steps, "cached": True,
                         "final_loss": state["losses"][-1]})
             continue
-        prompts = [tok.prompt_ids(prompt_text(cfg, e)) for e in data.train]
-        targets = [tok.response_ids(data.target_text(e), add_eos=True) for e in data.train]
+        prompts = [ids for chunk in batches(data.train)
+                   for ids in tok.prompt_ids_batch([prompt_text(cfg, e) for e in chunk])]
+        targets = [ids for chunk in batches(data.train)
+                   for ids in tok.response_ids_batch([data.target_text(e) for e in chunk],
+                                                     add_eos=True)]
         every = max(1, a.warmup.steps // 5)
 
         def progress(step, loss, name=a.policy.name, total=a.warmup.steps):

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from hacpo.models.retokenize import RetokStats
-from hacpo.models.tokenizer import UnencodableTextError
+from hacpo.models.tokenizer import UnencodableTextError, batches
 
 from . import build, checkpoint as ckpt
 from .agents import build_agents, score_temperature, update_agents
@@ -629,6 +629,7 @@ def check_prompt_lengths(cfg: TrainConfig, data, policies) -> None:
                "eval_max_new_tokens" if cfg.eval_max_new_tokens else "rollout.max_new_tokens",
                cfg.eval_max_new_tokens or max_new))
     for k, p in enumerate(policies):
+        lengths = []        # per split: prompt text -> its tokens
         for split, examples, key, new in splits:
             ids_of: dict[str, list[str]] = defaultdict(list)     # prompt text -> example ids
             for e in examples:
@@ -644,8 +645,9 @@ def check_prompt_lengths(cfg: TrainConfig, data, policies) -> None:
                         f"{ids[0]!r} (data.template={cfg.data.template!r}) cannot be "
                         f"tokenized: {e}") from None
 
-            too_long = [(n, ids) for n, ids in ((n_tokens(t, ids), ids)
-                                                for t, ids in ids_of.items()) if n > room]
+            lengths.append(_prompt_lengths(p.tokenizer, list(ids_of),
+                                           lambda t: n_tokens(t, ids_of[t])))
+            too_long = [(n, ids_of[t]) for t, n in lengths[-1].items() if n > room]
             if not too_long:
                 continue
             count = sum(len(ids) for _, ids in too_long)
@@ -657,28 +659,53 @@ def check_prompt_lengths(cfg: TrainConfig, data, policies) -> None:
                 f"not fit its max_len={p.max_len} with {key}={new} new tokens (the longest, "
                 f"example {ids[0]!r}, has {n} prompt tokens; {fit}): give the policy a longer "
                 f"max_len, lower {key}, or remove those examples")
-        if cfg.agents[k].warmup.steps > 0:
-            _check_warmup_lengths(cfg, data, p, k)
+        if cfg.agents[k].warmup.steps > 0:      # the training prompts' lengths, not again
+            _check_warmup_lengths(cfg, data, p, k, prompt_len=lengths[0])
 
 
-def _check_warmup_lengths(cfg: TrainConfig, data, p, k: int) -> None:
+def _prompt_lengths(tok, texts: list[str], one) -> dict[str, int]:
+    """Tokens of each prompt text, encoded a slice at a time (``prompt_ids_batch``); a slice
+    with a text that cannot be tokenized goes again one text at a time through ``one`` (text
+    -> tokens), which raises for the first such text as the check always did."""
+    out: dict[str, int] = {}
+    for chunk in batches(texts):
+        try:
+            out.update(zip(chunk, map(len, tok.prompt_ids_batch(chunk))))
+        except UnencodableTextError:
+            out.update((t, one(t)) for t in chunk)
+    return out
+
+
+def _check_warmup_lengths(cfg: TrainConfig, data, p, k: int,
+                          prompt_len: dict[str, int] | None = None) -> None:
     """The warm-up trains on prompt + worked solution + EOS of training examples it draws at
     random: one longer than the agent's max_len stopped it mid-way ("prompt+response of 155
-    tokens exceeds max_len=140", no example named). Checked with the prompts, before it."""
-    prompt_len: dict[str, int] = {}
-    too_long = []
-    for e in data.train:
-        text = build.prompt_text(cfg, e)
+    tokens exceeds max_len=140", no example named). Checked with the prompts, before it;
+    ``prompt_len``: the training prompts' tokens where :func:`check_prompt_lengths` counted
+    them (filled in here)."""
+    prompt_len = {} if prompt_len is None else prompt_len
+    tok = p.tokenizer
+
+    def n_tokens(e, text: str) -> int:      # one example (a slice's fallback)
         if text not in prompt_len:
-            prompt_len[text] = len(p.tokenizer.prompt_ids(text))
+            prompt_len[text] = len(tok.prompt_ids(text))
         try:
-            n = prompt_len[text] + len(p.tokenizer.response_ids(data.target_text(e),
-                                                                add_eos=True))
+            return prompt_len[text] + len(tok.response_ids(data.target_text(e), add_eos=True))
         except UnencodableTextError as err:
             raise ValueError(f"agent {p.name!r} (agents.{k}): the warm-up target of example "
                              f"{e.id!r} cannot be tokenized: {err}") from None
-        if n > p.max_len:
-            too_long.append((n, e.id))
+
+    too_long = []
+    for chunk in batches(data.train):
+        texts = [build.prompt_text(cfg, e) for e in chunk]
+        try:
+            todo = [t for t in dict.fromkeys(texts) if t not in prompt_len]
+            prompt_len.update(zip(todo, map(len, tok.prompt_ids_batch(todo))))
+            targets = tok.response_ids_batch([data.target_text(e) for e in chunk], add_eos=True)
+            ns = [prompt_len[t] + len(ids) for t, ids in zip(texts, targets)]
+        except UnencodableTextError:    # again one example at a time: the error names the first
+            ns = [n_tokens(e, t) for e, t in zip(chunk, texts)]
+        too_long.extend((n, e.id) for n, e in zip(ns, chunk) if n > p.max_len)
     if too_long:
         n, eid = max(too_long)
         raise ValueError(

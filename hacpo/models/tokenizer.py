@@ -10,6 +10,9 @@ Every tokenizer answers the same small interface (:class:`Tokenizer`):
   tokens, never turned into the special token; no Unicode normalization: "e" + U+0301 stays two
   characters); ``decode`` drops special tokens.
 - ``valid_text(ids)``: whether the ids spell valid UTF-8, i.e. ``decode`` is exact.
+- ``encode_batch`` / ``prompt_ids_batch`` / ``response_ids_batch``: the same for a list of
+  texts, with the same ids and errors (a large dataset goes in slices: :func:`batches`); an HF
+  tokenizer encodes them in one backend call per slice.
 
 Two implementations:
 
@@ -95,6 +98,23 @@ class Tokenizer:
         """Ids of a response that directly follows ``prompt_ids``; EOS appended iff ``add_eos``."""
         ids = self.encode(text, errors=errors)
         return ids + [self.eos_id] if add_eos else ids
+
+    def encode_batch(self, texts: Sequence[str], *, errors: Errors = "strict") -> list[list[int]]:
+        """:meth:`encode` of each text, in order; the first text it cannot encode raises as
+        ``encode`` of it does. All the ids come back at once: a caller with a large dataset
+        passes it in slices (:func:`batches`). A loop here; :class:`HFTokenizer` encodes them
+        in batches."""
+        return [self.encode(t, errors=errors) for t in texts]
+
+    def prompt_ids_batch(self, questions: Sequence[str], *,
+                         errors: Errors = "strict") -> list[list[int]]:
+        """:meth:`prompt_ids` of each question, as :meth:`encode_batch`."""
+        return [self.prompt_ids(q, errors=errors) for q in questions]
+
+    def response_ids_batch(self, texts: Sequence[str], *, add_eos: bool = False,
+                           errors: Errors = "strict") -> list[list[int]]:
+        """:meth:`response_ids` of each text, as :meth:`encode_batch`."""
+        return [self.response_ids(t, add_eos=add_eos, errors=errors) for t in texts]
 
     def special_ids(self) -> frozenset[int]:
         """Ids that are never content (EOS, pad, BOS, template markers)."""
@@ -263,7 +283,28 @@ def _text_backend(hf):
     return backend
 
 
-ENCODE_CHUNK = 4096      # prompts per encode_batch call when a vocabulary is reduced
+# texts per encode_batch call: the tokenizers library keeps the Encodings of a batch (~3 KB
+# each; one batch of a whole dataset held 1 GB more for 100k rows), so a dataset goes in slices
+ENCODE_CHUNK = 4096
+
+
+def batches(items: Sequence, size: int | None = None):
+    """``items`` in consecutive slices of ``size`` (default :data:`ENCODE_CHUNK`): what a
+    caller encodes at once, so a large dataset's ids are never all held."""
+    size = size or ENCODE_CHUNK
+    for i in range(0, len(items), size):
+        yield items[i:i + size]
+
+
+def _batch_ids(backend, texts: Sequence[str]):
+    """``backend``'s ids of each text (no special tokens added), by encode_batch in slices,
+    each distinct text of a slice once (a files dataset's targets "#### 5" repeat a lot); a
+    fresh list each (``Encoding.ids`` makes one)."""
+    for chunk in batches(texts):
+        distinct = list(dict.fromkeys(chunk))
+        encs = dict(zip(distinct, backend.encode_batch(distinct, add_special_tokens=False)))
+        for text in chunk:
+            yield encs[text].ids
 
 
 class HFTokenizer(Tokenizer):
@@ -337,22 +378,20 @@ class HFTokenizer(Tokenizer):
             keep = set(self._orig_specials)
             if self._byte_ids is not None:
                 keep.update(self._byte_ids)
-            for text in corpus:
-                ids = self._backend.encode(text, add_special_tokens=False).ids
-                keep.update(ids)
-                # as encode() spells them: special tokens' strings as text, not normalized
-                keep.update(_text_backend(hf).encode(text, add_special_tokens=False).ids)
+            texts = corpus if isinstance(corpus, Sequence) else list(corpus)
+            for chunk in batches(texts):
+                distinct = list(dict.fromkeys(chunk))
+                # as encode() spells them too: special tokens' strings as text, not normalized
+                for backend in (self._backend, _text_backend(hf)):
+                    for enc in backend.encode_batch(distinct, add_special_tokens=False):
+                        keep.update(enc.ids)
             # The template's own tokens (rendered with an empty question) must be in the vocab,
             # and those of the prompts as prompt_ids encodes them (merges across the template's
-            # edges)
-            # (each distinct prompt once, in chunks: one encode_batch of a whole dataset's
-            # prompts held an Encoding per row at once, ~3 KB each, which the tokenizers
-            # library kept after: 1 GB more for 100k rows)
+            # edges; each distinct prompt once, rendered a slice at a time)
             questions = list(dict.fromkeys([""] + list(prompts or ())))
-            for i in range(0, len(questions), ENCODE_CHUNK):
-                rendered = [self.prompt_text(q) for q in questions[i:i + ENCODE_CHUNK]]
-                for enc in self._backend.encode_batch(rendered, add_special_tokens=False):
-                    keep.update(enc.ids)
+            for chunk in batches(questions):
+                for ids in _batch_ids(self._backend, self._prompt_texts(chunk)):
+                    keep.update(ids)
         if self.reduced:
             self._to_orig = sorted(keep)
             self._from_orig = {o: i for i, o in enumerate(self._to_orig)}
@@ -396,6 +435,10 @@ class HFTokenizer(Tokenizer):
     def _map_in(self, orig_ids: list[int], errors: Errors, text: str) -> list[int]:
         if self._from_orig is None:
             return orig_ids
+        try:        # every token kept (the usual case): no per-token Python loop
+            return list(map(self._from_orig.__getitem__, orig_ids))
+        except KeyError:
+            pass
         out = []
         for o in orig_ids:
             i = self._from_orig.get(o)
@@ -423,6 +466,19 @@ class HFTokenizer(Tokenizer):
         if self._to_orig is not None:
             ids = [self._to_orig[i] for i in ids]
         return self._backend.decode(ids, skip_special_tokens=False)
+
+    def encode_batch(self, texts: Sequence[str], *, errors: Errors = "strict") -> list[list[int]]:
+        if type(self).encode is not HFTokenizer.encode:     # a subclass's own encode
+            return super().encode_batch(texts, errors=errors)
+        return [self._map_in(ids, errors, text)
+                for text, ids in zip(texts, _batch_ids(_text_backend(self.hf), texts))]
+
+    def response_ids_batch(self, texts: Sequence[str], *, add_eos: bool = False,
+                           errors: Errors = "strict") -> list[list[int]]:
+        if type(self).response_ids is not HFTokenizer.response_ids:
+            return super().response_ids_batch(texts, add_eos=add_eos, errors=errors)
+        out = self.encode_batch(texts, errors=errors)
+        return [ids + [self.eos_id] for ids in out] if add_eos else out
 
     def valid_text(self, ids: Sequence[int]) -> bool:
         """Exact for byte-level vocabularies (the bytes the ids spell are decoded strictly);
@@ -457,12 +513,35 @@ class HFTokenizer(Tokenizer):
                 add_generation_prompt=True, **self.template_kwargs)
         return self.template.replace("{question}", question)   # other braces: literal
 
+    def _prompt_texts(self, questions: Sequence[str]) -> list[str]:
+        """:meth:`prompt_text` of each question (a chat template renders them in one call)."""
+        if not self._use_chat or type(self).prompt_text is not HFTokenizer.prompt_text:
+            return [self.prompt_text(q) for q in questions]
+        if not questions:       # apply_chat_template refuses an empty batch
+            return []
+        return self.hf.apply_chat_template(
+            [[{"role": "user", "content": q}] for q in questions], tokenize=False,
+            add_generation_prompt=True, **self.template_kwargs)
+
     def prompt_ids(self, question: str, *, errors: Errors = "strict") -> list[int]:
         text = self.prompt_text(question)
         ids = self._backend.encode(text, add_special_tokens=False).ids
         if self._add_bos:
             ids = [self.hf.bos_token_id] + ids
         return self._map_in(ids, errors, text)
+
+    def prompt_ids_batch(self, questions: Sequence[str], *,
+                         errors: Errors = "strict") -> list[list[int]]:
+        if type(self).prompt_ids is not HFTokenizer.prompt_ids:
+            return super().prompt_ids_batch(questions, errors=errors)
+        out = []
+        for chunk in batches(questions):        # rendered a slice at a time
+            texts = self._prompt_texts(chunk)
+            for text, ids in zip(texts, _batch_ids(self._backend, texts)):
+                if self._add_bos:
+                    ids = [self.hf.bos_token_id] + ids
+                out.append(self._map_in(ids, errors, text))
+        return out
 
     def special_ids(self) -> frozenset[int]:
         return self._special

