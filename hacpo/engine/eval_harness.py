@@ -410,7 +410,8 @@ def _evaluate(runs, labels, out_dirs, out_dir, benches, loaded, names, *, agents
                     echo(f"[eval] {label}/{name} {b.name}: avg@{samples} "
                          f"{rec[f'avg@{samples}']:.3f} ± {rec['ci95']:.3f} (95% CI, "
                          f"n={rec['n']})")
-                    results.append(rec)
+                    # its responses are in its file: not held until every pair is scored
+                    results.append({k: v for k, v in rec.items() if k != "problems"})
     report = _report(results, names, samples, multi=len(runs) > 1)
     table = _markdown(report, names, samples)
     for d in dict.fromkeys(targets):
@@ -471,7 +472,7 @@ def _report(results: list[dict], benches: list[str], samples: int, multi: bool) 
                          **{k: sum(r[k] for r in mine)
                             for k in ("fallback", "unencodable", "too_long", "problems")}})
     return {"samples": samples, "metric": avg, "benchmarks": benches, "rows": rows,
-            "notes": notes, "results": [{k: v for k, v in r.items() if k != "problems"} for r in results]}
+            "notes": notes, "results": results}
 
 
 def _markdown(report: dict, benches: list[str], samples: int) -> str:

@@ -584,7 +584,7 @@ def test_table_counts_each_problem_once_with_rows_over_runs():
             for i, (fb, un, tl) in enumerate(((3, 1, 0), (0, 2, 4)))]
     rows.append({"row": "a (mean of 2 runs)", "ci": "t", "benchmarks": {"b": cell},
                  "mean": cell, "fallback": 3, "unencodable": 3, "too_long": 4})
-    md = _markdown({"rows": rows}, ["b"], 1)
+    md = _markdown({"rows": rows, "notes": []}, ["b"], 1)
     assert ("Prompts encoded with the tokenizer fallback: 3; unencodable prompts (scored 0): 3; "
             "prompts too long for the policy (scored 0): 4.") in md
 
