@@ -47,10 +47,11 @@ def load_data(cfg: TrainConfig) -> Data:
     data.task="files": every example of ``train_path`` and the first ``eval_size`` of
     ``eval_path``; ``eval_size=0`` means no held-out set (``eval`` is ``[]``, the eval file is
     not read and its stats are zeros). A file that yields no examples (no rows, or every row
-    bad and skipped) is a DataError naming it. ``load_stats`` is ``{"train": S, "eval": S}``,
-    ``S = {"path", "rows", "loaded", "skipped", "problems", "bad_rows"}`` (the path and
-    :class:`~hacpo.engine.data.LoadStats`); each file read is logged, as a warning where rows
-    were skipped."""
+    bad and skipped) is a DataError naming it. ``load_stats`` is ``{"train": S, "eval": S,
+    "eval_in_train": n}``, ``S = {"path", "rows", "loaded", "skipped", "problems",
+    "bad_rows"}`` (the path and :class:`~hacpo.engine.data.LoadStats`), ``n`` the held-out
+    problems the training file holds too (:func:`_check_held_out`); each file read is logged,
+    as a warning where rows were skipped."""
     d = cfg.data
     if d.task == "arithmetic":
         task = ArithmeticTask.from_difficulty(d.difficulty, wording=d.wording, seed=d.seed)
@@ -324,11 +325,15 @@ def tokenizer_mismatch(state: dict, policies: list[Policy], cfg: TrainConfig) ->
     agent's is not and a likely cause: its weights would be read with other tokens."""
     want = dict(zip([a.get("name") for a in state.get("agents", [])],
                     state.get("tokenizers") or []))
+    recorded = saved_vocabs(state)
     for pol in policies:
         if pol.name in want and want[pol.name] != tokenizer_digest(pol.tokenizer):
+            why = (f"its reduced vocabulary is the checkpoint's record: did tokenizer "
+                   f"{pol.tokenizer.name!r}'s files change since?" if pol.tokenizer.kept_ids() ==
+                   recorded.get(pol.name) else f"a vocabulary reduced to data that changed "
+                   f"since? {vocab_source(cfg)}")
             return (f"agent {pol.name}'s tokenizer ({pol.tokenizer.vocab_size} tokens) is not "
-                    f"the one its weights were trained with (a vocabulary reduced to data "
-                    f"that changed since? {vocab_source(cfg)})")
+                    f"the one its weights were trained with ({why})")
     return None
 
 

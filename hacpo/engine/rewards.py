@@ -565,9 +565,9 @@ def _call_guarded(fn: RewardFn, response: str, gold: str, timeout_s: Optional[fl
     has one) is put back after the call with what is left of it; one due during the call fires
     as it returns.
 
-    A reward that calls ``sys.exit`` scores 0 as one that raises does, here as in a pool
-    worker (whose exceptions all come back as errors); a KeyboardInterrupt (Ctrl-C) stops the
-    caller.
+    A SystemExit or KeyboardInterrupt propagates: hacpo's SIGTERM handler stops a run with
+    SystemExit(143), raised wherever the main thread is (often in here); a reward of one's own
+    that calls ``sys.exit`` stops an in-process caller too (in a pool worker it scores 0).
     """
     use_timer = bool(timeout_s) and threading.current_thread() is threading.main_thread()
     old_handler = None
@@ -580,7 +580,7 @@ def _call_guarded(fn: RewardFn, response: str, gold: str, timeout_s: Optional[fl
         return "ok", fn(response, gold)
     except _RewardTimeout:
         return "timeout", f"timed out after {timeout_s} s"
-    except (Exception, SystemExit) as e:    # a failing reward scores 0, counted by the caller
+    except Exception as e:  # a failing reward scores 0, counted by the caller
         return "error", f"{type(e).__name__}: {e}"
     finally:
         if use_timer:

@@ -470,8 +470,22 @@ def _carry_final_eval(cfg: TrainConfig, start: int, names: list[str]) -> dict:
 
 
 def _steps(steps: list[int]) -> str:
-    """"step 4" / "steps 10-14" (``steps``: consecutive, ascending)."""
-    return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+    """"step 4" / "steps 10-14" / "steps 3, 5, 8" (``steps``: not empty)."""
+    steps = sorted(set(steps))
+    if len(steps) == 1:
+        return f"step {steps[0]}"
+    if steps[-1] - steps[0] + 1 == len(steps):
+        return f"steps {steps[0]}-{steps[-1]}"
+    return "steps " + ", ".join(map(str, steps[:6])) + (", ..." if len(steps) > 6 else "")
+
+
+def _checkpoint_step(ck_path: str, default: int | None) -> int | None:
+    """The step of the checkpoint at ``ck_path`` (its pickled fields only: tensors are
+    memory-mapped, never read); ``default`` if it cannot be read so."""
+    try:
+        return int(torch.load(ck_path, map_location="cpu", mmap=True, weights_only=True)["step"])
+    except Exception:
+        return default
 
 
 def _stopped_note(saved: int | None, logged: int, every: int) -> str:
@@ -771,14 +785,16 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
                                and missing_feature(cfg, "tensorboard") is None)
     if logger.dropped:
         one = len(logger.dropped) == 1
+        again = [st for st in logger.dropped if st < cfg.steps]
         echo(f"[resume] metrics.jsonl's {'row' if one else 'rows'} of "
-             f"{_steps(logger.dropped)}, logged after the checkpoint, "
-             f"{'is' if one else 'are'} dropped: {'that step runs' if one else 'those run'} "
-             f"again")
+             f"{_steps(logger.dropped)}, logged after the checkpoint, {'is' if one else 'are'} "
+             f"dropped: " + (f"{_steps(again)} {'runs' if len(again) == 1 else 'run'} again"
+                             if again else f"this run ends at step {cfg.steps}"))
     algo = cfg.algorithm
     G = cfg.rollout.group_size * algo.samples_per_prompt_factor
     bar = _progress(cfg, start)
     saved = start if state is not None else None     # the step the last checkpoint resumes at
+    saving = None                                    # the step of a checkpoint being written
     logged = start
     try:
         if state is not None:   # once metrics.jsonl is read (a resume refused for a line of it
@@ -854,22 +870,27 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
                 for name, r in evaluate_all(cfg, data, agents, engine, rc).items():
                     metrics[f"eval/{name}/accuracy"] = r["accuracy"]
             logger.log(step, metrics)
+            logged = step + 1
             if bar is not None:
                 bar.set_postfix({nm: f"{metrics[f'reward/{nm}']:.2f}" for nm in names})
                 bar.update(1)
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+                saving = step + 1
                 _save(ck_path, cfg, step + 1, agents, tracker, sampler, engine, shuffle_gen,
                       nonfinite, warm, before, ratio_log, tokenizers, heldout)
                 agents.checkpoint_saved()      # e.g. drop optimizer shards no checkpoint names
-                saved = step + 1
-            logged = step + 1
+                saved, saving = step + 1, None
         if cfg.steps == 0 and start == 0:
             # the warm start as a checkpoint: `hacpo eval` scores it on other benchmarks (the
             # baseline before RL) and `--resume` with steps > 0 trains on from it
+            saving = 0
             _save(ck_path, cfg, 0, agents, tracker, sampler, engine, shuffle_gen, nonfinite,
                   warm, before, ratio_log, tokenizers, heldout)
             agents.checkpoint_saved()
+            saved, saving = 0, None
     except (KeyboardInterrupt, SystemExit):      # Ctrl-C, SIGTERM: where a resume goes on
+        if saving is not None:   # a stop held while the checkpoint was written: written or not
+            saved = _checkpoint_step(ck_path, saved)
         echo(_stopped_note(saved, logged, cfg.checkpoint_every))
         raise
     finally:

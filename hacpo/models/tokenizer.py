@@ -283,6 +283,21 @@ def _text_backend(hf):
     return backend
 
 
+@functools.lru_cache(maxsize=8)
+def _prompt_backend(hf):
+    """A copy of ``hf``'s backend tokenizer that neither pads nor truncates: a tokenizer.json
+    saved after a padded transformers call (common on the Hub), or a shared ``hf`` called with
+    ``padding=True``, pads every text of a batch to the longest (and a fixed-length padding or
+    truncation cuts single texts too). Otherwise the same (special tokens parsed, as the chat
+    template's prompts need)."""
+    from tokenizers import Tokenizer as Backend
+
+    backend = Backend.from_str(hf.backend_tokenizer.to_str())
+    backend.no_truncation()
+    backend.no_padding()
+    return backend
+
+
 # texts per encode_batch call: the tokenizers library keeps the Encodings of a batch (~3 KB
 # each; one batch of a whole dataset held 1 GB more for 100k rows), so a dataset goes in slices
 ENCODE_CHUNK = 4096
@@ -345,7 +360,7 @@ class HFTokenizer(Tokenizer):
             _check_template(template, name)
         self.hf = hf
         self.name = name
-        self._backend = hf.backend_tokenizer  # tokenizers.Tokenizer: fast batch-free encode
+        self._backend = _prompt_backend(hf)   # tokenizers.Tokenizer: fast batch-free encode
         self.template = template
         self.template_kwargs = dict(template_kwargs or {})
         self._use_chat = template is None and bool(getattr(hf, "chat_template", None))

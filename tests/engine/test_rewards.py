@@ -40,6 +40,14 @@ def _raise_reward(response: str, gold: str) -> float:
         raise RuntimeError("boom")
     if response == "exit":
         sys.exit(3)
+    if response == "sigterm":       # as the trainer's SIGTERM handler does, landing here
+        from hacpo.launch.cli import _raise_terminated
+        before = signal.signal(signal.SIGTERM, _raise_terminated)
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        finally:
+            signal.signal(signal.SIGTERM, before)
     return 0.5
 
 
@@ -260,18 +268,22 @@ def test_in_process_timeout_and_error_score_zero():
         rewards, stats = rc.score(["ok", "boom"], ["", ""])
     assert rewards == [0.5, 0.0] and stats.errors == 1
     assert "RuntimeError: boom" in stats.failures[0][1]
-    # sys.exit in a reward scores 0 as in a pool worker (it ended the caller's run here)
+    # a SystemExit stops the caller (hacpo's SIGTERM handler raises one wherever the main
+    # thread is: scored as a failing reward, the stop was lost)
     with RewardComputer("test_raise", num_workers=0) as rc:
-        rewards, stats = rc.score(["exit", "ok"], ["", ""])
-    assert rewards == [0.0, 0.5] and stats.errors == 1
-    assert "SystemExit: 3" in stats.failures[0][1]
+        with pytest.raises(SystemExit) as e:
+            rc.score(["ok", "sigterm"], ["", ""])
+    assert e.value.code == 143
 
 
 @pytest.fixture
 def caller_timer():
     """The caller's own SIGALRM handler (counting its calls), its timer disarmed after."""
     fired = []
-    old = signal.signal(signal.SIGALRM, lambda *_: fired.append(1))
+
+    def handler(*_):
+        fired.append(handler)
+    old = signal.signal(signal.SIGALRM, handler)
     yield fired
     signal.setitimer(signal.ITIMER_REAL, 0)
     signal.signal(signal.SIGALRM, old)
@@ -287,14 +299,15 @@ def test_in_process_reward_keeps_the_callers_timer(caller_timer):
         assert rc.score(["fast"], [""])[0] == [1.0]
     left = signal.getitimer(signal.ITIMER_REAL)[0]
     assert 0 < left <= 100.0 and not caller_timer
-    assert signal.getsignal(signal.SIGALRM) is not None
+    handler = signal.getsignal(signal.SIGALRM)
+    assert handler.__name__ == "handler" and handler.__module__ == __name__    # the caller's
     signal.setitimer(signal.ITIMER_REAL, 0.05)      # due while the reward runs: 0.2 s
     with RewardComputer("test_pause", num_workers=0, timeout_s=5) as rc:
         assert rc.score(["x"], [""])[0] == [1.0]     # the reward was not cut short by it
     deadline = time.monotonic() + 10
     while not caller_timer and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert caller_timer == [1]
+    assert caller_timer == [handler]
 
 
 @pytest.mark.parametrize("bad", ["1.5", "-0.1", "nan", "inf"])

@@ -1184,7 +1184,7 @@ def test_a_stopped_run_says_where_resume_goes_on(tmp_path, monkeypatch):
     said = []
     train(cfg, resume=True, echo=said.append)
     assert ("[resume] metrics.jsonl's row of step 2, logged after the checkpoint, is dropped: "
-            "that step runs again") in said
+            "step 2 runs again") in said
     rows = [json.loads(l)["step"] for l in open(tmp_path / "run" / "metrics.jsonl")]
     assert rows == [0, 1, 2, 3]
     said = []
@@ -1197,6 +1197,27 @@ def test_a_stopped_run_says_where_resume_goes_on(tmp_path, monkeypatch):
     assert trainer_mod._stopped_note(4, 4, 2) == ("[stop] the last checkpoint is at step 4: "
                                                   "--resume goes on from there")
     assert trainer_mod._stopped_note(10, 15, 10).endswith("--resume runs steps 10-14 again")
+    assert trainer_mod._steps([8, 3, 5, 3]) == "steps 3, 5, 8"
+
+
+def test_a_stop_while_the_checkpoint_is_written_names_that_checkpoint(tmp_path, monkeypatch):
+    """A Ctrl-C held while checkpoint.pt is written (it takes effect once the file is whole)
+    came out of the save: the [stop] line named the checkpoint before, not the one written."""
+    import hacpo.engine.trainer as trainer_mod
+    cfg = _cfg(tmp_path, steps="3", checkpoint_every="1", plots="false", tensorboard="false",
+               **{"data.eval_size": "0"})
+    real = trainer_mod._save
+
+    def stopped_once_written(path, cfg, next_step, *a):
+        real(path, cfg, next_step, *a)
+        if next_step == 2:
+            raise KeyboardInterrupt        # as the held signal is raised: the file is whole
+    monkeypatch.setattr(trainer_mod, "_save", stopped_once_written)
+    said = []
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, echo=said.append)
+    assert said[-1] == "[stop] the last checkpoint is at step 2: --resume goes on from there"
+    assert ckpt.load(str(tmp_path / "run" / "checkpoint.pt"))["step"] == 2
 
 
 def test_a_resume_without_plots_leaves_no_plots_of_the_run_before(tmp_path):

@@ -81,8 +81,9 @@ def test_dry_run_script(tmp_path, capsys):
     assert "NODE_ARGS=(--num-cpus=${SLURM_CPUS_ON_NODE:-1} --num-gpus=2)" in lines
     assert '-w "$HEAD"' in head and "--head" in head and '--port="$RAY_PORT"' in head
     assert '--address="$ADDR"' in worker and '-w "$NODE"' in worker
-    loop = next(ln for ln in lines if ln.startswith("for NODE in"))
-    assert '"${NODES[@]:1}"' in loop    # workers on every node but the first
+    loops = [ln for ln in lines if ln.startswith("for NODE in")]
+    # every node's IP first, then workers on every node but the first
+    assert loops == ['for NODE in "${NODES[@]}"; do', 'for NODE in "${NODES[@]:1}"; do']
     assert "RAY_PORT=6400" in lines and "RAY_TIMEOUT=123" in lines
     assert "ADDR=$HEAD_IP:$RAY_PORT" in lines
     # both waits use the one deadline and fail the job with a message

@@ -354,3 +354,24 @@ def test_batch_apis_use_a_subclass_own_single_item_methods(qwen3):
     m = Marked(qwen3.hf, name="m")
     assert m.prompt_ids_batch(["hi"]) == [[7] + qwen3.prompt_ids("hi")]
     assert m.encode_batch(["hello world"]) == [qwen3.encode("hello world")[:1]]
+
+
+def test_a_tokenizer_saved_with_padding_on_encodes_prompts_unpadded(tmp_path):
+    """A tokenizer.json saved after a padded call (padding on in its backend, common on the Hub):
+    a batch of prompts came back padded to the longest (a pad token between prompt and target
+    in the warm-up, lengths overstated by the prompt-length check); padding to a fixed length
+    or truncation cut single prompts too."""
+    hf = load_tokenizer("qwen3").hf
+    from tokenizers import Tokenizer as Backend
+    padded = Backend.from_str(hf.backend_tokenizer.to_str())
+    padded.enable_padding(pad_id=0, pad_token="!")
+    padded.enable_truncation(max_length=6)
+    for name in ("orig", "padded"):
+        hf.save_pretrained(str(tmp_path / name))
+    padded.save(str(tmp_path / "padded" / "tokenizer.json"))
+    tok, ref = load_tokenizer(str(tmp_path / "padded")), load_tokenizer(str(tmp_path / "orig"))
+    qs = ["What is 2+2?", "Tom has 3 apples and gets 4 more. How many apples does he have?"]
+    assert tok.prompt_ids_batch(qs) == [ref.prompt_ids(q) for q in qs] == \
+        [tok.prompt_ids(q) for q in qs]
+    assert len(ref.prompt_ids(qs[1])) > 6
+    assert tok.encode_batch(qs) == [ref.encode(q) for q in qs]
