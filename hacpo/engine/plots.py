@@ -47,7 +47,9 @@ def save_figure(fig, path: str) -> None:
 RATIO_EDGES = np.linspace(0.0, 2.5, 81)
 RATIO_FILE = "ratio_histograms.npz"     # "edges" and one count array per "<agent>/<part>"
 # what a run with plots=true writes into its run dir when it finishes
-PLOT_FILES = ("reward_curves.png", "capability_ratios.png", "ratio_histograms.png", RATIO_FILE)
+REWARD_PLOT, OMEGA_PLOT, RATIO_PLOT = ("reward_curves.png", "capability_ratios.png",
+                                      "ratio_histograms.png")
+PLOT_FILES = (REWARD_PLOT, OMEGA_PLOT, RATIO_PLOT, RATIO_FILE)
 
 
 def ratio_counts(log_ratios: np.ndarray) -> np.ndarray:
@@ -71,7 +73,7 @@ def plot_run(out_dir: str, agent_names: list[str]) -> list[str]:
                 ax.plot(steps[k - 1:], sm, label=f"{name} (moving avg {k})")
         ax.set_xlabel("step"), ax.set_ylabel("mean training reward"), ax.legend()
         ax.set_title("Per-agent training reward")
-        p = os.path.join(out_dir, "reward_curves.png")
+        p = os.path.join(out_dir, REWARD_PLOT)
         save_figure(fig, p)
         written.append(p)
 
@@ -82,7 +84,7 @@ def plot_run(out_dir: str, agent_names: list[str]) -> list[str]:
                 ax.plot(steps, [r.get(k) for r in rows], label=k[len("omega/"):])
             ax.set_yscale("log"), ax.set_xlabel("step"), ax.set_ylabel("omega[source, learner]")
             ax.set_title("Capability ratios"), ax.legend(fontsize=8)
-            p = os.path.join(out_dir, "capability_ratios.png")
+            p = os.path.join(out_dir, OMEGA_PLOT)
             save_figure(fig, p)
             written.append(p)
 
@@ -101,7 +103,7 @@ def plot_run(out_dir: str, agent_names: list[str]) -> list[str]:
                               label=f"{kind} (n={int(c.sum())})")     # a density, as hist's
             ax.set_title(f"learner {name}: sequence ratio s"), ax.set_xlabel("s (clipped to 2.5)")
             ax.legend()
-        p = os.path.join(out_dir, "ratio_histograms.png")
+        p = os.path.join(out_dir, RATIO_PLOT)
         save_figure(fig, p)
         written.append(p)
     return written

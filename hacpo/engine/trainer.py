@@ -395,7 +395,7 @@ def check_run_dir(cfg: TrainConfig, resume: bool) -> None:
     _check_link(ck_path)
     if resume and os.path.isfile(ck_path):
         try:
-            state = torch.load(ck_path, map_location="cpu", mmap=True, weights_only=True)
+            state = _checkpoint_fields(ck_path)
         except Exception:       # damaged, foreign, an older format: the run's load names it
             return
         _check_resumable(cfg, state, ck_path)
@@ -479,11 +479,17 @@ def _steps(steps: list[int]) -> str:
     return "steps " + ", ".join(map(str, steps[:6])) + (", ..." if len(steps) > 6 else "")
 
 
+def _checkpoint_fields(ck_path: str) -> dict:
+    """The checkpoint at ``ck_path`` with its tensors memory-mapped, never read: its pickled
+    fields only (raises what torch.load raises)."""
+    return torch.load(ck_path, map_location="cpu", mmap=True, weights_only=True)
+
+
 def _checkpoint_step(ck_path: str, default: int | None) -> int | None:
-    """The step of the checkpoint at ``ck_path`` (its pickled fields only: tensors are
-    memory-mapped, never read); ``default`` if it cannot be read so."""
+    """The step of the checkpoint at ``ck_path`` (:func:`_checkpoint_fields`); ``default`` if
+    it cannot be read so."""
     try:
-        return int(torch.load(ck_path, map_location="cpu", mmap=True, weights_only=True)["step"])
+        return int(_checkpoint_fields(ck_path)["step"])
     except Exception:
         return default
 
@@ -713,8 +719,9 @@ def _check_warmup_lengths(cfg: TrainConfig, data, p, k: int,
     for chunk in batches(data.train):
         texts = [build.prompt_text(cfg, e) for e in chunk]
         try:
-            todo = [t for t in dict.fromkeys(texts) if t not in prompt_len]
-            prompt_len.update(zip(todo, map(len, tok.prompt_ids_batch(todo))))
+            prompt_len.update(_prompt_lengths(
+                tok, [t for t in dict.fromkeys(texts) if t not in prompt_len],
+                lambda t: len(tok.prompt_ids(t))))
             targets = tok.response_ids_batch([data.target_text(e) for e in chunk], add_eos=True)
             ns = [prompt_len[t] + len(ids) for t, ids in zip(texts, targets)]
         except UnencodableTextError:    # again one example at a time: the error names the first

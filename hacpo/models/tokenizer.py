@@ -394,12 +394,10 @@ class HFTokenizer(Tokenizer):
             if self._byte_ids is not None:
                 keep.update(self._byte_ids)
             texts = corpus if isinstance(corpus, Sequence) else list(corpus)
-            for chunk in batches(texts):
-                distinct = list(dict.fromkeys(chunk))
-                # as encode() spells them too: special tokens' strings as text, not normalized
-                for backend in (self._backend, _text_backend(hf)):
-                    for enc in backend.encode_batch(distinct, add_special_tokens=False):
-                        keep.update(enc.ids)
+            # as encode() spells them too: special tokens' strings as text, not normalized
+            for backend in (self._backend, _text_backend(hf)):
+                for ids in _batch_ids(backend, texts):
+                    keep.update(ids)
             # The template's own tokens (rendered with an empty question) must be in the vocab,
             # and those of the prompts as prompt_ids encodes them (merges across the template's
             # edges; each distinct prompt once, rendered a slice at a time)
