@@ -156,16 +156,25 @@ def _iter_jsonl(path: str) -> Iterator[tuple[str, object]]:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 yield loc, DataError(f"{loc}: not valid UTF-8 ({e.reason} at byte {e.start + 1} "
-                                     "of the line)")
+                                     f"of the line){_utf16_hint(raw)}")
                 continue
             if not line.strip():
                 continue
             try:
                 yield loc, json.loads(line)
-            except json.JSONDecodeError as e:
-                yield loc, DataError(f"{loc}: invalid JSON ({e.msg} at column {e.colno})")
+            except json.JSONDecodeError as e:   # (some of json's messages end in "at")
+                yield loc, DataError(f"{loc}: invalid JSON ({e.msg.removesuffix(' at')} at "
+                                     f"column {e.colno}){_utf16_hint(raw)}")
             except (ValueError, RecursionError) as e:   # a number past Python's digit limit,
                 yield loc, DataError(f"{loc}: unreadable JSON ({e})")   # nesting too deep
+
+
+def _utf16_hint(raw: bytes) -> str:
+    """What to say of a line that is not UTF-8 JSON because its file is UTF-16 (NUL bytes
+    between the characters, or its byte-order mark)."""
+    if raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)) or b"\x00" in raw:
+        return " (the file looks like UTF-16: save it as UTF-8)"
+    return ""
 
 
 PARQUET_BATCH_ROWS = 4096
@@ -250,6 +259,7 @@ def _to_example(row: dict, fm: FieldMap, loc: str, source: str) -> Example:
     for key in (fm.prompt, fm.answer):
         if key not in row:
             raise DataError(f"{loc}: missing field {key!r} (keys {sorted(row)})")
+        _check_unicode(row[key], loc, key)
     prompt = row[fm.prompt]
     if not isinstance(prompt, str) or not prompt.strip():
         raise DataError(f"{loc}: field {fm.prompt!r} must be a non-empty string")
@@ -271,6 +281,21 @@ def _to_example(row: dict, fm: FieldMap, loc: str, source: str) -> Example:
     else:
         ex_id = f"{source}:{loc.rsplit(':', 1)[-1].split()[-1]}"
     return Example(id=ex_id, prompt=prompt.strip(), answer=gold, source=source)
+
+
+def _check_unicode(value, loc: str, key: str) -> None:
+    """A string field that is not text: JSON's ``"\\ud800"`` escape (half of an emoji's
+    surrogate pair, cut by a truncation) reads as a lone surrogate, which no tokenizer encodes
+    (the HF ones raised a TypeError deep in a run)."""
+    if not isinstance(value, str):
+        return
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(f"{loc}: field {key!r}: a lone surrogate U+{ord(value[e.start]):04X} at "
+                        f"character {e.start + 1} (half of a UTF-16 surrogate pair, e.g. an "
+                        f"escape '\\u{ord(value[e.start]):04x}' of a cut emoji): not text "
+                        f"any tokenizer encodes") from None
 
 
 # --------------------------------------------------------------------------------------------

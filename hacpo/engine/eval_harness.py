@@ -66,7 +66,7 @@ def parse_benchmark_spec(spec: str) -> Benchmark:
     name, rest = spec.split("=", 1)
     name = name.strip()
     if not name or not _NAME_RE.match(name):
-        raise ValueError(f"{usage} (NAME must be letters, digits, '_', '.', '+', '-')")
+        raise ValueError(f"{usage} (NAME must be ASCII letters, digits, '_', '.', '+', '-')")
     path, fm = rest, "auto"
     if ":" in rest:
         head, tail = rest.rsplit(":", 1)

@@ -42,8 +42,11 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
             # purge also at step 0: a run restarted without a checkpoint (killed before its
             # first) hides the killed run's events, as a resume hides those after its step
-            self.tb = SummaryWriter(os.path.join(out_dir, "tensorboard"),
-                                    purge_step=start_step)
+            try:
+                self.tb = SummaryWriter(os.path.join(out_dir, "tensorboard"),
+                                        purge_step=start_step)
+            except _TB_ERRORS as e:
+                self._tensorboard_failed(e)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
@@ -74,17 +77,26 @@ class MetricsLogger:
             return
         try:
             write(self.tb)
-        except OSError as e:
+        except _TB_ERRORS as e:
             tb, self.tb = self.tb, None
-            log.warning("TensorBoard events in %s cannot be written (%s): the run goes on "
-                        "without them (metrics.jsonl holds every row)",
-                        os.path.join(os.path.dirname(self.path), "tensorboard"),
-                        describe_os_error(e))
+            self._tensorboard_failed(e)
             with contextlib.suppress(Exception):
                 tb.close()
 
+    def _tensorboard_failed(self, e: Exception) -> None:
+        log.warning("TensorBoard events in %s cannot be written (%s): the run goes on "
+                    "without them (metrics.jsonl holds every row)",
+                    os.path.join(os.path.dirname(self.path), "tensorboard"),
+                    describe_os_error(e) if isinstance(e, OSError)
+                    else f"its path is not valid UTF-8: {e}")
+
     def close(self) -> None:
         self._tensorboard(lambda tb: (tb.flush(), tb.close()))
+
+
+# what makes TensorBoard's events a warning: an I/O error, or a run dir named in another
+# encoding (Python's surrogate escapes: every file of the run works, TensorBoard's wants UTF-8)
+_TB_ERRORS = (OSError, UnicodeEncodeError)
 
 
 def _warn_missing_rows(path: str, keep: list[str], start_step: int) -> None:

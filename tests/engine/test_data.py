@@ -283,3 +283,37 @@ def test_skipped_rows_record_their_places(tmp_path):
                    tmp_path / "m.parquet")
     _, stats = load_examples(tmp_path / "m.parquet", skip_bad_rows=True)
     assert stats.bad_rows == ["row 0"] and stats.skipped == 1
+
+
+def test_lone_surrogates_are_a_data_error_naming_the_field(tmp_path):
+    """JSON's "\\ud800" escape (half of a cut emoji's surrogate pair) reads as a lone
+    surrogate no tokenizer encodes: the HF tokenizers raised a TypeError deep in the run, and
+    --skip-bad-rows did not skip the row."""
+    path = tmp_path / "surr.jsonl"
+    path.write_text('{"question": "What is 2+2? \\ud800", "answer": "#### 4"}\n'
+                    '{"question": "What is 1+1?", "answer": "#### \\udc00 2"}\n'
+                    '{"question": "What is 3+3? \\ud83d\\ude00", "answer": "#### 6"}\n')
+    with pytest.raises(DataError, match=r"surr\.jsonl:line 1: field 'question': a lone "
+                                        r"surrogate U\+D800 at character 14"):
+        load_examples(path)
+    examples, stats = load_examples(path, skip_bad_rows=True)
+    assert [e.answer for e in examples] == ["6"]         # a whole pair is an emoji: kept
+    assert examples[0].prompt == "What is 3+3? \U0001F600"
+    assert stats.bad_rows == ["line 1", "line 2"]
+    assert "field 'answer': a lone surrogate U+DC00 at character 6" in stats.problems[1]
+
+
+def test_utf16_files_and_json_messages_say_what_is_wrong(tmp_path):
+    row = '{"question": "Q1", "answer": "#### 5"}\n'
+    for bom in (b"", codecs.BOM_UTF16_LE):
+        path = tmp_path / "u16.jsonl"
+        path.write_bytes(bom + row.encode("utf-16-le"))
+        with pytest.raises(DataError, match=r"u16\.jsonl:line 1: .*\(the file looks like "
+                                            r"UTF-16: save it as UTF-8\)"):
+            load_examples(path)
+    tab = _write_jsonl(tmp_path / "tab.jsonl", ['{"question": "a\tb", "answer": "#### 5"}'])
+    with pytest.raises(DataError) as e:
+        load_examples(tab)
+    # json's "Invalid control character at" + " at column": one "at", no UTF-16 hint
+    assert str(e.value).endswith("line 1: invalid JSON (Invalid control character at column "
+                                 "16)")

@@ -395,3 +395,21 @@ def test_tensorboard_events_that_cannot_be_written_are_a_warning(tmp_path, caplo
         f"written (No space left on device (the disk is full))" in said[0], said
     assert Full.closed and logger.tb is None
     assert [r["step"] for r in metrics.read_metrics(str(tmp_path / "metrics.jsonl"))] == [0, 1]
+
+
+def test_a_run_dir_named_in_another_encoding_runs_without_tensorboard(tmp_path, caplog):
+    """A run dir whose name is not UTF-8 (a latin-1 "café", surrogate-escaped by Python)
+    works for every file of the run, but TensorBoard's writer cannot encode it: it ended the
+    run (UnicodeEncodeError) after the warm-up; now the warning an unwritable folder gets."""
+    from hacpo.engine import metrics
+
+    out = tmp_path / os.fsdecode(b"caf\xe9")
+    out.mkdir()
+    logger = metrics.MetricsLogger(str(out), tensorboard=True)
+    with caplog.at_level(logging.WARNING, logger="hacpo"):
+        logger.log(0, {"reward/a": 0.5})
+        logger.log(1, {"reward/a": 0.25})
+        logger.close()
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "cannot be written (its path is not valid UTF-8" in said[0], said
+    assert [r["step"] for r in metrics.read_metrics(str(out / "metrics.jsonl"))] == [0, 1]
