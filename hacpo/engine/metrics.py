@@ -57,6 +57,11 @@ class MetricsLogger:
                 f.flush()
                 os.fsync(f.fileno())
         except OSError as e:     # a full disk's error names no file: say which, and what is kept
+            out_dir = os.path.dirname(self.path) or "."
+            if not os.path.isdir(out_dir):      # nothing is kept there to resume from
+                raise StorageError.like(e, f"cannot write {self.path}: the run dir {out_dir} "
+                                           f"no longer exists (removed or moved while the run "
+                                           f"went on)", self.path) from None
             raise StorageError.like(e, f"cannot write {self.path}: {describe_os_error(e)}; "
                                        f"the rows of the steps before are kept (a cut last row "
                                        f"is dropped on --resume, which continues from the last "

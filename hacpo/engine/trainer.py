@@ -135,8 +135,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, echo=print) -> dict:
     except BaseException:
         # a new run refused before its config.json (an agent name new runs may not use, a
         # missing data file) leaves nothing it made: its lock file, and the folders it made
-        # if they hold nothing else; a run dir that existed keeps what it held
-        if new_lock and not os.path.lexists(os.path.join(cfg.out_dir, "config.json")):
+        # if they hold nothing else; a run dir that existed keeps what it held (a model
+        # folder refused as one: its config.json is not a run's)
+        if new_lock and not _run_config_held(cfg.out_dir):
             with contextlib.suppress(OSError):
                 os.unlink(lock_path)
             ckpt.remove_made_dirs(cfg.out_dir, made)
@@ -322,6 +323,31 @@ def _results_held(out_dir: str) -> list[str]:
     return held
 
 
+def _foreign_files(out_dir: str) -> list[str]:
+    """What in ``out_dir`` says it is not a run dir: a model folder (an export, a Hugging Face
+    checkpoint: weights, a config.json that is not a run's), whose config.json a run would
+    overwrite."""
+    found = [name for name in ("hacpo_export.json", "model.safetensors",
+                               "model.safetensors.index.json", "pytorch_model.bin")
+             if os.path.exists(os.path.join(out_dir, name))]
+    if _run_config_held(out_dir) is False:
+        found.append("a config.json that is not a run's")
+    return found
+
+
+def _run_config_held(out_dir: str) -> bool | None:
+    """Whether ``out_dir``'s config.json is a run's (None: there is none)."""
+    path = os.path.join(out_dir, "config.json")
+    if not os.path.lexists(path):
+        return None
+    try:
+        with open(path, "rb") as f:
+            obj = json.loads(f.read())
+        return isinstance(obj, dict) and "agents" in obj
+    except (OSError, ValueError):       # unreadable, not JSON
+        return False
+
+
 def _heldout_check(cfg: TrainConfig, data, state: dict, ck_path: str) -> None:
     """The held-out set must be the one the checkpoint's run evaluated "before RL" on (its
     before/after comparison and eval curves would mix two sets); older checkpoints do not
@@ -437,6 +463,11 @@ def _check_new_run(cfg: TrainConfig, resume: bool, ck_path: str) -> list[str]:
     """A new run (none to resume) may start in ``cfg.out_dir``; returns the result files of
     a run before that it replaces (only with ``resume``)."""
     check_new_run_names(cfg)    # names a stored run may keep (spaces, '->') new runs may not
+    foreign = _foreign_files(cfg.out_dir)
+    if foreign and not os.path.exists(ck_path):
+        raise FileExistsError(f"{cfg.out_dir} is not a run dir: it holds {', '.join(foreign)} "
+                              f"(a model folder? a run writes its own config.json there): "
+                              f"choose another out_dir")
     if os.path.exists(ck_path) and not resume:
         raise FileExistsError(f"{cfg.out_dir} already holds a run ({CHECKPOINT}); pass --resume "
                               f"to continue it or choose another out_dir")

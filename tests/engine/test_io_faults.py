@@ -413,3 +413,60 @@ def test_a_run_dir_named_in_another_encoding_runs_without_tensorboard(tmp_path, 
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and "cannot be written (its path is not valid UTF-8" in said[0], said
     assert [r["step"] for r in metrics.read_metrics(str(out / "metrics.jsonl"))] == [0, 1]
+
+
+@pytest.mark.parametrize("files, named", [
+    ({"config.json": '{"architectures": ["LlamaForCausalLM"]}', "model.safetensors": "w",
+      "hacpo_export.json": "{}"},
+     "hacpo_export.json, model.safetensors, a config.json that is not a run's"),
+    ({"config.json": "[1]"}, "a config.json that is not a run's"),
+    ({"pytorch_model.bin": "w"}, "pytorch_model.bin"),
+])
+def test_a_model_folder_as_the_run_dir_is_refused_before_its_config_is_overwritten(
+        tmp_path, capsys, files, named):
+    """`--out-dir` given an export (or a Hugging Face model folder, mixed up with a policy
+    path): the run replaced its transformers config.json with the run's, and the model no
+    longer loaded. Refused, also with --resume (no checkpoint: it would start a run there),
+    the folder untouched."""
+    from hacpo.engine.trainer import check_run_dir
+    run = tmp_path / "run"
+    run.mkdir()
+    for name, text in files.items():
+        (run / name).write_text(text)
+    for resume in (False, True):
+        with pytest.raises(FileExistsError, match=rf"{run} is not a run dir: it holds "
+                                                  rf"{named} \(a model folder\?"):
+            check_run_dir(_cfg(tmp_path), resume)
+    argv = ["train", "--preset", "tiny3", "--out-dir", str(run), "--set", "threads=1",
+            f"cache_dir={tmp_path / 'cache'}"]
+    assert cli.main(argv) == 2
+    assert "is not a run dir" in capsys.readouterr().err
+    assert {p.name: p.read_text() for p in run.iterdir()} == files
+
+
+def test_a_run_killed_before_its_first_checkpoint_is_no_model_folder(tmp_path):
+    """Its own config.json (written once the run's checks passed) does not refuse a new
+    run there."""
+    from hacpo.engine.trainer import check_run_dir
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(_cfg(tmp_path).to_dict()))
+    check_run_dir(_cfg(tmp_path), False)
+
+
+def test_a_run_dir_removed_mid_run_is_said_so(tmp_path):
+    """`rm -rf` of the run dir while the run goes on: the next row's error said "No such file
+    or directory; the rows of the steps before are kept (... --resume ...)": nothing is kept
+    and nothing can be resumed."""
+    from hacpo.engine import metrics
+    run = tmp_path / "run"
+    run.mkdir()
+    logger = metrics.MetricsLogger(str(run), tensorboard=False)
+    logger.log(0, {"reward/a": 0.5})
+    shutil.rmtree(run)
+    with pytest.raises(StorageError) as e:
+        logger.log(1, {"reward/a": 0.25})
+    assert isinstance(e.value, FileNotFoundError) and is_user_error(e.value)
+    assert str(e.value) == (f"cannot write {run / 'metrics.jsonl'}: the run dir {run} no longer "
+                            f"exists (removed or moved while the run went on)")
+    logger.close()
