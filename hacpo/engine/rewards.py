@@ -9,7 +9,9 @@ A reward function maps ``(response: str, gold: str) -> float`` in ``[0, 1]``. Bu
   process, without math-verify (the fast path), except two unequal numbers within 1e-6 of each
   other with a decimal on one side, which math-verify may call equal (it rounds floats to 6
   decimals: ``0.333333`` is ``1/3``) and so decides. Everything else goes to
-  ``math_verify.verify(parse(gold), parse(pred))`` (the slow path).
+  ``math_verify.verify(parse(gold), parse(pred))`` (the slow path). Both sides are first written
+  the ASCII way (see ``_normalize_unicode``: ``2½`` is ``2 1/2``, ``5²`` is ``5^{2}``, a
+  fullwidth minus is ``-``, invisible format characters go).
 - ``exact``: string equality of the normalized final answer and the normalized gold.
 - ``numeric_closeness``: ``exp(-|pred - gold| / max(|gold|, 1))``, a continuous reward.
 
@@ -40,6 +42,7 @@ import re
 import signal
 import threading
 import time
+import unicodedata
 from fractions import Fraction
 from typing import Callable, Optional, Sequence
 
@@ -77,15 +80,78 @@ _NUMBER_RE = re.compile(
 
 
 # Minus signs that are not ASCII: U+2212 (the minus sign, common in LLM output and copied text),
-# U+2013 (an en dash typeset as a minus). Read as "-" everywhere: U+2212 then 7 is -7, not 7.
+# U+2013 (an en dash typeset as a minus), U+FF0D and U+FE63 (fullwidth and small hyphen-minus,
+# from CJK text). Read as "-" everywhere: U+2212 then 7 is -7, not 7.
 # Spaces that are not ASCII (no-break U+00A0, narrow no-break U+202F, thin U+2009: thousands
-# separators in "1 000" as typeset) are spaces.
-_MINUS_TRANS = str.maketrans({"\u2212": "-", "\u2013": "-", "\u00a0": " ", "\u202f": " ",
-                              "\u2009": " "})
+# separators in "1 000" as typeset) are spaces. The fraction slash U+2044 ("1⁄2") is "/".
+# Invisible format characters (category Cf: zero-width spaces and joiners, bidi marks and
+# embeddings around numbers in RTL text, the BOM, the soft hyphen) are deleted: "\u200f5" is 5.
+# Two of them are arithmetic: the invisible times U+2062 and plus U+2064 ("2\u20623" is 2*3,
+# not 23).
+_INVISIBLE = ("\u00ad\u061c\u180e\u200b\u200c\u200d\u200e\u200f\u202a\u202b\u202c\u202d"
+              "\u202e\u2060\u2061\u2063\u2066\u2067\u2068\u2069\ufeff")
+_MINUS_TRANS = str.maketrans({"\u2212": "-", "\u2013": "-", "\uff0d": "-", "\ufe63": "-",
+                              "\u00a0": " ", "\u202f": " ", "\u2009": " ", "\u2044": "/",
+                              "\u2062": "*", "\u2064": "+", **dict.fromkeys(_INVISIBLE)})
 
 
-def _ascii_minus(text: str) -> str:
-    return text.translate(_MINUS_TRANS)
+def _vulgar_fractions() -> dict[str, str]:
+    """``"½" -> "1/2"`` for each vulgar fraction character (not "⅟", a numerator alone)."""
+    out = {}
+    for c in map(chr, [*range(0xbc, 0xbf), *range(0x2150, 0x2190)]):
+        if unicodedata.decomposition(c).startswith("<fraction>"):
+            num, _, den = unicodedata.normalize("NFKC", c).partition("\u2044")
+            if num.isdigit() and den.isdigit():
+                out[c] = f"{num}/{den}"
+    return out
+
+
+_VULGAR = _vulgar_fractions()
+_SUPERSCRIPT_DIGITS = "\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079"
+_SUBSCRIPT_DIGITS = "".join(map(chr, range(0x2080, 0x208a)))
+_SCRIPT_TRANS = str.maketrans({**{c: str(i) for i, c in enumerate(_SUPERSCRIPT_DIGITS)},
+                               **{c: str(i) for i, c in enumerate(_SUBSCRIPT_DIGITS)},
+                               "\u207a": "+", "\u207b": "-"})
+# A fraction written with one character ("½") or as superscript/subscript digits ("¹⁄₂", the
+# slash already "/"), after an optional whole part: "2½" and "2 ½" are the mixed number 2 1/2.
+_UNICODE_FRACTION_RE = re.compile(
+    rf"(\d ?)?(?:([{''.join(_VULGAR)}])|([{_SUPERSCRIPT_DIGITS}]+)/([{_SUBSCRIPT_DIGITS}]+))")
+# Superscript digits after a number or a bracket are a power: "5²" is 5^{2} (25), not 5. After a
+# letter they are left as they are: "25 cm²" is 25 with a unit.
+_POWER_RE = re.compile(rf"(?<=[\d)\]}}])[\u207a\u207b]?[{_SUPERSCRIPT_DIGITS}]+")
+
+
+def _unicode_fraction(m: re.Match) -> str:
+    frac = _VULGAR[m.group(2)] if m.group(2) else (
+        f"{m.group(3).translate(_SCRIPT_TRANS)}/{m.group(4).translate(_SCRIPT_TRANS)}")
+    whole = f"{m.group(1).rstrip()} " if m.group(1) else ""
+    after = " " if m.string[m.end():m.end() + 1].isdecimal() else ""    # "½5": not 1/25
+    return whole + frac + after
+
+
+def _normalize_unicode(text: str) -> str:
+    """Unicode signs, spaces, invisible characters, fractions and powers written the ASCII way
+    (applied to responses and golds alike; ASCII text is returned as it is)."""
+    if text.isascii():
+        return text
+    text = _UNICODE_FRACTION_RE.sub(_unicode_fraction, text.translate(_MINUS_TRANS))
+    return _POWER_RE.sub(lambda m: "^{" + m.group(0).translate(_SCRIPT_TRANS) + "}", text)
+
+
+def _touches_other_number(text: str, start: int, end: int) -> bool:
+    """Whether ``text[start:end]`` (a number) touches a digit character that is not a decimal
+    digit (Unicode category No: "5①", "5₂"): then it is not that plain number."""
+    return ((start > 0 and unicodedata.category(text[start - 1]) == "No")
+            or (end < len(text) and unicodedata.category(text[end]) == "No"))
+
+
+def _number_beside_other(text: str) -> bool:
+    """Whether a decimal digit in ``text`` touches a category-No character ("5①"): math-verify
+    drops such a character, reading the number without it."""
+    return any(unicodedata.category(c) == "No"
+               and ((i > 0 and text[i - 1].isdecimal())
+                    or (i + 1 < len(text) and text[i + 1].isdecimal()))
+               for i, c in enumerate(text) if not c.isascii())
 
 
 _BRACE_RE = re.compile(r"[{}]")
@@ -165,6 +231,8 @@ def _last_number(text: str) -> Optional[str]:
         before = text[max(0, m.start() - 2):m.start()]
         if before.endswith("^") or before == "^{":
             continue
+        if _touches_other_number(text, m.start(), m.end()):     # "5①" is not 5
+            continue
         # A minus right after a word character or a closing bracket is subtraction, not a sign.
         if s.startswith("-") and m.start() > 0 and (text[m.start() - 1].isalnum()
                                                      or text[m.start() - 1] in ")]}"):
@@ -200,6 +268,11 @@ def _clean(ans: str) -> str:
     return ans
 
 
+def _leading_number(text: str) -> Optional[re.Match]:
+    lead = _LEADING_NUMBER_RE.match(text)
+    return None if lead is None or _touches_other_number(text, 0, lead.end()) else lead
+
+
 # A number at the start of an answer fragment ("18 dollars a day for 7 days" -> 18, "2 3/4
 # cups" -> 2 3/4), unless an operator follows it ("10 - 2, which is 8": the last number then).
 _LEADING_NUMBER_RE = re.compile(r"(-?\d+ +\d+/\d+|" + _NUMBER_RE.pattern + r")(?!\d|[.,/]\d)"
@@ -232,7 +305,7 @@ def _fragment_answer(frag: str) -> Optional[str]:
     right after the marker); the fragment when it looks like math; else its last number."""
     if parse_number(frag) is not None or " " not in frag or _EXPRESSION_RE.fullmatch(frag):
         return frag
-    lead = _LEADING_NUMBER_RE.match(frag)
+    lead = _leading_number(frag)
     if lead is not None and _LIST_REST_RE.fullmatch(frag, lead.end()):
         return frag
     if lead is not None and not any(c in frag[lead.end():] for c in _MATH_CHARS if c not in "()"):
@@ -259,7 +332,7 @@ def extract_answer(response: str) -> Optional[str]:
     its own sentence ("The answer is 7. Check: 7 + 3 = 10" is 7). Text inside a box that never
     closes (a response truncated mid-box) is no answer. A unicode minus is a minus.
     """
-    response = _ascii_minus(response)
+    response = _normalize_unicode(response)
     boxed = extract_boxed(response)
     if boxed is not None:
         return _clean(boxed) or None
@@ -297,13 +370,13 @@ _UNIT_WORDS_RE = re.compile(r"\s+(?!(?:pi|i|e)\b)[A-Za-z][A-Za-z .%/-]*")
 def gold_answer(gold: str) -> str:
     """Normalize a gold answer: a boxed or ``####`` gold is reduced to its final answer, and a
     number followed by words only ("18 dollars") to the number, as a response's answer is."""
-    gold = _ascii_minus(gold)
+    gold = _normalize_unicode(gold)
     boxed = extract_boxed(gold)
     if boxed is not None:
         return _clean(boxed)
     gsm = [f for f in _GSM8K_RE.findall(gold) if _clean(f)]
     g = _clean(gsm[-1]) if gsm else _clean(gold)
-    lead = _LEADING_NUMBER_RE.match(g)
+    lead = _leading_number(g)
     if lead is not None and _UNIT_WORDS_RE.fullmatch(g, lead.end()):
         return lead.group(1)
     return g
@@ -324,7 +397,7 @@ def parse_number(text: str) -> Optional[Fraction]:
     Returns None for anything else (units, expressions, percent, intervals, digits apart that
     are not thousands groups such as ``3 4``, numbers too long for ``int``, ...).
     """
-    s = _clean(_ascii_minus(text)).replace("\\!", "").replace("\\,", "").replace("{,}", ",")
+    s = _clean(_normalize_unicode(text)).replace("\\!", "").replace("\\,", "").replace("{,}", ",")
     if not s:
         return None
     try:
@@ -363,7 +436,7 @@ def normalize_answer(text: str) -> str:
     """Normalization for string matching: trimmed, lower case, single spaces, no ``$``,
     no trailing period, thousands commas (also LaTeX ``1{,}000``, ``1,\\!000``) removed,
     ``\\text{x}`` -> ``x``, a unicode minus read as ``-``."""
-    s = _clean(_ascii_minus(text)).replace("{,}", ",").replace(",\\!", ",")
+    s = _clean(_normalize_unicode(text)).replace("{,}", ",").replace(",\\!", ",")
     s = re.sub(r"\\text\{([^{}]*)\}", r"\1", s)
     if _INT_COMMAS_RE.match(s.replace(" ", "")):
         s = s.replace(",", "")
@@ -432,12 +505,16 @@ def math_reward(response: str, gold: str) -> float:
     from math_verify import parse, verify  # sympy-heavy: imported on first slow call
 
     pred = extract_answer(response)
+    g_text = gold_answer(gold)
+    if _number_beside_other(g_text) or _number_beside_other(pred):
+        # math-verify would drop the "①" of "5①" and read 5: compare the strings instead.
+        return 1.0 if normalize_answer(g_text) == normalize_answer(pred) else 0.0
     t = _math_verify_timeouts()
-    g_parsed = parse(f"${gold_answer(gold)}$", parsing_timeout=t)
+    g_parsed = parse(f"${g_text}$", parsing_timeout=t)
     p_parsed = parse(f"${pred}$", parsing_timeout=t)
     if not g_parsed or not p_parsed:
         # Fall back to string equality of the normalized answers.
-        return 1.0 if normalize_answer(gold_answer(gold)) == normalize_answer(pred) else 0.0
+        return 1.0 if normalize_answer(g_text) == normalize_answer(pred) else 0.0
     return 1.0 if verify(g_parsed, p_parsed, timeout_seconds=t) else 0.0
 
 

@@ -161,6 +161,58 @@ def test_math_reward(response, gold, expected):
     assert math_reward(response, gold) == expected
 
 
+# Unicode fractions, powers, invisible characters and minus signs, on either side: a "½" or "²"
+# after a number was dropped ("2½" scored as 2, "5²" as 5) and a bidi mark or a fullwidth
+# minus made a right answer score 0.
+@pytest.mark.parametrize("response,gold,expected", [
+    ("#### 2½", "2", 0.0),
+    ("The answer is 2½ cups.", "2", 0.0),
+    ("#### 3¼", "3", 0.0),
+    ("#### 5 ⅓", "5", 0.0),
+    ("#### 5²", "5", 0.0),
+    ("#### 5²", "25", 1.0),                   # a power, not the number 5
+    ("#### 12.5", "12½", 1.0),
+    ("#### 1/2", "½", 1.0),
+    ("#### -2½", "-2.5", 1.0),
+    ("#### \u22122½", "-5/2", 1.0),
+    ("#### 2 ½", "2.5", 1.0),
+    ("#### 2¹⁄₂", "2.5", 1.0),                 # superscript / subscript digits, fraction slash
+    ("#### 1⁄2", "0.5", 1.0),
+    (r"\boxed{2½}", "5/2", 1.0),
+    ("#### 5①", "5", 0.0),                    # another non-decimal digit: not the number 5
+    ("The answer is 5① apples.", "5", 0.0),
+    ("#### 5₂", "5", 0.0),
+    ("#### 25 cm²", "25", 1.0),               # after a unit, a superscript is the unit's
+    ("#### \u200f5", "5", 1.0),
+    ("#### -5", "\u200f-5", 1.0),
+    ("#### \uff0d5", "-5", 1.0),
+    ("#### \ufe635", "-5", 1.0),
+    ("#### 7", "\ufeff7", 1.0),
+    ("#### 1\u00ad000", "1000", 1.0),
+    ("#### \u202a12\u202c", "12", 1.0),
+    ("#### 2\u20623", "6", 1.0),              # invisible times: 2*3, not 23
+    # as before
+    ("#### 1 000", "1000", 1.0),
+    ("#### 1,000", "1000", 1.0),
+    ("#### \u22125", "-5", 1.0),
+    ("#### \u22125", "5", 0.0),
+    ("#### \uff15", "5", 1.0),
+    ("#### 5\u200b", "5", 1.0),
+])
+def test_math_reward_unicode_numbers(response, gold, expected):
+    assert math_reward(response, gold) == expected
+
+
+def test_unicode_fractions_parse_as_numbers():
+    assert parse_number("2½") == Fraction(5, 2)
+    assert parse_number("-2½") == Fraction(-5, 2)
+    assert parse_number("½") == Fraction(1, 2)
+    assert parse_number("⅞") == Fraction(7, 8)
+    assert parse_number("5²") is None         # a power: math-verify's to evaluate
+    assert parse_number("5①") is None
+    assert extract_answer("The total is 5² = 25 m².") == "25"
+
+
 def test_math_delimiters_are_stripped_only_around_one_expression():
     assert extract_answer(r"The answer is \(x = 5\).") == "5"
     assert extract_answer(r"#### \(2\) and \(3\)") == r"\(2\) and \(3\)"   # two, kept
