@@ -76,7 +76,7 @@ def parse_benchmark_spec(spec: str) -> Benchmark:
             raise ValueError(f"{usage} (unknown field map {tail!r})")
     if not path:
         raise ValueError(f"{usage} (empty PATH)")
-    return Benchmark(name, path, fm)
+    return Benchmark(name, os.path.expanduser(path), fm)     # (a shell leaves NAME=~/x)
 
 
 def resolve_checkpoint(path: str) -> tuple[str, str]:

@@ -767,6 +767,7 @@ class TrainConfig(ConfigMixin):
         for key in ("out_dir", "cache_dir"):
             if isinstance(getattr(self, key), str) and not getattr(self, key).strip():
                 raise ValueError(f"{key} must be a directory path, got {getattr(self, key)!r}")
+            setattr(self, key, expand_user(getattr(self, key)))
         if self.eval_engine not in EVAL_ENGINES:
             raise ValueError(f"unknown eval_engine {self.eval_engine!r}; choose one of "
                              f"{', '.join(EVAL_ENGINES)}")
@@ -882,9 +883,17 @@ def fingerprint_dict(cfg: TrainConfig) -> dict[str, Any]:
     return d
 
 
+def expand_user(path: Any) -> Any:
+    """A path that starts with ``~``: in the home directory, as a shell would have put it (a
+    shell leaves ``--out-dir=~/r``, a quoted word or a YAML value as it is: the run made a
+    folder named "~" in the current directory); anything else as it is."""
+    return os.path.expanduser(path) if isinstance(path, str) else path
+
+
 def _absolute(path: Any) -> Any:
-    """A relative path that exists, made absolute; anything else (None, a missing path, a name
-    such as a known tokenizer's) as it is."""
+    """A relative path that exists, made absolute (``~`` expanded); anything else (None, a
+    missing path, a name such as a known tokenizer's) as it is."""
+    path = expand_user(path)
     if isinstance(path, str) and path and not os.path.isabs(path) and os.path.exists(path):
         return os.path.abspath(path)
     return path

@@ -373,12 +373,13 @@ def _int_at_least(low: int, high: int | None = None):
 
 def _add_run_args(p):
     p.add_argument("--preset", default="default", help="run preset (default, tiny3)")
-    p.add_argument("--config", default=None, help="YAML file of overrides (nested mapping)")
+    p.add_argument("--config", default=None, type=os.path.expanduser,
+                   help="YAML file of overrides (nested mapping)")
     p.add_argument("--algorithm", default=None,
                    help="algorithm preset: hacpo, hacpo-table5, grpo, gspo, gspo2x, naive, "
                         "or an ablation (see README)")
     p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--out-dir", default=None)
+    p.add_argument("--out-dir", default=None, type=os.path.expanduser)
     p.add_argument("--set", nargs="*", action="extend", metavar="KEY=VALUE",
                    help="dotted overrides, e.g. agents.0.optim.lr=3e-4 rollout.group_size=4 "
                         "(repeatable)")
@@ -428,7 +429,8 @@ def _main(argv: list[str] | None) -> int:
     pr.set_defaults(func=_profile)
     e = sub.add_parser("eval", help="evaluate run checkpoints on JSONL/parquet benchmarks; "
                                     "markdown table with 95%% CIs + JSON per agent/benchmark")
-    e.add_argument("checkpoints", nargs="+", help="run dirs or checkpoint.pt files")
+    e.add_argument("checkpoints", nargs="+", type=os.path.expanduser,
+                   help="run dirs or checkpoint.pt files")
     e.add_argument("--bench", nargs="+", required=True, metavar="NAME=PATH[:FIELDMAP]",
                    help="benchmark file (.jsonl/.parquet); FIELDMAP: auto (default), gsm8k, "
                         "math, math_answer, question_answer")
@@ -442,7 +444,8 @@ def _main(argv: list[str] | None) -> int:
                    help="default: the run's eval_max_new_tokens or rollout.max_new_tokens")
     e.add_argument("--limit", type=int, default=None, help="first N problems per benchmark")
     e.add_argument("--template", default=None, help="prompt template (default: the run's)")
-    e.add_argument("--out-dir", default=None, help="default: <run dir>/eval")
+    e.add_argument("--out-dir", default=None, type=os.path.expanduser,
+                   help="default: <run dir>/eval")
     e.add_argument("--batch", type=int, default=128,
                    help="prompts per generation batch (default 128, as the run's evaluation)")
     e.add_argument("--seed", type=_int_at_least(0, 2**32 - 1), default=None,
@@ -451,8 +454,9 @@ def _main(argv: list[str] | None) -> int:
     e.set_defaults(func=_eval)
     x = sub.add_parser("export", help="write trained agents as Hugging Face model directories "
                                       "(from_pretrained / vLLM load them without hacpo)")
-    x.add_argument("checkpoint", help="run dir or checkpoint.pt")
-    x.add_argument("--out", required=True, help="output dir: one <agent>/ folder per agent")
+    x.add_argument("checkpoint", type=os.path.expanduser, help="run dir or checkpoint.pt")
+    x.add_argument("--out", required=True, type=os.path.expanduser,
+                   help="output dir: one <agent>/ folder per agent")
     x.add_argument("--agents", nargs="+", default=None,
                    help="agent names (default: every agent that can be exported; the others "
                         "are skipped, each with a line saying why)")

@@ -614,14 +614,15 @@ def _cancel(job_id: str, t0: float, timeout_s: float, why: str, out: Path, ray_l
 # --------------------------------------------------------------------------------------------
 def _add_run_args(p) -> None:
     p.add_argument("--preset", default="default", help="run preset (default, tiny3)")
-    p.add_argument("--config", default=None, help="YAML file of overrides")
+    p.add_argument("--config", default=None, type=os.path.expanduser, help="YAML file of overrides")
     p.add_argument("--set", nargs="*", action="extend", metavar="KEY=VALUE",
                    help="dotted overrides for the run (repeatable)")
     p.add_argument("--algorithm", default=None,
                    help="algorithm preset, as for `hacpo train` (hacpo, grpo, gspo, gspo2x, "
                         "naive, an ablation)")
     p.add_argument("--steps", type=int, default=None, help="RL steps (as `--set steps=N`)")
-    p.add_argument("--out-dir", default=None, help="run dir (default: the config's out_dir)")
+    p.add_argument("--out-dir", default=None, type=os.path.expanduser,
+                   help="run dir (default: the config's out_dir)")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in the run dir (the driver runs `hacpo train "
                         "--resume`); without it a run dir holding a run is an error. A Slurm "

@@ -361,3 +361,30 @@ def test_an_agent_index_past_the_list_is_a_clear_error():
         with pytest.raises(ValueError, match=rf"config key 'agents.{n}.optim.lr': '{n}' is not "
                                              rf"an index < 3"):
             load_config("tiny3", overrides={f"agents.{n}.optim.lr": "1e-3"})
+
+
+def test_a_leading_tilde_is_the_home_directory(tmp_path, monkeypatch, capsys):
+    """A shell leaves `~` as it is in `--out-dir=~/r`, a quoted word and a YAML value: the
+    run made a folder named "~" in the current directory (printing "run dir ~/r", which looks
+    like the home one); a data file `~/x.jsonl` "could not be read"."""
+    from hacpo.engine.run_config import load_config, resolve_paths
+    from hacpo.launch import cli
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "t.jsonl").write_text("")
+    cfg = load_config("tiny3", overrides={"out_dir": "~/r1", "cache_dir": "~/cache",
+                                          "data.task": "files", "data.train_path": "~/t.jsonl",
+                                          "data.eval_path": "~/e.jsonl"})
+    assert (cfg.out_dir, cfg.cache_dir) == (str(tmp_path / "home/r1"),
+                                            str(tmp_path / "home/cache"))
+    resolve_paths(cfg)
+    assert cfg.data.train_path == str(tmp_path / "home/t.jsonl")
+    assert cfg.data.eval_path == str(tmp_path / "home/e.jsonl")     # (missing: as it is)
+    for argv, said in ((["export", "~/run", "--out", "~/x"],
+                        f"no checkpoint at {tmp_path}/home/run"),
+                       (["eval", "~/run", "--bench", "a=~/b.jsonl"],
+                        f"benchmark a: no file at {tmp_path}/home/b.jsonl")):
+        assert cli.main(argv) == 2
+        assert said in capsys.readouterr().err
+    assert not (tmp_path / "~").exists()
