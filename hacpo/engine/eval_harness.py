@@ -22,6 +22,7 @@ Problems a policy cannot take are scored 0 and counted, never fatal:
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -45,6 +46,7 @@ __all__ = ["Benchmark", "parse_benchmark_spec", "resolve_checkpoint", "prompt_id
            "evaluate_checkpoints", "eval_config", "FIELD_MAP_NAMES"]
 
 CHECKPOINT = "checkpoint.pt"
+EVAL_LOCK = ".hacpo-eval.lock"     # held in each output folder while an evaluation writes it
 FIELD_MAP_NAMES = ("auto", "gsm8k", "math", "math_answer", "question_answer")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 
@@ -258,8 +260,9 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
     a note then says).
     Writes ``<agent>__<benchmark>.json`` per agent and benchmark and ``eval.md``/``eval.json``
     (the table) to ``out_dir`` (default ``<run dir>/eval``; with several runs and an explicit
-    out_dir, per-run files go to ``out_dir/<run>``). Returns the ``eval.json`` content plus
-    ``"table"`` (markdown) and ``"out_dirs"``.
+    out_dir, per-run files go to ``out_dir/<run>``). Each folder written is locked meanwhile
+    (``.hacpo-eval.lock``): one another evaluation writes is a RuntimeError naming its holder.
+    Returns the ``eval.json`` content plus ``"table"`` (markdown) and ``"out_dirs"``.
     """
     if not checkpoints:
         raise ValueError("no checkpoint given")
@@ -321,28 +324,54 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
     # every output dir made (and writable) before any policy is scored: a run dir on a
     # read-only mount, or a file in the way, is an error now, not after the evaluation
     made: dict[str, str | None] = {}     # each output dir -> the folder ensure_dir made
-    for d in dict.fromkeys(([out_dir] if out_dir is not None else []) + out_dirs):
-        made[d] = ckpt.first_missing(d)
-        try:
-            ckpt.ensure_dir(d, "eval output dir")
-        except OSError as e:
-            raise StorageError.like(e, f"{e} (--out-dir chooses another)", d) from None
     try:
-        return _evaluate(runs, labels, out_dirs, out_dir, benches, loaded, names, agents=agents,
-                         template=template, max_new_tokens=max_new_tokens,
-                         temperature=temperature, top_p=top_p, samples=samples, seed=seed,
-                         batch=batch, limit=limit, echo=echo)
+        # (the locks are released, and their files removed, before the folders made go)
+        with contextlib.ExitStack() as held:
+            for d in dict.fromkeys(([out_dir] if out_dir is not None else []) + out_dirs):
+                made[d] = ckpt.first_missing(d)
+                try:
+                    ckpt.ensure_dir(d, "eval output dir")
+                except OSError as e:
+                    raise StorageError.like(e, f"{e} (--out-dir chooses another)", d) from None
+                held.enter_context(_locked(d))
+            return _evaluate(runs, labels, out_dirs, out_dir, benches, loaded, names,
+                             agents=agents, template=template, max_new_tokens=max_new_tokens,
+                             temperature=temperature, top_p=top_p, samples=samples, seed=seed,
+                             batch=batch, limit=limit, echo=echo)
     except BaseException:      # failed or stopped: the folders it made and left empty go
         for d in reversed(list(made)):
             ckpt.remove_made_dirs(d, made[d])
         raise
 
 
+@contextlib.contextmanager
+def _locked(d: str):
+    """Hold ``<d>/.hacpo-eval.lock`` (the kind of lock a run holds on its run dir) while this
+    evaluation writes ``d``: two evaluations into one folder at once wrote an eval.md of
+    per-pair files the other had replaced. Its file is removed as the evaluation ends, while
+    still held (a waiting evaluation then takes a new one), so it is never among the outputs."""
+    from .trainer import lock_dir      # (not at the top: the trainer imports the whole engine)
+    lock = lock_dir(d, EVAL_LOCK, "evaluation", "choose another --out-dir")
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(d, EVAL_LOCK))
+        lock.close()
+
+
 def _evaluate(runs, labels, out_dirs, out_dir, benches, loaded, names, *, agents, template,
               max_new_tokens, temperature, top_p, samples, seed, batch, limit, echo):
     """evaluate_checkpoints' scoring and writing, once its output dirs exist."""
-    targets = [out_dir] if out_dir is not None else out_dirs
-    for d in dict.fromkeys(targets):
+    targets = [out_dir] if out_dir is not None else out_dirs    # where eval.md / eval.json go
+    # every folder this evaluation writes: with several runs and an out_dir, the per-pair files
+    # go to out_dir/<run>, where an earlier evaluation of that run alone left its summary
+    folders = list(dict.fromkeys(targets + out_dirs))
+
+    def summary_at(d):
+        return "written again when this one finishes" if d in targets else \
+            f"this one's are written to {out_dir}"
+    for d in folders:
         # an earlier evaluation's summary: this one's per-pair files replace that one's as they
         # are scored, so a stopped evaluation left a summary of files it no longer described;
         # it is rewritten when this one finishes
@@ -350,8 +379,8 @@ def _evaluate(runs, labels, out_dirs, out_dir, benches, loaded, names, *, agents
         for f in stale:
             os.unlink(os.path.join(d, f))
         if stale:
-            echo(f"[eval] {d}: removed {' and '.join(stale)} of an earlier evaluation (written "
-                 f"again when this one finishes)")
+            echo(f"[eval] {d}: removed {' and '.join(stale)} of an earlier evaluation "
+                 f"({summary_at(d)})")
     results: list[dict] = []
     written: set[str] = set()
     for (ck_path, run_dir, state, cfg, _), label, rdir in zip(runs, labels, out_dirs):
@@ -365,7 +394,7 @@ def _evaluate(runs, labels, out_dirs, out_dir, benches, loaded, names, *, agents
         saved = {a["name"]: a for a in state["agents"]}
         chosen = list(dict.fromkeys(agents)) if agents else [a["name"] for a in state["agents"]]
         echo(f"[eval] {label}: rebuilding {len(chosen)} polic{'y' if len(chosen) == 1 else 'ies'}"
-             f" from {ck_path}")
+             f" from {ck_path} ({_step(state.get('step'))})")   # a live run's: which one
         policies = {p.name: p for p in build.rebuild_policies(
             cfg, state, chosen, f"cannot evaluate {ck_path}")}
         for name in chosen:     # no prompt of even one token would fit: every problem a 0
@@ -417,6 +446,7 @@ def _evaluate(runs, labels, out_dirs, out_dir, benches, loaded, names, *, agents
     for d in dict.fromkeys(targets):
         ckpt.write_text_atomic(os.path.join(d, "eval.md"), table)
         ckpt.write_text_atomic(os.path.join(d, "eval.json"), json.dumps(report, indent=1))
+    for d in folders:
         # per-pair files of an earlier evaluation into the same folder are kept (results), but
         # said: eval.md / eval.json are this evaluation's only
         older = sorted(f for f in os.listdir(d) if f.endswith(".json") and "__" in f
@@ -424,8 +454,14 @@ def _evaluate(runs, labels, out_dirs, out_dir, benches, loaded, names, *, agents
         if older:
             echo(f"[eval] {d} also holds {len(older)} file(s) of an earlier evaluation "
                  f"({', '.join(older[:4])}{', ...' if len(older) > 4 else ''}): kept; "
-                 f"eval.md and eval.json are this evaluation's")
+                 + ("eval.md and eval.json are this evaluation's" if d in targets else
+                    f"this evaluation's eval.md and eval.json are in {out_dir}"))
     return {**report, "table": table, "out_dirs": list(dict.fromkeys(targets))}
+
+
+def _step(step) -> str:
+    """A checkpoint's step as the console and eval.md say it."""
+    return "step unknown" if step is None else f"step {step}"
 
 
 def _report(results: list[dict], benches: list[str], samples: int, multi: bool) -> dict:
@@ -483,7 +519,16 @@ def _markdown(report: dict, benches: list[str], samples: int) -> str:
     def cell(c, key, ci=True):
         return f"{100 * c[key]:.1f}" + (f" ± {100 * c['ci95']:.1f}" if ci else "")
 
-    out = f"{avg} (%), 95% CI\n\n" + head + sep
+    # which checkpoint of each run was scored (a live run's changes as it trains)
+    cks = list(dict.fromkeys((r["run"], r["checkpoint"], r["step"])
+                             for r in report.get("results", [])))
+    out = ""
+    if len(cks) == 1:
+        out = f"Checkpoint: {cks[0][1]} ({_step(cks[0][2])})\n\n"
+    elif cks:
+        out = "Checkpoints:\n\n" + "".join(f"- {run}: {ck} ({_step(step)})\n"
+                                              for run, ck, step in cks) + "\n"
+    out += f"{avg} (%), 95% CI\n\n" + head + sep
     for r in report["rows"]:
         out += f"| {r['row']} | " + " | ".join(cell(r["benchmarks"][b], avg) for b in benches) \
             + f" | {cell(r['mean'], avg)} |\n"

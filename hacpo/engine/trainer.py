@@ -151,27 +151,36 @@ RUN_LOCK_WAIT_ENV = "HACPO_RUN_LOCK_WAIT_S"   # how long a lock held from anothe
 
 
 def lock_run_dir(out_dir: str):
-    """Create ``out_dir`` if needed and take an exclusive lock on ``<out_dir>/.hacpo-run.lock``
+    """Create ``out_dir`` if needed and take an exclusive lock on ``<out_dir>/.hacpo-run.lock``:
+    :func:`lock_dir` for a run."""
+    # a file, a dangling link, a read-only parent, no permission: one line naming it
+    ckpt.ensure_dir(out_dir, "run dir (out_dir)")
+    return lock_dir(out_dir, RUN_LOCK, "run", "choose another out_dir")
+
+
+def lock_dir(out_dir: str, name: str, user: str, other: str):
+    """Take an exclusive lock on ``<out_dir>/<name>`` for a hacpo ``user`` ("run",
+    "evaluation"; ``other``: what else the user may do, "choose another out_dir")
     (a POSIX record lock, ``lockf``: released when the process ends, kill -9 included, so a
     dead run never blocks its resume; unlike ``flock``'s, not inherited by forked children,
     which may outlive it; NFS passes it to the server). Returns the open lock file (close it
     to release; never open and close that file elsewhere in the process: that drops a POSIX
-    lock). Another process holding it is a RuntimeError naming the run dir and that process
+    lock). Another process holding it is a RuntimeError naming the folder and that process
     (``host:pid``). A filesystem that cannot lock (ENOLCK, ENOSYS, EOPNOTSUPP: e.g. Lustre
     mounted without flock) is logged and the run goes on unlocked. A lock held from another
     host is waited for up to ``$HACPO_RUN_LOCK_WAIT_S`` (default 120) seconds first: a node
-    that died holding it keeps it on a network filesystem until its lease ends."""
-    # a file, a dangling link, a read-only parent, no permission: one line naming it
-    ckpt.ensure_dir(out_dir, "run dir (out_dir)")
-    key = os.path.realpath(out_dir)
+    that died holding it keeps it on a network filesystem until its lease ends. The lock
+    file may be removed while held (before ``close()``): a process that opened it before
+    then takes the new file instead."""
+    key = os.path.realpath(os.path.join(out_dir, name))
     with _HELD_GUARD:   # POSIX locks are per process: a second run of this one (two threads,
         if key in _HELD:    # a notebook) would take it again, and its close() drop the first's
-            raise RuntimeError(f"{out_dir} is in use by another hacpo run in this process "
+            raise RuntimeError(f"{out_dir} is in use by another hacpo {user} in this process "
                                f"({socket.gethostname()}:{os.getpid()}): wait for it to end, "
-                               f"or choose another out_dir")
+                               f"or {other}")
         _HELD.add(key)
     try:
-        return _HeldLock(_lock_file(out_dir), key)
+        return _HeldLock(_lock_file(out_dir, name, user, other), key)
     except BaseException:
         with _HELD_GUARD:
             _HELD.discard(key)
@@ -186,7 +195,7 @@ def run_dir_holder(out_dir: str) -> str | None:
 
     path = os.path.join(out_dir, RUN_LOCK)
     with _HELD_GUARD:
-        if os.path.realpath(out_dir) in _HELD:
+        if os.path.realpath(path) in _HELD:
             return f"{socket.gethostname()}:{os.getpid()}"
     if not os.path.isfile(path):
         return None
@@ -205,13 +214,13 @@ def run_dir_holder(out_dir: str) -> str | None:
         return None
 
 
-# run dirs this process holds (realpath), guarded: lockf cannot tell its own process's runs apart
+# lock files this process holds (realpath), guarded: lockf cannot tell its own process's runs apart
 _HELD: set[str] = set()
 _HELD_GUARD = threading.Lock()
 
 
 class _HeldLock:
-    """The open lock file of a run dir this process holds; ``close()`` releases both."""
+    """The open lock file of a folder this process holds; ``close()`` releases both."""
 
     def __init__(self, f, key: str):
         self._f, self._key = f, key
@@ -227,21 +236,27 @@ class _HeldLock:
         return getattr(self._f, name)
 
 
-def _lock_file(out_dir: str):
-    """lock_run_dir's lock of ``<out_dir>/.hacpo-run.lock`` against other processes."""
+def _lock_file(out_dir: str, name: str, user: str, other: str):
+    """lock_dir's lock of ``<out_dir>/<name>`` against other processes."""
     import fcntl
 
-    path = os.path.join(out_dir, RUN_LOCK)
+    path = os.path.join(out_dir, name)
     f = open(path, "a+")
     deadline = None
     try:
         while True:
             try:
                 fcntl.lockf(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
             except OSError as e:
                 if e.errno not in (errno.EACCES, errno.EAGAIN):
-                    return _unlocked(f, out_dir, e)
+                    return _unlocked(f, out_dir, e, user)
+            else:
+                if _same_file(f, path):
+                    break
+                # its holder removed it as it ended: the lock is the file now at path
+                f.close()
+                f = open(path, "a+")
+                continue
             f.seek(0)
             holder = f.read().strip() or "unknown"
             host = holder.rpartition(":")[0]
@@ -257,11 +272,10 @@ def _lock_file(out_dir: str):
                 if time.monotonic() < deadline:
                     time.sleep(min(2.0, max(deadline - time.monotonic(), 0.0)))
                     continue
-            raise RuntimeError(f"{out_dir} is in use by another hacpo run (process {holder}, "
-                               f"lock {path}" + (f", still held after {wait_s:g} s"
-                                                 if deadline is not None else "")
-                               + "): wait for it to end (or stop it), or choose another "
-                               "out_dir")
+            raise RuntimeError(f"{out_dir} is in use by another hacpo {user} (process "
+                               f"{holder}, lock {path}" + (f", still held after {wait_s:g} s"
+                                                           if deadline is not None else "")
+                               + f"): wait for it to end (or stop it), or {other}")
     except BaseException:
         f.close()
         raise
@@ -276,14 +290,23 @@ def _lock_file(out_dir: str):
     return f
 
 
-def _unlocked(f, out_dir: str, e: OSError):
-    """A filesystem that cannot lock: logged, the run goes on unlocked; other errors raise."""
+def _same_file(f, path: str) -> bool:
+    """Whether ``path`` still names the open file ``f`` (not removed or replaced)."""
+    try:
+        a, b = os.fstat(f.fileno()), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _unlocked(f, out_dir: str, e: OSError, user: str = "run"):
+    """A filesystem that cannot lock: logged, the work goes on unlocked; other errors raise."""
     if e.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):
         f.close()
         raise e
     logging.getLogger("hacpo").warning(
-        f"cannot lock the run dir {out_dir} ({e}): a second run there at the same time would "
-        f"not be detected")
+        f"cannot lock the {user} folder {out_dir} ({e}): a second {user} there at the same "
+        f"time would not be detected")
     return f
 
 

@@ -689,3 +689,115 @@ def test_a_reduced_vocabulary_comes_from_the_checkpoint_not_the_data(run, tmp_pa
             json.loads((tmp_path / "ev-old" / f).read_text())["problems"]
     with pytest.raises(AssertionError, match="data was read"):     # the old one reads it
         evaluate_checkpoints([str(tmp_path / "old")], run["benches"], **kw)
+
+
+_HOLDER = """
+import fcntl, os, socket, sys
+f = open(sys.argv[1], "a+")
+fcntl.lockf(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+f.write(f"{socket.gethostname()}:{os.getpid()}\\n"); f.flush()
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_an_out_dir_another_evaluation_writes_is_refused(run, tmp_path, capsys):
+    """Two evaluations into one folder at once (two terminals, the default <run>/eval) wrote
+    an eval.md / eval.json of per-pair files the other one had replaced, with nothing said: each
+    holds <out>/.hacpo-eval.lock (as a run its run dir), a second one is one line naming the
+    holder; the lock file is no output, nor a stale one a killed evaluation left."""
+    import socket
+    import subprocess
+    import sys
+
+    from hacpo.engine.eval_harness import EVAL_LOCK
+    out = tmp_path / "ev"
+    common = ["eval", str(run["dir"]), "--bench", *run["benches"][:1], "--limit", "1",
+              "--max-new-tokens", "8", "--agents", "char", "--out-dir", str(out)]
+    assert cli.main(common) == 0
+    before = {p.name: p.read_text() for p in out.iterdir()}
+    assert sorted(before) == ["char__gsm.json", "eval.json", "eval.md"]
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(out / EVAL_LOCK)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        capsys.readouterr()
+        assert cli.main([*common[:5], "2", *common[6:]]) == 2              # --limit 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"hacpo eval: error: {out} is in use by another hacpo evaluation (process "
+                       f"{socket.gethostname()}:{holder.pid}, lock {out / EVAL_LOCK}): wait for "
+                       f"it to end (or stop it), or choose another --out-dir")
+        # nothing of the other evaluation's was touched
+        assert {p.name: p.read_text() for p in out.iterdir() if p.name != EVAL_LOCK} == before
+    finally:
+        holder.stdin.close()
+        holder.wait()
+    assert (out / EVAL_LOCK).exists()            # as a killed evaluation leaves it
+    assert cli.main(common) == 0
+    said = capsys.readouterr().out
+    assert "earlier evaluation" in said and EVAL_LOCK not in said
+    assert sorted(p.name for p in out.iterdir()) == ["char__gsm.json", "eval.json", "eval.md"]
+    assert EVAL_LOCK not in (out / "eval.json").read_text()
+
+
+def test_several_runs_into_an_out_dir_replace_and_name_each_runs_folder(run, tmp_path, capsys):
+    """With several runs and --out-dir X the per-pair files go to X/<run>, but an earlier
+    evaluation's eval.md / eval.json there were kept (a summary of files this one replaced) and
+    its other per-pair files not named; X/<run> is locked as X is; the step scored is said."""
+    from hacpo.engine.eval_harness import EVAL_LOCK
+    from hacpo.engine.trainer import lock_dir
+    out = tmp_path / "ev"
+    two = [str(run["dir"]), str(run["dir"] / "checkpoint.pt")]         # labels run#0, run#1
+    kw = dict(limit=1, max_new_tokens=8, echo=print)
+    evaluate_checkpoints(two[:1], run["benches"][:1], agents=["qwen3"],
+                         out_dir=str(out / "run#0"), **kw)
+    ck = run["dir"] / "checkpoint.pt"
+    assert f"[eval] run: rebuilding 1 policy from {ck} (step 1)" in capsys.readouterr().out
+    assert (out / "run#0" / "eval.md").read_text().startswith(f"Checkpoint: {ck} (step 1)\n")
+    lock = lock_dir(str(out / "run#0"), EVAL_LOCK, "evaluation", "x")   # this process's
+    try:
+        with pytest.raises(RuntimeError, match=r"run#0 is in use by another hacpo evaluation"):
+            evaluate_checkpoints(two, run["benches"][:1], agents=["char"], out_dir=str(out),
+                                 **kw)
+    finally:
+        lock.close()
+    assert (out / "run#0" / "eval.md").exists()
+    capsys.readouterr()
+    rep = evaluate_checkpoints(two, run["benches"][:1], agents=["char"], out_dir=str(out), **kw)
+    said = capsys.readouterr().out
+    sub = out / "run#0"
+    assert f"[eval] {sub}: removed eval.md and eval.json of an earlier evaluation (this one's " \
+           f"are written to {out})" in said
+    assert f"[eval] {sub} also holds 1 file(s) of an earlier evaluation (qwen3__gsm.json): " \
+           f"kept; this evaluation's eval.md and eval.json are in {out}" in said
+    assert sorted(p.name for p in sub.iterdir()) == ["char__gsm.json", "qwen3__gsm.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["eval.json", "eval.md", "run#0", "run#1"]
+    assert f"[eval] run#1: rebuilding 1 policy from {ck} (step 1)" in said
+    assert rep["table"].startswith(f"Checkpoints:\n\n- run#0: {ck} (step 1)\n- run#1: {ck} "
+                                   f"(step 1)\n\n")
+
+
+def test_a_lock_file_removed_by_its_holder_as_it_is_taken_is_not_held(tmp_path, monkeypatch):
+    """An evaluation removes its lock file as it ends: one that opened that file just before
+    would lock the removed file while a third takes the new one, both 'holding' the folder; the
+    lock is taken again on the file at the path."""
+    import fcntl
+    import os
+
+    from hacpo.engine.eval_harness import EVAL_LOCK
+    from hacpo.engine.trainer import lock_dir
+    path, real, calls = tmp_path / EVAL_LOCK, fcntl.lockf, []
+
+    def removed_first(fd, op, *a):       # the holder removes the file, another makes it anew
+        if not calls:
+            path.unlink()
+            path.write_text("")
+        calls.append(op)
+        return real(fd, op, *a)
+    monkeypatch.setattr(fcntl, "lockf", removed_first)
+    lock = lock_dir(str(tmp_path), EVAL_LOCK, "evaluation", "x")
+    try:
+        assert len(calls) == 2 and os.fstat(lock.fileno()).st_ino == path.stat().st_ino
+        assert path.read_text().strip().endswith(f":{os.getpid()}")
+    finally:
+        lock.close()
