@@ -10,7 +10,7 @@ A reward function maps ``(response: str, gold: str) -> float`` in ``[0, 1]``. Bu
   other with a decimal on one side, which math-verify may call equal (it rounds floats to 6
   decimals: ``0.333333`` is ``1/3``) and so decides. Everything else goes to
   ``math_verify.verify(parse(gold), parse(pred))`` (the slow path). Both sides are first written
-  the ASCII way (see ``_normalize_unicode``: ``2½`` is ``2 1/2``, ``5²`` is ``5^{2}``, a
+  the ASCII way (see ``_normalize_unicode``: ``2½`` is ``\\frac{5}{2}``, ``5²`` is ``5^{2}``, a
   fullwidth minus is ``-``, invisible format characters go).
 - ``exact``: string equality of the normalized final answer and the normalized gold.
 - ``numeric_closeness``: ``exp(-|pred - gold| / max(|gold|, 1))``, a continuous reward.
@@ -113,20 +113,29 @@ _SCRIPT_TRANS = str.maketrans({**{c: str(i) for i, c in enumerate(_SUPERSCRIPT_D
                                **{c: str(i) for i, c in enumerate(_SUBSCRIPT_DIGITS)},
                                "\u207a": "+", "\u207b": "-"})
 # A fraction written with one character ("½") or as superscript/subscript digits ("¹⁄₂", the
-# slash already "/"), after an optional whole part: "2½" and "2 ½" are the mixed number 2 1/2.
+# slash already "/"), after an optional whole part: "2½" and "2 ½" are the mixed number 5/2.
+# Each group starts where its run does ((?<!...)): a match is tried from a run's first
+# character only, so a long run of digits or superscripts costs linear time, not quadratic.
 _UNICODE_FRACTION_RE = re.compile(
-    rf"(\d ?)?(?:([{''.join(_VULGAR)}])|([{_SUPERSCRIPT_DIGITS}]+)/([{_SUBSCRIPT_DIGITS}]+))")
+    rf"(?:(?<!\d)(\d+) ?)?(?:([{''.join(_VULGAR)}])"
+    rf"|(?<![{_SUPERSCRIPT_DIGITS}])([{_SUPERSCRIPT_DIGITS}]+)/([{_SUBSCRIPT_DIGITS}]+))")
 # Superscript digits after a number or a bracket are a power: "5²" is 5^{2} (25), not 5. After a
 # letter they are left as they are: "25 cm²" is 25 with a unit.
 _POWER_RE = re.compile(rf"(?<=[\d)\]}}])[\u207a\u207b]?[{_SUPERSCRIPT_DIGITS}]+")
 
 
 def _unicode_fraction(m: re.Match) -> str:
-    frac = _VULGAR[m.group(2)] if m.group(2) else (
-        f"{m.group(3).translate(_SCRIPT_TRANS)}/{m.group(4).translate(_SCRIPT_TRANS)}")
-    whole = f"{m.group(1).rstrip()} " if m.group(1) else ""
+    """A fraction (after its whole part) as one improper ``\\frac{n}{d}``: math-verify reads
+    "2 1/2" as 2 * 1/2 (so "x = 2½" matched "x = 3/2"), and the last-number rule took "1/2"."""
+    num, _, den = (_VULGAR[m.group(2)] if m.group(2) else
+                   f"{m.group(3).translate(_SCRIPT_TRANS)}/{m.group(4).translate(_SCRIPT_TRANS)}"
+                   ).partition("/")
+    whole = m.group(1) or "0"
+    if len(whole) + len(num) + len(den) > 60 or int(den) == 0:   # no number: as it is
+        return m.group(0)
+    frac = f"\\frac{{{int(whole) * int(den) + int(num)}}}{{{int(den)}}}"
     after = " " if m.string[m.end():m.end() + 1].isdecimal() else ""    # "½5": not 1/25
-    return whole + frac + after
+    return frac + after
 
 
 def _normalize_unicode(text: str) -> str:

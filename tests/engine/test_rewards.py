@@ -191,6 +191,19 @@ def test_math_reward(response, gold, expected):
     ("#### 1\u00ad000", "1000", 1.0),
     ("#### \u202a12\u202c", "12", 1.0),
     ("#### 2\u20623", "6", 1.0),              # invisible times: 2*3, not 23
+    # a mixed number is one improper fraction: math-verify read "2 1/2" as 2 * 1/2 = 3/2 and
+    # the last-number rule took its "1/2"
+    (r"\boxed{x = 3/2}", "x = 2½", 0.0),
+    (r"\boxed{x = 5/2}", "x = 2½", 1.0),
+    (r"\boxed{3.5}", "5-2½", 0.0),
+    (r"\boxed{2.5}", "5-2½", 1.0),
+    (r"\boxed{1, 1.5}", "1½, 2½", 0.0),
+    (r"\boxed{(2.5, 3.5)}", "(2½, 3½)", 1.0),
+    (r"\boxed{x = 2½}", "x = 1.5", 0.0),
+    (r"\boxed{\frac{1}{2x}}", "½x", 0.0),
+    (r"\boxed{\frac{x}{2}}", "½x", 1.0),
+    (r"\boxed{1½}", r"\frac32", 1.0),
+    ("So she needs 2½ cups.", "2.5", 1.0),
     # as before
     ("#### 1 000", "1000", 1.0),
     ("#### 1,000", "1000", 1.0),
