@@ -467,8 +467,14 @@ def _check_resumable(cfg: TrainConfig, state, ck_path: str) -> None:
         raise ValueError(f"{ck_path} is not a hacpo training checkpoint (no 'step', "
                          f"'fingerprint', 'agents' and 'sampler'); move it away to start "
                          f"a new run there")
-    diff = config_diff(_stored_fingerprint(state["fingerprint"]), fingerprint_dict(cfg),
-                       defaults=default_fingerprint(cfg))
+    stored, now = _stored_fingerprint(state["fingerprint"]), fingerprint_dict(cfg)
+    if _data_content_recorded(state):
+        # data files moved (another mount, run and data copied to another machine): where they
+        # are is no longer the run's; their content is checked against the checkpoint's record
+        for key in ("train_path", "eval_path"):
+            if isinstance(stored.get("data"), dict) and key in now.get("data", {}):
+                stored["data"][key] = now["data"][key]
+    diff = config_diff(stored, now, defaults=default_fingerprint(cfg))
     if diff:
         own = os.path.join(cfg.out_dir, "config.json")
         raise ValueError(f"cannot resume {ck_path}: the config differs from the "
@@ -480,6 +486,13 @@ def _check_resumable(cfg: TrainConfig, state, ck_path: str) -> None:
         raise ValueError(f"cannot resume {ck_path} at step {state['step']} with steps="
                          f"{cfg.steps}: the run is past it (its metrics and checkpoint "
                          f"hold {state['step']} steps); pass steps >= {state['step']}")
+
+
+def _data_content_recorded(state: dict) -> bool:
+    """Whether the checkpoint records its data's content: the training rows' (the data
+    cursor's) and the held-out set's, which a resume checks (older ones: ids only)."""
+    sampler = state.get("sampler")
+    return isinstance(sampler, dict) and "content" in sampler and state.get("heldout") is not None
 
 
 def _check_new_run(cfg: TrainConfig, resume: bool, ck_path: str) -> list[str]:

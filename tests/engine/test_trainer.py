@@ -1301,3 +1301,37 @@ def test_length_checks_name_the_first_bad_example_whatever_the_chunk(chunk, monk
     assert re.match(r"agent 'char' \(agents\.0\): 3 of 8 training examples do not fit its "
                     r"max_len=40 in the warm-up, .*the longest, example 'x6', has 53 tokens",
                     fails(long_target, max_len=40))
+
+
+def test_a_run_resumes_over_its_data_files_moved(tmp_path):
+    """Run and data copied to another machine or mount: the resume was refused ("the config
+    differs from the checkpoint's in data.train_path") with no way to name the new place. The
+    checkpoint's record of the data's content is what is checked now; a checkpoint without
+    that record still refuses a path that changed."""
+    from hacpo.engine import checkpoint as ckpt
+    rows = [{"question": f"Tom has {a} apples and gets {b} more. How many apples?",
+             "answer": f"#### {a + b}"} for a, b in ((1, 2), (3, 4), (2, 5), (4, 4))]
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    (old / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (old / "eval.jsonl").write_text(json.dumps(rows[0]) + "\n")
+
+    def cfg(where, steps):
+        return _cfg(tmp_path, "files", steps=steps, plots="false", tensorboard="false",
+                    **{"data.task": "files", "data.train_path": str(where / "train.jsonl"),
+                       "data.eval_path": str(where / "eval.jsonl")})
+    train(cfg(old, "1"), echo=lambda *_: None)
+    old.rename(new)
+    said = []
+    train(cfg(new, "2"), resume=True, echo=said.append)
+    assert ckpt.load(str(tmp_path / "files" / "checkpoint.pt"))["step"] == 2
+    stored = json.loads((tmp_path / "files" / "config.json").read_text())
+    assert stored["data"]["train_path"] == str(new / "train.jsonl")
+    ck = tmp_path / "files" / "checkpoint.pt"
+    state = ckpt.load(str(ck))
+    del state["sampler"]["content"]       # a checkpoint written before the record
+    ckpt.save_atomic(state, str(ck))
+    new.rename(old)
+    with pytest.raises(ValueError, match=r"the config differs from the checkpoint's in "
+                                         r"data\.eval_path.*data\.train_path"):
+        train(cfg(old, "3"), resume=True, echo=lambda *_: None)
