@@ -692,3 +692,18 @@ def test_settings_compare_or_profile_choose_given_in_a_config_file_are_said(
         f"--steps-per-round steps\n" in out and "plots" not in out
     assert main(["compare", "--preset", "tiny3", "--seeds", "0"]) == 0      # no file: nothing
     assert capsys.readouterr().out == ""
+
+
+def test_a_console_that_cannot_encode_what_a_command_prints_gets_it_escaped():
+    """PYTHONIOENCODING=ascii (or a latin-1 terminal): `hacpo eval`'s "±" line ended it after
+    its first benchmark ("'ascii' codec can't encode character", exit 2)."""
+    import os
+    import subprocess
+    import sys
+    code = ("import sys\nfrom hacpo.launch import cli\n"
+            "cli._demo = lambda args: print('acc 0.5 \\u00b1 0.1 \\u221a') or 0\n"
+            "sys.exit(cli.main(['demo']))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120,
+                         env={**os.environ, "PYTHONIOENCODING": "ascii"})
+    assert out.returncode == 0, out.stderr.decode()
+    assert out.stdout == b"acc 0.5 \\xb1 0.1 \\u221a\n"

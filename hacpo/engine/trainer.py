@@ -578,10 +578,12 @@ def _write_config(cfg: TrainConfig, finished: bool = False) -> None:
     summary.json there marks a finished run: unless the run is (a resume at its last step),
     it is the summary of a run before (started over, or resumed for more steps) and goes, with
     that run's plots (a run with plots=false left them looking like its own); the run writes
-    its own when it finishes."""
+    its own when it finishes. Only a run's: a folder that held no run (its own config.json
+    is what marks one) keeps files of those names (a project folder given as the run dir)."""
+    held_run = _run_config_held(cfg.out_dir)
     ckpt.write_text_atomic(os.path.join(cfg.out_dir, "config.json"),
                            json.dumps(cfg.to_dict(), indent=2))
-    if not finished:
+    if not finished and held_run:
         for name in ("summary.json", *PLOT_FILES):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(cfg.out_dir, name))

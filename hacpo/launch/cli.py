@@ -471,11 +471,22 @@ def _main(argv: list[str] | None) -> int:
     from .slurm import add_launch_parser
     add_launch_parser(sub)
     args = ap.parse_args(argv)
+    _console_safe()
     if args.command in ("train", "compare", "profile"):
         return _run_command(args)
     if args.command in ("eval", "export", "demo"):    # eval: reward workers too
         return _stoppable(args, args.func)
     return args.func(args)
+
+
+def _console_safe() -> None:
+    """A console that cannot encode a character a command prints (eval's "±", an agent's or
+    run dir's name; PYTHONIOENCODING=ascii, a latin-1 terminal) shows it escaped: it ended
+    `hacpo eval` after its first benchmark (stderr escapes by default already)."""
+    try:
+        sys.stdout.reconfigure(errors="backslashreplace")
+    except (AttributeError, ValueError, OSError):     # a stream that is not a TextIOWrapper
+        pass
 
 
 if __name__ == "__main__":

@@ -470,3 +470,18 @@ def test_a_run_dir_removed_mid_run_is_said_so(tmp_path):
     assert str(e.value) == (f"cannot write {run / 'metrics.jsonl'}: the run dir {run} no longer "
                             f"exists (removed or moved while the run went on)")
     logger.close()
+
+
+def test_a_folder_that_held_no_run_keeps_files_named_as_a_runs_plots(tmp_path):
+    """`--out-dir .` in a project folder with its own reward_curves.png: the run deleted it
+    (the plots of "a run before"), with plots=false writing none of its own."""
+    from hacpo.engine.trainer import _write_config
+    cfg = _cfg(tmp_path)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "reward_curves.png").write_text("mine")
+    _write_config(cfg)
+    assert (run / "reward_curves.png").read_text() == "mine"
+    (run / "summary.json").write_text("{}")      # now a run's: a run over it replaces them
+    _write_config(cfg)
+    assert not (run / "reward_curves.png").exists() and not (run / "summary.json").exists()
