@@ -172,7 +172,13 @@ def _iter_jsonl(path: str) -> Iterator[tuple[str, object]]:
 def _utf16_hint(raw: bytes) -> str:
     """What to say of a line that is not UTF-8 JSON because its file is UTF-16 (NUL bytes
     between the characters, or its byte-order mark)."""
-    if raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)) or b"\x00" in raw:
+    body = raw.rstrip(b"\r\n\x00")
+    # every other byte NUL, the others not (ASCII text in UTF-16): not a tail of NULs a
+    # crash left, nor a NUL inside text
+    halves = (body[0::2], body[1::2])
+    if raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)) or (
+            len(body) > 1 and any(not h.strip(b"\x00") and b"\x00" not in o
+                                  for h, o in (halves, halves[::-1]))):
         return " (the file looks like UTF-16: save it as UTF-8)"
     return ""
 

@@ -321,6 +321,12 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
     out_dirs = [os.path.join(run[1], "eval") if out_dir is None else
                 os.path.join(out_dir, label) if len(runs) > 1 else out_dir
                 for run, label in zip(runs, labels)]
+    first: dict[str, int] = {}      # two checkpoints of one run dir (or one run under two
+    for i, d in enumerate(out_dirs):  # names): the second's per-pair files replaced the first's
+        j = first.setdefault(os.path.realpath(d), i)
+        if j != i:
+            raise ValueError(f"{runs[j][0]} and {runs[i][0]} would both write {d}: pass "
+                             f"--out-dir (a folder per run under it), or give each once")
     # every output dir made (and writable) before any policy is scored: a run dir on a
     # read-only mount, or a file in the way, is an error now, not after the evaluation
     made: dict[str, str | None] = {}     # each output dir -> the folder ensure_dir made

@@ -310,7 +310,9 @@ DECODER_ONLY_POLICY_FIELDS = ("d_model", "n_layers", "n_heads", "max_len")
 
 
 def _check_policy(p: PolicyConfig) -> None:
-    """What build_policy would reject, or silently ignore, checked when the config loads."""
+    """What build_policy would reject, or silently ignore, checked when the config loads
+    (its ``~`` paths expanded first: the checks that read policy.path's files see them)."""
+    p.path, p.tokenizer = expand_user(p.path), expand_user(p.tokenizer)
     where = f"agent {p.name!r}"
     _check_seed(f"{where}: policy.seed", p.seed)
     _check_choice(f"{where}: policy.kind", p.kind, ("decoder", "hf"))

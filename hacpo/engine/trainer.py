@@ -488,6 +488,17 @@ def _check_resumable(cfg: TrainConfig, state, ck_path: str) -> None:
                          f"hold {state['step']} steps); pass steps >= {state['step']}")
 
 
+def _literal_tilde_run(out_dir: str) -> str | None:
+    """A run an older hacpo made for ``out_dir`` given as ``~/...`` unexpanded: in a folder
+    named "~" of the current directory (None: no checkpoint there)."""
+    home = os.path.expanduser("~")
+    rel = os.path.relpath(os.path.abspath(out_dir), home)
+    if rel == os.pardir or rel.startswith(os.pardir + os.sep):
+        return None
+    old = os.path.normpath(os.path.join(os.getcwd(), "~", rel))
+    return old if os.path.exists(os.path.join(old, CHECKPOINT)) else None
+
+
 def _data_content_recorded(state: dict) -> bool:
     """Whether the checkpoint records its data's content: the training rows' (the data
     cursor's) and the held-out set's, which a resume checks (older ones: ids only)."""
@@ -504,6 +515,12 @@ def _check_new_run(cfg: TrainConfig, resume: bool, ck_path: str) -> list[str]:
         raise FileExistsError(f"{cfg.out_dir} is not a run dir: it holds {', '.join(foreign)} "
                               f"(a model folder? a run writes its own config.json there): "
                               f"choose another out_dir")
+    literal = _literal_tilde_run(cfg.out_dir)
+    if resume and literal and not os.path.exists(ck_path):
+        raise FileNotFoundError(f"no {CHECKPOINT} in {cfg.out_dir}, but {literal} holds a run: "
+                                f"a '~' in the run dir is the home directory now (it was a "
+                                f"folder named '~' in the current directory): move that run "
+                                f"to {cfg.out_dir} to resume it")
     if os.path.exists(ck_path) and not resume:
         raise FileExistsError(f"{cfg.out_dir} already holds a run ({CHECKPOINT}); pass --resume "
                               f"to continue it or choose another out_dir")
@@ -578,9 +595,10 @@ def _write_config(cfg: TrainConfig, finished: bool = False) -> None:
     summary.json there marks a finished run: unless the run is (a resume at its last step),
     it is the summary of a run before (started over, or resumed for more steps) and goes, with
     that run's plots (a run with plots=false left them looking like its own); the run writes
-    its own when it finishes. Only a run's: a folder that held no run (its own config.json
-    is what marks one) keeps files of those names (a project folder given as the run dir)."""
-    held_run = _run_config_held(cfg.out_dir)
+    its own when it finishes. Only a run's: a folder that held no run (no config.json of a
+    run, results or checkpoint) keeps files of those names (a project folder as the run dir)."""
+    held_run = (_run_config_held(cfg.out_dir) or _results_held(cfg.out_dir)
+                or os.path.exists(os.path.join(cfg.out_dir, CHECKPOINT)))
     ckpt.write_text_atomic(os.path.join(cfg.out_dir, "config.json"),
                            json.dumps(cfg.to_dict(), indent=2))
     if not finished and held_run:

@@ -378,6 +378,10 @@ def test_a_leading_tilde_is_the_home_directory(tmp_path, monkeypatch, capsys):
                                           "data.eval_path": "~/e.jsonl"})
     assert (cfg.out_dir, cfg.cache_dir) == (str(tmp_path / "home/r1"),
                                             str(tmp_path / "home/cache"))
+    pol = load_config("tiny3", overrides={"agents.1.policy.kind": "hf",
+                                          "agents.1.policy.path": "~/m",
+                                          "agents.1.policy.tokenizer": "~/m"}).agents[1].policy
+    assert pol.path == pol.tokenizer == str(tmp_path / "home/m")   # (the early checks read it)
     resolve_paths(cfg)
     assert cfg.data.train_path == str(tmp_path / "home/t.jsonl")
     assert cfg.data.eval_path == str(tmp_path / "home/e.jsonl")     # (missing: as it is)

@@ -311,6 +311,11 @@ def test_utf16_files_and_json_messages_say_what_is_wrong(tmp_path):
         with pytest.raises(DataError, match=r"u16\.jsonl:line 1: .*\(the file looks like "
                                             r"UTF-16: save it as UTF-8\)"):
             load_examples(path)
+    nul = tmp_path / "nul.jsonl"      # a tail of NULs (a crash mid-write): no UTF-16 hint
+    nul.write_bytes(row.encode() + b"\x00" * 64 + b"\n")
+    with pytest.raises(DataError) as e:
+        load_examples(nul)
+    assert "line 2: invalid JSON" in str(e.value) and "UTF-16" not in str(e.value)
     tab = _write_jsonl(tmp_path / "tab.jsonl", ['{"question": "a\tb", "answer": "#### 5"}'])
     with pytest.raises(DataError) as e:
         load_examples(tab)

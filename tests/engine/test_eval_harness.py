@@ -801,3 +801,16 @@ def test_a_lock_file_removed_by_its_holder_as_it_is_taken_is_not_held(tmp_path, 
         assert path.read_text().strip().endswith(f":{os.getpid()}")
     finally:
         lock.close()
+
+
+def test_two_checkpoints_of_one_run_dir_without_an_out_dir_are_refused(run, tmp_path):
+    """Both wrote <run>/eval: the second's per-pair files replaced the first's (and one run
+    under two names, a link, was "in use by another hacpo evaluation in this process")."""
+    link = tmp_path / "link"
+    link.symlink_to(run["dir"])
+    for two in ([str(run["dir"]), str(run["dir"] / "checkpoint.pt")],
+                [str(run["dir"]), str(link)]):
+        with pytest.raises(ValueError, match=r"checkpoint\.pt would both write .*/eval: pass "
+                                             r"--out-dir \(a folder per run under it\)"):
+            evaluate_checkpoints(two, run["benches"][:1], agents=["char"], limit=1,
+                                 max_new_tokens=8, echo=lambda *_: None)

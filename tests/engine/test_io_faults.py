@@ -485,3 +485,29 @@ def test_a_folder_that_held_no_run_keeps_files_named_as_a_runs_plots(tmp_path):
     (run / "summary.json").write_text("{}")      # now a run's: a run over it replaces them
     _write_config(cfg)
     assert not (run / "reward_curves.png").exists() and not (run / "summary.json").exists()
+    (run / "config.json").unlink()               # a run's results or checkpoint mark it too
+    for marks in ("summary.json", "checkpoint.pt"):
+        (run / "reward_curves.png").write_text("the run's")
+        (run / marks).write_text("x")
+        _write_config(cfg)
+        assert not (run / "reward_curves.png").exists(), marks
+        (run / "config.json").unlink()
+        (run / marks).unlink(missing_ok=True)
+
+
+def test_a_run_an_older_hacpo_made_in_a_folder_named_tilde_is_not_started_over(
+        tmp_path, monkeypatch, capsys):
+    """`--out-dir=~/r` made ./~/r before `~` meant the home directory: `--resume` of it now
+    looks in $HOME/r, and started a new run there, the old run left where it was."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    old = tmp_path / "~" / "r"
+    old.mkdir(parents=True)
+    (old / "checkpoint.pt").write_text("x")
+    argv = ["train", "--preset", "tiny3", "--out-dir=~/r", "--resume", "--set", "threads=1",
+            f"cache_dir={tmp_path / 'cache'}"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert (f"no checkpoint.pt in {tmp_path}/home/r, but {old} holds a run: a '~' in the run "
+            f"dir is the home directory now") in err, err
+    assert not (tmp_path / "home" / "r").exists()
