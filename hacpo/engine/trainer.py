@@ -111,6 +111,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, echo=print) -> dict:
         cfg.check_runnable()               # before the warm-up, not at the engines' start
         for note in check_packages(cfg):   # ray (before megatron_trainer imports it), and
             echo(f"[warn] {note}")         # the default-on features' packages
+        check_private_cluster(cfg)
         if any(a.trainer == "megatron" for a in cfg.agents):   # the setup hook and TE: here,
             from hacpo.launch.megatron_trainer import check_driver_setup   # not in every rank
             check_driver_setup(cfg)
@@ -1131,6 +1132,16 @@ def missing_feature(cfg: TrainConfig, setting: str) -> str | None:
         return (missing_package(module, f"{setting}=true", e, f"or set {setting}=false")
                 + f"; the run goes on without {without}")
     return None
+
+
+def check_private_cluster(cfg: TrainConfig) -> None:
+    """A run on a private Ray cluster (a setting that runs on Ray, no rollout.ray_address)
+    needs a folder whose Ray socket paths fit an AF_UNIX path (TMPDIR, else /tmp): a
+    ValueError now, not Ray's traceback after the warm-up."""
+    on_ray = cfg.trainer_backend == "ray" or cfg.rollout.engine in ("ray", "vllm")
+    if on_ray and not cfg.rollout.ray_address:
+        from hacpo.launch.ray_cluster import temp_root
+        temp_root()
 
 
 def check_packages(cfg: TrainConfig) -> list[str]:

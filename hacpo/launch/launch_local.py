@@ -283,9 +283,13 @@ def _launch_local(args) -> int:
     # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (e.g. inherited) would refuse the worker nodes
     env = {**os.environ, **auth, "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
-    # short: Ray's socket paths live here. Held like a private cluster's: a launcher killed
-    # with SIGKILL cannot remove it, the next launch or private cluster does
-    tmp = new_temp_dir(TEMP_PREFIX + "launch-")
+    # short: Ray's socket paths live here (under /tmp if TMPDIR is too long for them, one
+    # warning says so). Held like a private cluster's: a launcher killed with SIGKILL cannot
+    # remove it, the next launch or private cluster does
+    try:
+        tmp = new_temp_dir(TEMP_PREFIX + "launch-")
+    except ValueError as e:     # no folder leaves room for Ray's socket paths
+        raise LaunchError(str(e)) from None
     node_args = [f"--node-ip-address={_HOST}", f"--temp-dir={tmp}", f"--num-cpus={cpus}",
                  f"--num-gpus={args.gpus_per_node}", "--block"]
     if args.object_store_mb:

@@ -23,6 +23,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from .ray_wait import LINUX_AF_UNIX_PATH_MAX, RAY_SOCKET_TAIL
+
 log = logging.getLogger("hacpo")
 
 # A private cluster binds to loopback only and reports no usage (ENVIRONMENT.md). Ray reads
@@ -221,12 +223,46 @@ def _release_owner_lock(temp_dir: str) -> None:
         os.close(fd)
 
 
+# A per-job TMPDIR (/local/scratch/<job id>, PBS's /var/tmp/pbs.<id>.<server>) often leaves
+# no room for Ray's socket paths (ray_wait.RAY_SOCKET_TAIL): the dir then goes under /tmp
+AF_UNIX_PATH_MAX = 103 if sys.platform == "darwin" else LINUX_AF_UNIX_PATH_MAX
+SHORT_TEMP_ROOT = "/tmp"
+_MKDTEMP_RANDOM = 8      # the characters tempfile.mkdtemp adds to the prefix
+
+
+def longest_socket_path(root: str, prefix: str = TEMP_PREFIX) -> int:
+    """Bytes of the longest socket path of a Ray cluster whose temp dir is made in ``root``
+    with ``prefix`` (:func:`new_temp_dir`)."""
+    return len(os.path.join(root, prefix).encode()) + _MKDTEMP_RANDOM + RAY_SOCKET_TAIL
+
+
+def temp_root(prefix: str = TEMP_PREFIX, root: str | None = None,
+              fallback: str | None = None) -> tuple[str, str | None]:
+    """The folder to make a Ray cluster's temp dir in: ``root`` (default the temp directory,
+    TMPDIR) when Ray's socket paths under it fit an AF_UNIX path, else ``fallback`` (default
+    SHORT_TEMP_ROOT) and a note saying why. A ValueError when they fit under neither."""
+    root = root or tempfile.gettempdir()
+    fallback = fallback or SHORT_TEMP_ROOT
+    n = longest_socket_path(root, prefix)
+    if n <= AF_UNIX_PATH_MAX:
+        return root, None
+    why = (f"Ray's socket paths under the temp directory {root} (TMPDIR) would be up to {n} "
+           f"bytes, over the AF_UNIX limit of {AF_UNIX_PATH_MAX}")
+    if longest_socket_path(fallback, prefix) > AF_UNIX_PATH_MAX:
+        raise ValueError(f"{why}, and under {fallback} too: set TMPDIR to a shorter folder")
+    return fallback, f"{why}: the Ray cluster's temp dir goes under {fallback} instead"
+
+
 def new_temp_dir(prefix: str = TEMP_PREFIX) -> str:
     """A temp dir for a Ray cluster this process starts (``prefix`` must start with
-    TEMP_PREFIX): the dirs of owners that died are swept first, and this process holds the
-    owner lock of the new one until :func:`remove_temp_dir`."""
-    sweep_dead_temp_dirs()
-    temp_dir = tempfile.mkdtemp(prefix=prefix)
+    TEMP_PREFIX), in :func:`temp_root` (its note logged as a warning): the dirs of owners
+    that died are swept first, and this process holds the owner lock of the new one until
+    :func:`remove_temp_dir`."""
+    root, note = temp_root(prefix)
+    if note:
+        log.warning(note)
+    sweep_dead_temp_dirs(root)
+    temp_dir = tempfile.mkdtemp(prefix=prefix, dir=root)
     _hold_owner_lock(temp_dir)
     return temp_dir
 

@@ -22,6 +22,15 @@ import time
 from dataclasses import dataclass, field
 
 
+# Ray makes its AF_UNIX sockets inside a cluster's temp dir, the longest path (measured, Ray
+# 2.60) <temp dir>/session_<YYYY-mm-dd_HH-MM-SS_micros>_<pid>/sockets/plasma_store, and refuses
+# one over the AF_UNIX limit only as its processes start (a traceback after the warm-up).
+# RAY_SOCKET_TAIL is that tail with a 7-digit pid (Linux's largest) and 2 spare bytes (".N": a
+# socket name Ray found taken). Here (no side effects on import) for the sbatch script too.
+LINUX_AF_UNIX_PATH_MAX = 107     # bytes: sun_path's 108, less the NUL (macOS: 104)
+RAY_SOCKET_TAIL = len("/session_2026-01-31_12-00-00_000000_4194304/sockets/plasma_store") + 2
+
+
 class ClusterTimeout(RuntimeError):
     """The cluster did not reach the expected nodes before the deadline."""
 

@@ -260,7 +260,17 @@ export RAY_AUTH_TOKEN
 RAY_PORT={ray_port}
 RAY_TIMEOUT={ray_timeout}
 LOG_DIR={log_dir}/job-$SLURM_JOB_ID
-RAY_TMP=${{TMPDIR:-/tmp}}/hacpo-slurm-ray-$SLURM_JOB_ID   # short: Ray's socket paths live here
+# Ray's socket paths live in RAY_TMP, the longest {socket_tail} bytes longer, and an AF_UNIX path
+# holds {socket_max}: a per-job TMPDIR (/local/scratch/<job id>) may leave no room, /tmp then
+ray_sockets_fit() {{ (( $(printf %s "$1" | wc -c) + {socket_tail} <= {socket_max} )); }}
+RAY_TMP=${{TMPDIR:-/tmp}}/hacpo-slurm-ray-$SLURM_JOB_ID
+if ! ray_sockets_fit "$RAY_TMP"; then
+  echo "[hacpo launch] Ray's socket paths under $RAY_TMP (TMPDIR) would exceed the AF_UNIX" \
+    "limit of {socket_max} bytes: Ray's temp dir is under /tmp instead"
+  RAY_TMP=/tmp/hacpo-slurm-ray-$SLURM_JOB_ID
+  ray_sockets_fit "$RAY_TMP" || {{ echo "[hacpo launch] ERROR: Ray's socket paths under" \
+    "$RAY_TMP would exceed the AF_UNIX limit of {socket_max} bytes too" >&2; exit 1; }}
+fi
 NODE_ARGS=({node_args})
 mkdir -p "$LOG_DIR" "$RAY_TMP"
 T0=$(date +%s)
@@ -414,6 +424,8 @@ def render_sbatch(args, cfg, *, python: str | None = None) -> str:
                  f"--num-gpus={args.gpus_per_node}"]
     if args.object_store_mb:
         node_args.append(f"--object-store-memory={args.object_store_mb * 1024 * 1024}")
+    # the nodes' limit (Linux), whatever machine renders the script
+    from .ray_wait import LINUX_AF_UNIX_PATH_MAX, RAY_SOCKET_TAIL
     return SBATCH_TEMPLATE.format(
         job_name=q(args.job_name), nodes=args.nodes, log_dir=q(str(run_dir / "slurm")),
         # --output expands %j, %x, ...: a '%' of the path itself is written %%
@@ -423,7 +435,8 @@ def render_sbatch(args, cfg, *, python: str | None = None) -> str:
         ray_timeout=math.ceil(args.ray_timeout), setup="".join(f"{s}\n" for s in args.setup or []),
         bin_dir=q(str(Path(python).parent)), python=q(python), ray_port=args.ray_port or 6379,
         node_args=" ".join(a if "${" in a else q(a) for a in node_args),
-        driver=" ".join(q(a) for a in driver_argv(args, cfg, python)))
+        driver=" ".join(q(a) for a in driver_argv(args, cfg, python)),
+        socket_tail=RAY_SOCKET_TAIL, socket_max=LINUX_AF_UNIX_PATH_MAX)
 
 
 # --------------------------------------------------------------------------------------------

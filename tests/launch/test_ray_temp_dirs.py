@@ -12,7 +12,8 @@ import time
 import pytest
 
 from hacpo.launch import ray_cluster  # first: its environment must precede `import ray`
-from hacpo.launch.ray_cluster import OWNER_LOCK, STALE_AFTER_S, TEMP_PREFIX, sweep_dead_temp_dirs
+from hacpo.launch.ray_cluster import (AF_UNIX_PATH_MAX, OWNER_LOCK, STALE_AFTER_S, TEMP_PREFIX,
+                                      longest_socket_path, sweep_dead_temp_dirs, temp_root)
 
 HOLD = textwrap.dedent("""
     import fcntl, os, sys, time
@@ -155,3 +156,97 @@ def test_what_ray_init_changed_in_the_process_is_put_back_at_shutdown():
     assert got["during"]["PYTHONBREAKPOINT"] == "ray.util.rpdb._driver_set_trace"
     assert "RAY_AUTH_MODE" in got["during"] and got["hook"]
     assert got["after"] == {"RAY_AUTH_MODE": "mine"} and got["hook_back"]
+
+
+# --------------------------------------------------------------------------------------------
+# a TMPDIR too long for Ray's socket paths (AF_UNIX: 107 bytes on Linux). A per-job TMPDIR
+# (/local/scratch/<job id>) made the cluster's start a traceback after the warm-up:
+# "validate_socket_filename failed: AF_UNIX path length cannot exceed 107 bytes"
+# --------------------------------------------------------------------------------------------
+def _ray_socket(temp_dir: str) -> str:
+    """The longest socket path Ray 2.60 makes in a cluster's temp dir: its session dir (date
+    with microseconds, the head's pid: at most 7 digits on Linux), then sockets/plasma_store."""
+    return os.path.join(temp_dir, "session_2026-12-06_20-12-43_248115_4194304", "sockets",
+                        "plasma_store")
+
+
+@pytest.mark.parametrize("prefix", [TEMP_PREFIX, TEMP_PREFIX + "launch-"])
+def test_temp_root_keeps_tmpdir_only_while_rays_sockets_fit(prefix):
+    assert temp_root(prefix, "/tmp") == ("/tmp", None)
+    for n in range(1, 120):   # every length of TMPDIR: kept while the paths fit (2 spare bytes)
+        root = "/" + "d" * n
+        longest = len(_ray_socket(os.path.join(root, prefix + "abcdefgh")))  # mkdtemp's 8
+        got, note = temp_root(prefix, root)
+        if longest + 2 <= AF_UNIX_PATH_MAX:
+            assert (got, note) == (root, None), n
+        else:
+            assert got == "/tmp", n
+            assert note == (f"Ray's socket paths under the temp directory {root} (TMPDIR) "
+                            f"would be up to {longest_socket_path(root, prefix)} bytes, over "
+                            f"the AF_UNIX limit of {AF_UNIX_PATH_MAX}: the Ray cluster's temp "
+                            f"dir goes under /tmp instead")
+    # the explorer's TMPDIR: a traceback after the warm-up before; /tmp now
+    assert temp_root(TEMP_PREFIX, "/tmp/ex_paths/scratch/job_1234")[0] == "/tmp"
+    long = "/" + "d" * 60
+    with pytest.raises(ValueError, match=f"under the temp directory {long} .*, and under "
+                                         f"{long} too: set TMPDIR to a shorter folder"):
+        temp_root(prefix, long, fallback=long)
+
+
+def _long_tmpdir(tmp_path) -> str:
+    d = tmp_path / "scratch" / "job_1234567"
+    d.mkdir(parents=True)
+    assert longest_socket_path(str(d)) > AF_UNIX_PATH_MAX     # too long: the case at hand
+    return str(d)
+
+
+def test_new_temp_dir_goes_under_tmp_with_a_warning_when_tmpdir_is_too_long(
+        tmp_path, monkeypatch, caplog):
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", _long_tmpdir(tmp_path))
+    with caplog.at_level("WARNING", logger="hacpo"):
+        d = ray_cluster.new_temp_dir()
+    try:
+        assert os.path.dirname(d) == "/tmp" and os.path.basename(d).startswith(TEMP_PREFIX)
+        assert longest_socket_path("/tmp") <= AF_UNIX_PATH_MAX
+        assert [r.getMessage() for r in caplog.records] == [
+            temp_root(root=tempfile.tempdir)[1]]
+    finally:
+        ray_cluster.remove_temp_dir(d)
+
+
+def test_train_on_a_private_cluster_with_no_room_for_rays_sockets_fails_before_any_work(
+        tmp_path, monkeypatch):
+    """Neither TMPDIR nor the fallback leaves room: one error line before the run dir, the
+    data and the warm-up, not Ray's traceback after them."""
+    import tempfile
+
+    from hacpo.engine.run_config import load_config
+    from hacpo.engine.trainer import train
+    long = _long_tmpdir(tmp_path)
+    monkeypatch.setattr(tempfile, "tempdir", long)
+    monkeypatch.setattr(ray_cluster, "SHORT_TEMP_ROOT", long)
+    cfg = load_config("tiny3", overrides={"out_dir": str(tmp_path / "run"), "threads": 1,
+                                          "rollout.engine": "ray"})
+    with pytest.raises(ValueError, match=f"under {long} too: set TMPDIR to a shorter folder"):
+        train(cfg, echo=lambda *_: None)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_private_cluster_under_a_long_tmpdir_starts_under_tmp(tmp_path):
+    """A real private cluster with a TMPDIR too long for Ray's socket paths: up (it was
+    Ray's OSError), its temp dir under /tmp, one warning naming TMPDIR; removed at shutdown."""
+    code = textwrap.dedent("""
+        from hacpo.launch import ray_cluster
+        c = ray_cluster.connect("", num_cpus=1)
+        print(c.temp_dir, flush=True)
+        c.shutdown()
+    """)
+    long = _long_tmpdir(tmp_path)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": long})
+    assert p.returncode == 0, p.stderr[-2000:]
+    temp_dir = p.stdout.strip().splitlines()[-1]
+    assert os.path.dirname(temp_dir) == "/tmp", temp_dir
+    assert p.stderr.count(f"under the temp directory {long} (TMPDIR)") == 1, p.stderr
+    assert not os.path.exists(temp_dir)

@@ -85,6 +85,13 @@ def test_dry_run_script(tmp_path, capsys):
     # every node's IP first, then workers on every node but the first
     assert loops == ['for NODE in "${NODES[@]}"; do', 'for NODE in "${NODES[@]:1}"; do']
     assert "RAY_PORT=6400" in lines and "RAY_TIMEOUT=123" in lines
+    # Ray's temp dir: under TMPDIR while Ray's socket paths there fit AF_UNIX's 107 bytes,
+    # else under /tmp (test_slurm_fit_and_script runs it), decided before it is made
+    assert "RAY_TMP=${TMPDIR:-/tmp}/hacpo-slurm-ray-$SLURM_JOB_ID" in lines
+    assert "ray_sockets_fit() { (( $(printf %s \"$1\" | wc -c) + 66 <= 107 )); }" in lines
+    assert "  RAY_TMP=/tmp/hacpo-slurm-ray-$SLURM_JOB_ID" in lines
+    assert lines.index('if ! ray_sockets_fit "$RAY_TMP"; then') < lines.index(
+        'mkdir -p "$LOG_DIR" "$RAY_TMP"')
     assert "ADDR=$HEAD_IP:$RAY_PORT" in lines
     # both waits use the one deadline and fail the job with a message
     assert "DEADLINE=$((T0 + RAY_TIMEOUT))" in lines

@@ -110,9 +110,10 @@ def test_ray_timeout_is_never_shortened(tmp_path, capsys, given, expect):
     assert re.findall(r"^RAY_TIMEOUT=(\d+)$", script, re.M) == [str(expect)]
 
 
-def _run_script(tmp_path, script: str, addrs: dict[str, str]):
+def _run_script(tmp_path, script: str, addrs: dict[str, str], **env_over):
     """``script`` run as the job's batch step with stand-ins for scontrol (node ``n`` has
-    NodeAddr ``addrs[n]``) and srun (it records its call and exits)."""
+    NodeAddr ``addrs[n]``) and srun (it records its call and exits); ``env_over``: more
+    environment (SLURM_JOB_ID, TMPDIR)."""
     import os
     import subprocess
     bin_dir = tmp_path / "fakebin"
@@ -127,7 +128,7 @@ def _run_script(tmp_path, script: str, addrs: dict[str, str]):
     for f in ("scontrol", "srun"):
         (bin_dir / f).chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7",
-           "SLURM_JOB_NODELIST": ",".join(addrs), "TMPDIR": str(tmp_path)}
+           "SLURM_JOB_NODELIST": ",".join(addrs), "TMPDIR": str(tmp_path), **env_over}
     return subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True,
                           timeout=120, cwd=tmp_path)
 
@@ -149,3 +150,36 @@ def test_a_head_on_loopback_with_nodes_elsewhere_is_named(tmp_path, capsys):
     assert "resolves to the loopback" not in one_machine.stderr
     assert "Ray head on n1 (127.0.0.1:" in one_machine.stderr       # got as far as the head
     assert "ray start --head --node-ip-address=127.0.0.1" in (tmp_path / "srun-calls").read_text()
+
+
+def test_rays_temp_dir_goes_under_tmp_when_tmpdir_leaves_no_room_for_its_sockets(tmp_path,
+                                                                                capsys):
+    """A per-job TMPDIR (/local/scratch/<job id>) long enough that Ray's socket paths under
+    $TMPDIR/hacpo-slurm-ray-<job id> pass the AF_UNIX limit (107 bytes): every `ray start`
+    failed. The job says so and gives Ray a temp dir under /tmp; a short TMPDIR is kept."""
+    import os
+    import shutil
+    import tempfile
+
+    from hacpo.launch.ray_wait import RAY_SOCKET_TAIL
+    rc, script, err = _launch(tmp_path, capsys)
+    assert rc == 0, err
+    job = f"9{os.getpid()}"      # the fallback dir is the machine's own /tmp: not another's
+    long = tmp_path / "local" / "scratch" / job
+    long.mkdir(parents=True)
+    ray_tmp = f"{long}/hacpo-slurm-ray-{job}"
+    assert len(ray_tmp) + RAY_SOCKET_TAIL > 107       # the case at hand
+    p = _run_script(tmp_path, script, {"n1": "127.0.0.1"}, SLURM_JOB_ID=job, TMPDIR=str(long))
+    assert (f"[hacpo launch] Ray's socket paths under {ray_tmp} (TMPDIR) would exceed the "
+            f"AF_UNIX limit of 107 bytes: Ray's temp dir is under /tmp instead") in p.stdout
+    calls = (tmp_path / "srun-calls").read_text()
+    assert f"--temp-dir=/tmp/hacpo-slurm-ray-{job} " in calls, calls
+    assert not os.path.exists(f"/tmp/hacpo-slurm-ray-{job}")      # removed at the end
+    (tmp_path / "srun-calls").unlink()
+    short = tempfile.mkdtemp(prefix="s", dir="/tmp")      # (pytest's tmp_path is too long)
+    try:
+        p = _run_script(tmp_path, script, {"n1": "127.0.0.1"}, SLURM_JOB_ID=job, TMPDIR=short)
+    finally:
+        shutil.rmtree(short)
+    assert "AF_UNIX" not in p.stdout + p.stderr
+    assert f"--temp-dir={short}/hacpo-slurm-ray-{job} " in (tmp_path / "srun-calls").read_text()
