@@ -597,6 +597,16 @@ def test_a_copied_runs_config_without_out_dir_is_an_error(tmp_path, capsys, monk
     assert main([*argv, "--out-dir", str(tmp_path / "copy")]) == 0      # the copy continues
     assert json.loads((tmp_path / "copy" / "summary.json").read_text())["steps"] == 2
     assert main(["train", "--config", str(run / "config.json"), "--resume", "--steps", "2"]) == 0
+    # a run made with a relative out_dir, resumed from another directory: not "copied or moved"
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--steps", "1", "--out-dir", "rel run", *common]) == 0
+    monkeypatch.chdir(run)
+    capsys.readouterr()
+    assert main(["train", "--config", str(tmp_path / "rel run" / "config.json"), "--resume",
+                 "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert (f"but it names out_dir rel run (relative: {run / 'rel run'} from this directory): "
+            f"pass --out-dir '{tmp_path / 'rel run'}' to continue that run") in err, err
 
 
 def test_hacpo_version_imports_no_torch_and_an_early_ctrl_c_is_one_line(monkeypatch, capsys):

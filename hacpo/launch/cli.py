@@ -60,9 +60,12 @@ def _check_copied_run_config(path, out_dir: str, command: str, out_given: bool) 
             os.path.join(here, "checkpoint.pt")):
         return
     if os.path.realpath(here) != os.path.realpath(out_dir):
+        import shlex
+        why = ("the run was copied or moved" if os.path.isabs(out_dir) else
+               f"relative: {os.path.abspath(out_dir)} from this directory")
         raise ValueError(f"--config {path} is the config of the run in {here}, but it names "
-                         f"out_dir {out_dir} (the run was copied or moved): pass --out-dir "
-                         f"{here} to continue that run (or --out-dir {out_dir})")
+                         f"out_dir {out_dir} ({why}): pass --out-dir {shlex.quote(here)} to "
+                         f"continue that run (or --out-dir {shlex.quote(out_dir)})")
 
 
 def _read_config(path: str) -> dict:
