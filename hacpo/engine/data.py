@@ -223,6 +223,9 @@ def load_examples(path: Union[str, os.PathLike], field_map: Union[FieldMap, str]
         rows: Iterable = _iter_jsonl(path)
     elif ext in (".parquet", ".pq"):
         rows = _iter_parquet(path)
+    elif path.endswith(("/", os.sep)) and os.path.splitext(path.rstrip("/" + os.sep))[1]:
+        raise DataError(f"{path}: a file's path ends without '/' (a trailing '/' names a "
+                        f"directory)")
     else:
         raise DataError(f"{path}: unsupported file type {ext!r} (use .jsonl or .parquet)")
     source = stem if source is None else source

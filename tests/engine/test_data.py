@@ -322,3 +322,12 @@ def test_utf16_files_and_json_messages_say_what_is_wrong(tmp_path):
     # json's "Invalid control character at" + " at column": one "at", no UTF-16 hint
     assert str(e.value).endswith("line 1: invalid JSON (Invalid control character at column "
                                  "16)")
+
+
+def test_a_file_path_with_a_trailing_slash_says_so(tmp_path):
+    """"unsupported file type ''" named no cause."""
+    path = _write_jsonl(tmp_path / "t.jsonl", GSM_ROWS)
+    with pytest.raises(DataError, match=r"t\.jsonl/: a file's path ends without '/'"):
+        load_examples(f"{path}/")
+    with pytest.raises(DataError, match=r"unsupported file type ''"):
+        load_examples(tmp_path / "README")
