@@ -717,3 +717,25 @@ def test_a_console_that_cannot_encode_what_a_command_prints_gets_it_escaped():
                          env={**os.environ, "PYTHONIOENCODING": "ascii"})
     assert out.returncode == 0, out.stderr.decode()
     assert out.stdout == b"acc 0.5 \\xb1 0.1 \\u221a\n"
+
+
+@pytest.mark.parametrize("text, said", [
+    ("steps: 3\nseed: 1\nsteps: 5\n", "key 'steps' is given twice (lines 1 and 3)"),
+    ("algorithm: {clip_low: 0.1, clip_low: 0.2}\n", "key 'clip_low' is given twice (lines 1 "
+                                                    "and 1)"),
+    ("algorithm:\n  clip_low: 0.1\nalgorithm.clip_low: 0.2\n",
+     "key algorithm.clip_low is given twice (as a dotted key and nested)"),
+])
+def test_a_config_key_given_twice_is_an_error(tmp_path, capsys, monkeypatch, text, said):
+    """yaml.safe_load kept the last of two keys silently ("steps: 10" near the top of a long
+    file and "steps: 2" further down ran 2 steps); a merge key still overrides."""
+    from hacpo.engine.run_config import read_config_file
+    monkeypatch.chdir(tmp_path)     # (a run that went ahead: its run dir and cache here)
+    y = tmp_path / "c.yaml"
+    y.write_text(text)
+    assert main(["train", "--preset", "tiny3", "--config", str(y)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"hacpo train: error: config file {y}") and said in err, err
+    y.write_text("base: &b {clip_low: 0.1, clip_high: 0.2}\nalgorithm:\n  <<: *b\n"
+                 "  clip_low: 0.3\n")
+    assert read_config_file(str(y))["algorithm.clip_low"] == 0.3

@@ -1071,7 +1071,7 @@ def read_config_file(path: str) -> dict[str, Any]:
         raise ValueError(f"config file {path}: cannot read it: {e.strerror or e}") from None
     with f:
         try:
-            data = yaml.safe_load(f)
+            data = yaml.load(f, Loader=_unique_keys_loader(yaml))
         except UnicodeDecodeError as e:     # e.g. a checkpoint.pt given as the config
             raise ValueError(f"config file {path}: not a text (UTF-8) file ({e.reason} at "
                              f"byte {e.start}): give the YAML or config.json file") from None
@@ -1080,14 +1080,43 @@ def read_config_file(path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"config file {path}: the top level must be a mapping of config keys "
                          f"(e.g. 'steps: 10'), got {type(data).__name__} {data!r:.60}")
-    return _flatten(data)
+    try:
+        return _flatten(data)
+    except ValueError as e:
+        raise ValueError(f"config file {path}: {e}") from None
+
+
+def _unique_keys_loader(yaml):
+    """yaml's SafeLoader, but a key given twice in one mapping is an error naming both lines
+    (safe_load kept the last silently: "steps: 10" near the top and "steps: 2" further down
+    ran 2 steps). Merge keys (``<<: *base``) still override what they merge."""
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                line = key_node.start_mark.line + 1
+                try:
+                    if key in seen:     # (YAML requires unique keys: the file is not YAML)
+                        raise yaml.constructor.ConstructorError(
+                            None, None, f"key {key!r} is given twice (lines {seen[key]} and "
+                            f"{line})", key_node.start_mark)
+                    seen[key] = line
+                except TypeError:           # an unhashable key: yaml's own error names it
+                    continue
+            return super().construct_mapping(node, deep=deep)
+    return Loader
 
 
 def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
-    out = {}
+    out: dict[str, Any] = {}
     for k, v in d.items():
-        if isinstance(v, dict) and k != "hf_config":
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
+        items = (_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) and k != "hf_config"
+                 else {f"{prefix}{k}": v})
+        for key, value in items.items():      # "a.b: 1" and "a: {b: 2}": the same key twice
+            if key in out:
+                raise ValueError(f"key {key} is given twice (as a dotted key and nested)")
+            out[key] = value
     return out
