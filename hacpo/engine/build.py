@@ -249,7 +249,7 @@ def warm_start(cfg: TrainConfig, data: Data, policies: list[Policy], echo=print)
         seed = a.policy.seed + 101 * k
         keyed = {"policy": asdict(a.policy), "warmup": asdict(a.warmup), "seed": seed,
                  "init": _state_digest(pol), "tokenizer": tokenizer_digest(tok),
-                 "examples": examples_digest,
+                 "encoding": encoding_digest(tok), "examples": examples_digest,
                  # 4: bf16 / fp16 warm-ups step fp32 master weights; 5: their grad
                  # norm and clip in fp32 (fp32 warm-ups: unchanged, bit for bit)
                  "v": 3 if a.policy.dtype == "float32" else 5}
@@ -348,6 +348,27 @@ def tokenizer_digest(tok) -> str:
                     tok.bos_id, tokens])
 
 
+def encoding_digest(tok) -> str:
+    """Hash of how a tokenizer turns text into ids, beyond its vocabulary (tokenizer_digest):
+    its prompt template (an HF tokenizer's chat template; whether it adds a BOS) and an HF
+    tokenizer's encoding rules (normalizer, pre-tokenizer, merges; not the padding or
+    truncation a saved tokenizer.json may hold, which hacpo's encodes do not use). The
+    warm-start cache keys on it: a chat template changed under the same name (a package
+    upgrade, an edited tokenizer folder) kept the vocabulary, and a warm start trained on
+    other ids was loaded."""
+    parts = [type(tok).__name__, getattr(tok, "template", None), getattr(tok, "_use_chat", None),
+             getattr(tok, "_add_bos", None)]
+    hf = getattr(tok, "hf", None)
+    if hf is not None:
+        parts.append(getattr(hf, "chat_template", None))
+        backend = getattr(hf, "backend_tokenizer", None)
+        if backend is not None:
+            spec = json.loads(backend.to_str())
+            spec.pop("padding", None), spec.pop("truncation", None)
+            parts.append(spec)
+    return _digest(json.loads(json.dumps(parts, default=repr)))
+
+
 def _state_digest(module: torch.nn.Module) -> str:
     """Hash of a module's state: every entry's name, dtype, shape and bytes."""
     h = hashlib.sha256()
@@ -382,8 +403,10 @@ def _cached_warm_start(path: str, pol: Policy) -> dict | None:
 
 
 def _state_misfit(state, pol: Policy) -> str | None:
+    losses = state.get("losses") if isinstance(state, dict) else None
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict) \
-            or not state.get("losses"):
+            or not isinstance(losses, list) or not losses \
+            or not all(type(x) in (int, float) for x in losses):   # (a tensor: a traceback)
         return "not a warm-start file: no model state and losses"
     want, got = pol.state_dict(), state["model"]
     missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))

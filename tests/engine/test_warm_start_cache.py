@@ -121,6 +121,14 @@ def test_cached_state_that_does_not_fit_is_a_logged_miss(tmp_path, caplog, one_t
     out, _, lines = _warm(cfg)   # replaced by the retrained state
     assert _cached(out) == [True], lines
 
+    for losses in (torch.tensor([4.4, 4.3]), ["x"]):     # (a tensor raised a traceback)
+        ckpt.save_atomic({**ckpt.load(path), "losses": losses}, path)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="hacpo"):
+            out, _, lines = _warm(cfg)
+        assert _cached(out) == [False], lines
+        assert any("not a warm-start file" in r.getMessage() for r in caplog.records)
+
     with open(path, "wb") as f:
         f.write(b"not a checkpoint")
     caplog.clear()
@@ -272,3 +280,33 @@ def test_held_out_problems_that_are_in_the_training_file_are_said(tmp_path, capl
         f"(the same question): their accuracy after RL is not held out",
         f"data.eval_path {train}: 4 of its 4 held-out problems are in data.train_path {train} "
         f"too (the same file): their accuracy after RL is not held out"]
+
+
+def test_cache_follows_how_the_tokenizer_encodes_not_only_its_vocabulary(tmp_path, one_thread):
+    """A chat template (or a plain template) changed under the same tokenizer name keeps the
+    vocabulary, and the cache loaded a warm start trained on other ids."""
+    train = _write(tmp_path / "d.jsonl", TRAIN)
+    ev = _write(tmp_path / "e.jsonl", EVAL)
+    cfg = _cfg(tmp_path, train, ev)
+
+    def warm(edit=None):
+        data = build.load_data(cfg)
+        policies = build.build_policies(cfg, data)
+        if edit:
+            edit(policies)
+        return build.warm_start(cfg, data, policies, echo=lambda *_: None)
+
+    assert _cached(warm()) == [False, False]
+    assert _cached(warm()) == [True, True]
+    hf = build.build_policies(cfg, build.load_data(cfg))[1].tokenizer.hf
+    original = hf.chat_template      # (qwen3: prompts go through its chat template)
+    other = original.replace("<|im_start|>", "<|im_start|>" * 2)
+
+    def templates(char, chat):
+        def edit(policies):          # (the HF tokenizer object may be shared between builds)
+            policies[0].tokenizer.template = char
+            policies[1].tokenizer.hf.chat_template = chat
+        return edit
+    assert _cached(warm(templates("Question: {question}\nAnswer: ", other))) == [False, False]
+    assert _cached(warm(templates("Question: {question}\nAnswer: ", other))) == [True, True]
+    assert _cached(warm(templates("Q: {question}\nA: ", original))) == [True, True]
