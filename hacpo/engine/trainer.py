@@ -492,11 +492,14 @@ def _check_resumable(cfg: TrainConfig, state, ck_path: str) -> None:
 def _literal_tilde_run(out_dir: str) -> str | None:
     """A run an older hacpo made for ``out_dir`` given as ``~/...`` unexpanded: in a folder
     named "~" of the current directory (None: no checkpoint there)."""
-    home = os.path.expanduser("~")
-    rel = os.path.relpath(os.path.abspath(out_dir), home)
+    try:            # (a current directory removed under the run: no such folder)
+        here, home = os.getcwd(), os.path.expanduser("~")
+    except OSError:
+        return None
+    rel = os.path.relpath(os.path.join(here, out_dir), home)
     if rel == os.pardir or rel.startswith(os.pardir + os.sep):
         return None
-    old = os.path.normpath(os.path.join(os.getcwd(), "~", rel))
+    old = os.path.normpath(os.path.join(here, "~", rel))
     return old if os.path.exists(os.path.join(old, CHECKPOINT)) else None
 
 
