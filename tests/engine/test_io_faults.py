@@ -228,7 +228,8 @@ def two_runs(tmp_path_factory):
 def test_eval_checks_every_output_dir_before_scoring(two_runs, capsys):
     """The second run's output dir cannot be made (a file named eval in its run dir; a
     read-only run dir alike): the error came after the first run was scored and written;
-    now it comes first, naming the dir, and nothing is written."""
+    now it comes first, naming the dir, and nothing is written (the first run's folder, made
+    for it and left empty, goes too)."""
     tmp, bench = two_runs
     (tmp / "two" / "eval").write_text("not a dir")
     try:
@@ -238,7 +239,7 @@ def test_eval_checks_every_output_dir_before_scoring(two_runs, capsys):
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err == (f"hacpo eval: error: eval output dir {tmp / 'two' / 'eval'} is "
                                f"a file, not a directory (--out-dir chooses another)"), err
-    assert not list((tmp / "one" / "eval").iterdir())     # made, nothing scored into it
+    assert not (tmp / "one" / "eval").exists()     # made, nothing scored into it: removed
 
 
 def test_eval_into_a_dangling_link_names_it(two_runs, capsys):
