@@ -372,6 +372,56 @@ def test_a_signalled_run_stops_its_reward_workers_and_resumes(tmp_path, sig, cod
         list(range(step + 2))
 
 
+def test_sigusr1_stops_a_run_at_a_checkpoint_of_its_step(tmp_path):
+    """SIGUSR1 (Slurm's `--signal=B:USR1@N` before a time limit; its default action killed the
+    run, losing every step since the last checkpoint) makes `hacpo train` write a checkpoint
+    at the end of the step it is in and stop: exit 138, one line naming the step, the reward
+    workers ended; the resume goes on from that step (no row dropped, none missing)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hacpo.launch.cli", "train", "--preset", "tiny3", "--out-dir",
+           str(run), "--set", f"cache_dir={tmp_path / 'cache'}", "plots=false",
+           "tensorboard=false", "reward.num_workers=2", "checkpoint_every=1000"]
+    proc = subprocess.Popen(cmd + ["--set", "steps=500"], stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    metrics = run / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 180
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.2)
+        workers = _descendants(proc.pid)
+        proc.send_signal(signal.SIGUSR1)
+        err = proc.communicate(timeout=120)[1]
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    assert proc.returncode == 138, err
+    from hacpo.engine import checkpoint as ckpt
+    step = ckpt.load(str(run / "checkpoint.pt"))["step"]
+    assert 1 <= step < 500
+    assert err.endswith(f"hacpo train: stopped at the checkpoint of step {step} (SIGUSR1); "
+                        f"continue it with --resume\n"), err
+    assert "Traceback" not in err
+    assert [json.loads(line)["step"] for line in open(metrics)] == list(range(step))
+    deadline = time.monotonic() + 20
+    while (alive := [p for p in workers if os.path.exists(f"/proc/{p}")]):
+        assert time.monotonic() < deadline, f"processes left running: {alive}"
+        time.sleep(0.2)
+    done = subprocess.run(cmd + ["--set", f"steps={step + 1}", "--resume"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "dropped" not in done.stdout + done.stderr
+    assert [json.loads(line)["step"] for line in open(metrics)] == list(range(step + 1))
+
+
 def test_policy_settings_nothing_would_use_fail_before_the_run(capsys, monkeypatch):
     """A decoder size given for an HF policy, and a misspelt hf_config key, are one error line
     when the config loads: before any data, warm-up or model is built."""

@@ -53,6 +53,8 @@ from .run_config import (TrainConfig, check_new_run_names, config_diff, config_h
                          default_fingerprint, drop_unused_policy_settings, fingerprint_dict,
                          resolve_paths, resolve_stored_paths, revalidated,
                          unused_rollout_settings)
+# request_stop: the API's way to stop a run at a checkpoint (hacpo.engine.signals)
+from .signals import RunStopped, clear_stop_request, request_stop, stop_requested  # noqa: F401
 from .timing import Stopwatch, device_sync, null_timer
 
 CHECKPOINT = "checkpoint.pt"
@@ -144,6 +146,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, echo=print) -> dict:
             ckpt.remove_made_dirs(cfg.out_dir, made)
         raise
     finally:
+        clear_stop_request()     # taken up, or came too late (the evaluation after RL)
         lock.close()
 
 
@@ -894,6 +897,22 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
     saved = start if state is not None else None     # the step the last checkpoint resumes at
     saving = None                                    # the step of a checkpoint being written
     logged = start
+
+    def save(at: int) -> None:       # the checkpoint a resume continues at step ``at``
+        nonlocal saved, saving
+        saving = at
+        _save(ck_path, cfg, at, agents, tracker, sampler, engine, shuffle_gen, nonfinite, warm,
+              before, ratio_log, tokenizers, heldout)
+        agents.checkpoint_saved()      # e.g. drop optimizer shards no checkpoint names
+        saved, saving = at, None
+
+    def stop_if_requested(at: int) -> None:   # request_stop() (SIGUSR1): here, checkpointed
+        if stop_requested():
+            if saved != at:
+                save(at)
+            echo(f"[stop] stop requested: the checkpoint at step {at} is written; --resume "
+                 f"goes on from there")
+            raise RunStopped(at, cfg.out_dir)
     try:
         if state is not None:   # once metrics.jsonl is read (a resume refused for a line of it
             # keeps the summary.json of a finished run)
@@ -901,6 +920,8 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
             if carried:
                 logger.tensorboard_scalars(start - 1, carried)
             _write_config(cfg, finished=start == cfg.steps)
+        if start < cfg.steps:     # asked during the warm-up or the evaluation before RL
+            stop_if_requested(start)
         for step in range(start, cfg.steps):
             sw = Stopwatch(device_sync(cfg.profile_sync))
             t_step = time.perf_counter()
@@ -973,19 +994,12 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
                 bar.set_postfix({nm: f"{metrics[f'reward/{nm}']:.2f}" for nm in names})
                 bar.update(1)
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
-                saving = step + 1
-                _save(ck_path, cfg, step + 1, agents, tracker, sampler, engine, shuffle_gen,
-                      nonfinite, warm, before, ratio_log, tokenizers, heldout)
-                agents.checkpoint_saved()      # e.g. drop optimizer shards no checkpoint names
-                saved, saving = step + 1, None
+                save(step + 1)
+            stop_if_requested(step + 1)    # (the last step's too: the resume evaluates)
         if cfg.steps == 0 and start == 0:
             # the warm start as a checkpoint: `hacpo eval` scores it on other benchmarks (the
             # baseline before RL) and `--resume` with steps > 0 trains on from it
-            saving = 0
-            _save(ck_path, cfg, 0, agents, tracker, sampler, engine, shuffle_gen, nonfinite,
-                  warm, before, ratio_log, tokenizers, heldout)
-            agents.checkpoint_saved()
-            saved, saving = 0, None
+            save(0)
     except (KeyboardInterrupt, SystemExit):      # Ctrl-C, SIGTERM: where a resume goes on
         if saving is not None:   # a stop held while the checkpoint was written: written or not
             saved = _checkpoint_step(ck_path, saved)

@@ -238,7 +238,8 @@ def _stoppable(args, func) -> int:
     """``func(args)`` with SIGTERM (kill, a supervisor, a scheduler's time limit) unwinding
     like Ctrl-C: the command's `finally` blocks close reward workers, engines and a private
     Ray cluster (by default Python dies at once and leaves the reward worker processes
-    running). Either prints one line and exits 143 (SIGTERM) / 130 (Ctrl-C)."""
+    running). Either prints one line and exits 143 (SIGTERM) / 130 (Ctrl-C); a training
+    command that SIGUSR1 stopped at a checkpoint exits 138."""
     import signal
     import threading
 
@@ -254,6 +255,8 @@ def _stoppable(args, func) -> int:
             os.path.join(run_dir, "config.json")) else ""
 
     _SIGTERM_SEEN.clear()
+    if args.command in TRAINING_COMMANDS:      # SIGUSR1: a checkpoint at this step's end, stop
+        func = _checkpoint_stoppable(func, again)
     try:
         return func(args)
     except KeyboardInterrupt:
@@ -286,6 +289,25 @@ def _stoppable(args, func) -> int:
     finally:
         if prev is not None:
             signal.signal(signal.SIGTERM, prev)
+
+
+# the commands that train: SIGUSR1 (Slurm's --signal before a time limit) stops them at a
+# checkpoint (hacpo.engine.signals); the others keep its default action
+TRAINING_COMMANDS = ("train", "compare", "profile")
+
+
+def _checkpoint_stoppable(func, again):
+    def run(args) -> int:
+        from hacpo.engine.signals import (CHECKPOINT_STOPPED, RunStopped,
+                                          stop_on_checkpoint_signal)
+        try:
+            with stop_on_checkpoint_signal():
+                return func(args)
+        except RunStopped as e:
+            print(f"hacpo {args.command}: stopped at the checkpoint of step {e.step} "
+                  f"(SIGUSR1){again()}", file=sys.stderr)
+            return CHECKPOINT_STOPPED
+    return run
 
 
 def _interrupted_by(e: BaseException) -> BaseException | None:

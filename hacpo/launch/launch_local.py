@@ -16,7 +16,9 @@ time and where the logs are. SIGTERM to the launcher ends the driver's process g
 cluster the same way (exit 143), and so does SIGHUP (the terminal closed; exit 129) unless it
 is ignored (nohup). A SIGKILLed launcher cannot tear down: its driver and ``ray start``
 processes get SIGTERM from the kernel when it dies (PR_SET_PDEATHSIG), and stop as they do on
-a teardown's (the Ray temp dir is left). Ctrl-C in the terminal (SIGINT to
+a teardown's (the Ray temp dir is left). SIGUSR1 to the launcher is passed on to the driver,
+which writes a checkpoint at the end of its step and stops (exit 138, as the launcher's then;
+before the driver runs, SIGUSR1 stops the launch as SIGTERM does). Ctrl-C in the terminal (SIGINT to
 the launcher's process group: the driver and the Ray nodes run in sessions of their own and do
 not see it) is passed on to the driver's process group as SIGINT, so the run stops as an
 interrupted ``hacpo train`` does; then the cluster is torn down and the launcher prints one
@@ -36,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from hacpo.engine.signals import signals_deferred
+from hacpo.engine.signals import CHECKPOINT_SIGNAL, signals_deferred
 
 from .ray_cluster import (TEMP_PREFIX, new_auth_env, new_temp_dir, remove_temp_dir,
                           use_auth_env)
@@ -71,6 +73,8 @@ class _Teardown:
         for sig in _STOP_SIGNALS:
             if signal.getsignal(sig) is not signal.SIG_IGN:    # (nohup: SIGHUP stays ignored)
                 self._previous[sig] = signal.signal(sig, self._hurry)
+        # the driver is stopping already: its checkpoint request has nothing left to do
+        self._previous[CHECKPOINT_SIGNAL] = signal.signal(CHECKPOINT_SIGNAL, lambda *_: None)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -231,16 +235,34 @@ def _end_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
 
 
+@contextlib.contextmanager
+def _passed_on(signum: int, p: subprocess.Popen):
+    """The body with signal ``signum`` to the launcher passed on to process ``p`` (main
+    thread only, as every handler here)."""
+    previous = signal.signal(signum, lambda *_: p.poll() is None and p.send_signal(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signum, previous)
+
+
 def launch_local(args) -> int:
     """See the module docstring; SIGTERM, or SIGHUP (unless ignored: nohup), tears down the
-    driver and the cluster as Ctrl-C does, and the launcher exits 128 + the signal."""
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    driver and the cluster as Ctrl-C does, and the launcher exits 128 + the signal. SIGUSR1
+    is passed on to the driver (it checkpoints at the end of its step and stops, exit 138);
+    before the driver runs, it stops the launch as SIGTERM does (exit 138)."""
+    previous = {sig: signal.getsignal(sig)
+                for sig in (signal.SIGTERM, signal.SIGHUP, CHECKPOINT_SIGNAL)}
     for sig, handler in previous.items():
         if handler is not signal.SIG_IGN:
             signal.signal(sig, _on_stop_signal)
     try:
         return _launch_local(args)
     except _Terminated as e:
+        if e.signum == CHECKPOINT_SIGNAL:
+            print("[hacpo launch] stopped (SIGUSR1) before the driver ran, with nothing to "
+                  "checkpoint: the Ray cluster was stopped", file=sys.stderr, flush=True)
+            return 128 + e.signum
         name = "SIGHUP: the terminal closed" if e.signum == signal.SIGHUP else "SIGTERM"
         print(f"[hacpo launch] terminated ({name}): the driver and the Ray cluster were "
               f"stopped", file=sys.stderr, flush=True)
@@ -317,7 +339,7 @@ def _launch_local(args) -> int:
         log = log_dir / f"ray-{name}.log"
         # a Ctrl-C / SIGTERM while it starts is handled once it is recorded (then stopped)
         # appended: the logs of an earlier launch of this run dir (which its error named) stay
-        with signals_deferred(*_STOP_SIGNALS), open(log, "a") as f:
+        with signals_deferred(*_STOP_SIGNALS, CHECKPOINT_SIGNAL), open(log, "a") as f:
             f.write(f"==== hacpo launch local (pid {os.getpid()}), "
                     f"{time.strftime('%Y-%m-%d %H:%M:%S')}: ray start {name} ====\n")
             f.flush()
@@ -342,11 +364,12 @@ def _launch_local(args) -> int:
         print("[hacpo launch] driver: " + shlex.join(argv), flush=True)
         # its own session: on a timeout (or if this launcher is interrupted) the whole driver
         # process group is ended, whatever it started
-        with signals_deferred(*_STOP_SIGNALS):    # recorded, then stopped
+        with signals_deferred(*_STOP_SIGNALS, CHECKPOINT_SIGNAL):   # recorded, then stopped
             driver = subprocess.Popen(argv, env=env, start_new_session=True,
                                       preexec_fn=_end_with_parent)
         try:
-            rc, lost = _wait_driver(driver, procs, nodes, wall)
+            with _passed_on(CHECKPOINT_SIGNAL, driver):   # a checkpoint at its step's end
+                rc, lost = _wait_driver(driver, procs, nodes, wall)
         except subprocess.TimeoutExpired:
             t_limit = time.time()
             print(f"[hacpo launch] --wait-timeout {args.wait_timeout:g}s passed: ending the "

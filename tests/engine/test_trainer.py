@@ -1220,6 +1220,71 @@ def test_a_stop_while_the_checkpoint_is_written_names_that_checkpoint(tmp_path, 
     assert ckpt.load(str(tmp_path / "run" / "checkpoint.pt"))["step"] == 2
 
 
+def test_a_stop_request_checkpoints_the_step_and_the_resume_goes_on(tmp_path, monkeypatch):
+    """request_stop() (SIGUSR1 in `hacpo train`: Slurm's --signal before a time limit) stops
+    the run at the end of its step with a checkpoint there, whatever checkpoint_every says
+    (Ctrl-C / SIGTERM lose the steps since the last one); the resume goes on from it and the
+    run equals one never stopped. Asked during the evaluation before RL: a checkpoint at step
+    0 (the warm-up and that evaluation are not redone). A request no run took up is dropped
+    when train() returns."""
+    import hacpo.engine.trainer as trainer_mod
+    from hacpo.engine.signals import RunStopped, request_stop, stop_requested
+    cfg = _cfg(tmp_path, steps="4", checkpoint_every="100", plots="false", tensorboard="false",
+               **{"data.eval_size": "4"})
+    real, calls = trainer_mod.generate_agents, []
+
+    def asked_in_step_2(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:            # step 1 (0-based) runs, then the run stops
+            request_stop()
+        return real(*a, **k)
+    said = []
+    with monkeypatch.context() as m:
+        m.setattr(trainer_mod, "generate_agents", asked_in_step_2)
+        with pytest.raises(RunStopped) as e:
+            train(cfg, echo=said.append)
+    assert e.value.step == 2 and not stop_requested()
+    assert said[-1] == ("[stop] stop requested: the checkpoint at step 2 is written; --resume "
+                        "goes on from there")
+    run = tmp_path / "run"
+    assert ckpt.load(str(run / "checkpoint.pt"))["step"] == 2
+    assert [json.loads(l)["step"] for l in open(run / "metrics.jsonl")] == [0, 1]
+    assert not (run / "summary.json").exists()
+    said = []
+    stopped = train(cfg, resume=True, echo=said.append)
+    assert "[resume] " + str(run / "checkpoint.pt") + " at step 2" in said
+    assert not any("dropped" in line for line in said), said
+    whole = train(cfg.override({"out_dir": str(tmp_path / "whole")}), echo=lambda *_: None)
+    assert stopped["after"] == whole["after"] and stopped["before"] == whole["before"]
+    rows = [json.loads(l) for l in open(run / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    ref = [json.loads(l) for l in open(tmp_path / "whole" / "metrics.jsonl")]
+    assert _strip_times(rows) == _strip_times(ref)
+
+    def ask_before_rl(line):           # during the held-out evaluation before RL
+        said.append(line)
+        if line.startswith("[eval] held-out accuracy before RL"):
+            request_stop()
+    said = []
+    with pytest.raises(RunStopped) as e:
+        train(cfg.override({"out_dir": str(tmp_path / "early")}), echo=ask_before_rl)
+    assert e.value.step == 0
+    assert ckpt.load(str(tmp_path / "early" / "checkpoint.pt"))["step"] == 0
+    assert not (tmp_path / "early" / "metrics.jsonl").exists() or \
+        (tmp_path / "early" / "metrics.jsonl").read_text() == ""
+    said = []
+    train(cfg.override({"out_dir": str(tmp_path / "early"), "steps": 1}), resume=True,
+          echo=said.append)
+    assert not any("before RL ..." in line for line in said), said   # measured once
+
+    def ask_after_rl(line):            # too late: the run finishes, the request is dropped
+        if line.startswith("[eval] held-out accuracy after RL"):
+            request_stop()
+    done = train(cfg.override({"out_dir": str(tmp_path / "late"), "steps": 1}),
+                 echo=ask_after_rl)
+    assert done["steps"] == 1 and not stop_requested()
+
+
 def test_a_resume_without_plots_leaves_no_plots_of_the_run_before(tmp_path):
     """A finished run resumed for more steps with plots=false kept the earlier run's PNGs and
     ratio histograms, which then looked like this run's; they go with its summary.json (a

@@ -251,6 +251,38 @@ def test_launch_local_ctrl_c_stops_driver_and_cluster(tmp_path):
     assert not processes_mentioning(str(out)), "the driver was left running"
 
 
+@pytest.mark.slow
+def test_launch_local_passes_sigusr1_on_and_the_driver_stops_at_a_checkpoint(tmp_path):
+    """SIGUSR1 to the launcher (a time limit coming) reaches the driver, which writes a
+    checkpoint at the end of its step and stops (checkpoint_every far away); the cluster is
+    torn down and the launcher exits 138 as its driver did (before: SIGUSR1's default action
+    killed the launcher; its driver then got SIGTERM and lost the steps since the last
+    checkpoint)."""
+    out = tmp_path / "run"
+    args = tiny_run_args(out, tmp_path)
+    args[args.index(f"steps={TINY_STEPS}")] = "steps=1000"
+    args += ["--set", "checkpoint_every=1000"]
+    p = subprocess.Popen([sys.executable, "-m", "hacpo.launch.cli", "launch", "local",
+                          "--cpus-per-node", "3", "--ray-timeout", "240", *args], cwd=REPO,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", **INHERITED_RAY_ENV},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while not (out / "metrics.jsonl").exists():
+            assert p.poll() is None and time.time() < deadline, "the driver never trained"
+            time.sleep(0.2)
+    except BaseException:
+        p.send_signal(signal.SIGTERM)       # (torn down as on any SIGTERM)
+        p.communicate(timeout=120)
+        raise
+    p.send_signal(signal.SIGUSR1)
+    _assert_torn_down(p, out, 138, "(SIGUSR1); continue it with --resume")
+    from hacpo.engine import checkpoint as ckpt
+    step = ckpt.load(str(out / "checkpoint.pt"))["step"]
+    rows = [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert step >= 1 and rows == list(range(step))
+
+
 def _launch_in_background(out: Path, tmp_path: Path, log: Path) -> subprocess.Popen:
     """``hacpo launch local`` of a long tiny run (1000 steps), its output into ``log``."""
     args = tiny_run_args(out, tmp_path)
