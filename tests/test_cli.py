@@ -376,7 +376,7 @@ def test_sigusr1_stops_a_run_at_a_checkpoint_of_its_step(tmp_path):
     """SIGUSR1 (Slurm's `--signal=B:USR1@N` before a time limit; its default action killed the
     run, losing every step since the last checkpoint) makes `hacpo train` write a checkpoint
     at the end of the step it is in and stop: exit 138, one line naming the step, the reward
-    workers ended; the resume goes on from that step (no row dropped, none missing)."""
+    workers ended, the metrics rows exactly the steps before the checkpoint."""
     import os
     import signal
     import subprocess
@@ -415,11 +415,7 @@ def test_sigusr1_stops_a_run_at_a_checkpoint_of_its_step(tmp_path):
     while (alive := [p for p in workers if os.path.exists(f"/proc/{p}")]):
         assert time.monotonic() < deadline, f"processes left running: {alive}"
         time.sleep(0.2)
-    done = subprocess.run(cmd + ["--set", f"steps={step + 1}", "--resume"],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert "dropped" not in done.stdout + done.stderr
-    assert [json.loads(line)["step"] for line in open(metrics)] == list(range(step + 1))
+    # (the resume from it: tests/engine/test_trainer.py, tests/launch/test_slurm.py)
 
 
 def test_policy_settings_nothing_would_use_fail_before_the_run(capsys, monkeypatch):

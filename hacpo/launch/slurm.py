@@ -14,7 +14,10 @@ submitted), writes an sbatch script into the run dir and submits it. The script:
    FAILED);
 3. runs the driver: ``hacpo train ... --set rollout.engine=ray rollout.ray_address=HEAD:PORT``
    (``--resume`` with ``hacpo launch --resume``, and always in a job Slurm requeued, e.g.
-   after a preemption: ``SLURM_RESTART_COUNT`` > 0);
+   after a preemption: ``SLURM_RESTART_COUNT`` > 0), in the background: a SIGUSR1 to the
+   script (``--checkpoint-before-limit S``: Slurm's ``--signal=B:USR1@S`` before the time
+   limit) is passed on to it, it writes a checkpoint at the end of its step and exits 138, and
+   the job then requeues itself (with the option) to resume from there;
 4. ends the ``srun`` steps (SIGTERM to each step; ``ray start --block`` then stops its node's
    processes) and removes the Ray temp dir. Never ``ray stop``: on a shared machine it would
    stop every Ray there.
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -303,11 +307,34 @@ cleanup() {{  # end our srun steps: SIGTERM, then SIGKILL after 30 s; then Ray's
       say "could not remove Ray's temp dir $RAY_TMP on ${{WORKER_NODES[*]}}"
     fi
   fi
+  if ((REQUEUE)); then   # last: Slurm ends this script as it requeues the job
+    say "requeueing the job: it resumes the run from that checkpoint when it starts again"
+    scontrol requeue "$SLURM_JOB_ID" ||
+      echo "[hacpo launch] ERROR: \`scontrol requeue $SLURM_JOB_ID\` failed: submit the job" \
+        "again with --resume to continue the run" >&2
+  fi
   say "job exits with $rc"
   exit $rc
 }}
 trap cleanup EXIT
-trap 'fail "job cancelled or timed out (signal)"' TERM INT
+DRIVER_PID=""   # the driver while it runs (in the background: signals reach the traps at once)
+GOT_USR1=0
+REQUEUE=0
+REQUEUE_ON_STOP={requeue_on_stop}   # 1: --checkpoint-before-limit given
+wait_driver() {{ while kill -0 "$DRIVER_PID" 2>/dev/null; do wait "$DRIVER_PID"; done; }}
+on_stop() {{  # TERM / INT (scancel, the time limit): the driver, signalled with the job, ends first
+  [ -z "$DRIVER_PID" ] || wait_driver
+  fail "job cancelled or timed out (signal)"
+}}
+on_usr1() {{  # --signal=B:USR1@N before the time limit, or `scancel --batch --signal=USR1`
+  GOT_USR1=1
+  if [ -n "$DRIVER_PID" ]; then
+    say "SIGUSR1: the driver writes a checkpoint at the end of its step and stops"
+    kill -USR1 "$DRIVER_PID" 2>/dev/null
+  fi
+}}
+trap on_stop TERM INT
+trap on_usr1 USR1
 stopped_nodes() {{  # the nodes whose Ray srun step has exited
   local i
   for i in "${{!SRUN_PIDS[@]}}"; do
@@ -374,11 +401,28 @@ if (( ${{SLURM_RESTART_COUNT:-0}} > 0 )) && [[ " ${{DRIVER[*]}} " != *" --resume
   DRIVER+=(--resume)   # requeued (preemption, node failure): continue from the last checkpoint
   say "restart $SLURM_RESTART_COUNT of this job: the driver resumes the run"
 fi
+if ((GOT_USR1)); then   # the time limit is near already: no step could be run and checkpointed
+  say "SIGUSR1 before the driver started: nothing to checkpoint; the job stops (--resume" \
+    "continues the run)"
+  exit {stopped}
+fi
 say "driver: ${{DRIVER[*]}}"
-"${{DRIVER[@]}}"
-RC=$?
+"${{DRIVER[@]}}" &
+DRIVER_PID=$!
+((GOT_USR1)) && kill -USR1 "$DRIVER_PID"   # it came as the driver started
+wait_driver
+wait "$DRIVER_PID"; RC=$?   # its own exit status (a `wait` a trap ended gave 128 + the signal)
+DRIVER_PID=""
 say "driver exited with $RC"
-if ((RC != 0)); then  # did it fail because Ray went away (e.g. the head's GCS died: the driver
+if ((RC == {stopped} && GOT_USR1)); then
+  if ((REQUEUE_ON_STOP)); then
+    say "the driver stopped at its checkpoint before the time limit"
+    REQUEUE=1
+  else
+    say "the driver stopped at its checkpoint (SIGUSR1): submit the job again with --resume" \
+      "to continue the run"
+  fi
+elif ((RC != 0)); then  # did it fail because Ray went away (e.g. the head's GCS died: the driver
   LOST=""             # then exits 1 without a message)? A step may end a moment after it
   for _ in $(seq 10); do LOST=$(stopped_nodes); [ -n "$LOST" ] && break; sleep 0.5; done
   for NODE in $LOST; do
@@ -410,6 +454,9 @@ def render_sbatch(args, cfg, *, python: str | None = None) -> str:
         extra.append(f"--partition={q(args.partition)}")
     if args.time:
         extra.append(f"--time={q(args.time)}")
+    before = getattr(args, "checkpoint_before_limit", None)
+    if before is not None:      # the job script passes B:USR1 on to the driver; then requeues
+        extra += [f"--signal=B:USR1@{before}", "--requeue"]
     if args.gpus_per_node:
         extra.append(f"--gpus-per-node={args.gpus_per_node}")
     if args.cpus_per_node:
@@ -424,6 +471,8 @@ def render_sbatch(args, cfg, *, python: str | None = None) -> str:
                  f"--num-gpus={args.gpus_per_node}"]
     if args.object_store_mb:
         node_args.append(f"--object-store-memory={args.object_store_mb * 1024 * 1024}")
+    from hacpo.engine.signals import CHECKPOINT_STOPPED
+
     # the nodes' limit (Linux), whatever machine renders the script
     from .ray_wait import LINUX_AF_UNIX_PATH_MAX, RAY_SOCKET_TAIL
     return SBATCH_TEMPLATE.format(
@@ -436,7 +485,8 @@ def render_sbatch(args, cfg, *, python: str | None = None) -> str:
         bin_dir=q(str(Path(python).parent)), python=q(python), ray_port=args.ray_port or 6379,
         node_args=" ".join(a if "${" in a else q(a) for a in node_args),
         driver=" ".join(q(a) for a in driver_argv(args, cfg, python)),
-        socket_tail=RAY_SOCKET_TAIL, socket_max=LINUX_AF_UNIX_PATH_MAX)
+        socket_tail=RAY_SOCKET_TAIL, socket_max=LINUX_AF_UNIX_PATH_MAX,
+        requeue_on_stop=int(before is not None), stopped=CHECKPOINT_STOPPED)
 
 
 # --------------------------------------------------------------------------------------------
@@ -518,8 +568,60 @@ def check_launch_numbers(args) -> None:
         raise LaunchError(f"--poll must be a finite number of seconds > 0, got {poll}")
 
 
+# Slurm's --signal takes at most this many seconds
+SIGNAL_MAX_S = 65535
+
+
+def slurm_time_s(value: str) -> int | None:
+    """Seconds of a Slurm time limit (``M``, ``M:S``, ``H:M:S``, ``D-H``, ``D-H:M``,
+    ``D-H:M:S``); None for no limit (``UNLIMITED``, ``INFINITE``, ``0``); ValueError for
+    anything else."""
+    v = value.strip()
+    if v.upper() in ("UNLIMITED", "INFINITE"):
+        return None
+    m = re.fullmatch(r"(?:([0-9]+)-)?([0-9]+)(?::([0-9]+))?(?::([0-9]+))?", v)
+    if m is None:
+        raise ValueError(f"not a Slurm time limit: {value!r}")
+    days, *rest = m.groups()
+    nums = [int(x) for x in rest if x is not None]
+    if days is not None:       # D-H, D-H:M, D-H:M:S
+        h, mins, sec = (nums + [0, 0])[:3]
+        total = ((int(days) * 24 + h) * 60 + mins) * 60 + sec
+    elif len(nums) == 1:       # M
+        total = nums[0] * 60
+    elif len(nums) == 2:       # M:S
+        total = nums[0] * 60 + nums[1]
+    else:                      # H:M:S
+        total = (nums[0] * 60 + nums[1]) * 60 + nums[2]
+    return total or None       # (0: no limit, as Slurm reads it)
+
+
+def check_checkpoint_before_limit(args) -> None:
+    """--checkpoint-before-limit: within what Slurm's --signal takes, and before the job's own
+    --time (a signal at its start would stop every requeue at once)."""
+    before = args.checkpoint_before_limit
+    if before is None:
+        return
+    if not 1 <= before <= SIGNAL_MAX_S:
+        raise LaunchError(f"--checkpoint-before-limit must be 1..{SIGNAL_MAX_S} seconds "
+                          f"(Slurm's --signal), got {before}")
+    if args.time is None:
+        return                    # the partition's default time limit
+    try:
+        limit = slurm_time_s(args.time)
+    except ValueError as e:
+        raise LaunchError(f"--time: {e}") from None
+    if limit is None:
+        raise LaunchError(f"--checkpoint-before-limit needs a time limit to signal before: "
+                          f"--time {args.time} has none")
+    if before >= limit:
+        raise LaunchError(f"--checkpoint-before-limit {before} is not before --time "
+                          f"{args.time} ({limit} s): the job would be signalled as it starts")
+
+
 def launch_slurm(args) -> int:
     check_launch_numbers(args)
+    check_checkpoint_before_limit(args)
     cfg = load_run(args)
     check_resources(cfg, args.nodes, args.cpus_per_node, args.gpus_per_node)
     check_wait_timeout(args.wait_timeout)
@@ -686,6 +788,11 @@ def add_launch_parser(subparsers) -> None:
     _add_run_args(s)
     s.add_argument("--partition", default=None)
     s.add_argument("--time", default=None, help="Slurm time limit, e.g. 01:00:00")
+    s.add_argument("--checkpoint-before-limit", type=int, default=None, metavar="SECONDS",
+                   help="SECONDS before the time limit (Slurm's --signal=B:USR1, up to 60 s "
+                        "early) the driver writes a checkpoint at the end of its step and "
+                        "stops, and the job requeues itself (--requeue) to continue the run; "
+                        "allow a step and a checkpoint")
     s.add_argument("--job-name", default="hacpo")
     s.add_argument("--sbatch-arg", action="append", metavar="ARG",
                    help="extra #SBATCH line, e.g. --sbatch-arg=--account=abc (repeatable)")

@@ -191,6 +191,36 @@ def test_dry_run_resume_and_requeue(tmp_path, capsys):
     assert _driver_after_requeue(script, 3) == given      # not twice
 
 
+def test_dry_run_checkpoint_before_limit(tmp_path, capsys):
+    """--checkpoint-before-limit S: Slurm signals the job script S s before its time limit
+    (B:USR1: the script only, which passes it on to the driver: a USR1 to every process of
+    the job would kill the Ray steps) and may requeue it; the script requeues a job whose
+    driver stopped at its checkpoint on that signal. Without it: neither."""
+    script, _ = _dry_run(tmp_path, capsys, "--checkpoint-before-limit", "300")
+    assert _sbatch_directives(script)["signal"] == "B:USR1@300"
+    assert "\n#SBATCH --requeue\n" in script and "\nREQUEUE_ON_STOP=1 " in script
+    assert "\ntrap on_usr1 USR1\n" in script
+    script, _ = _dry_run(tmp_path, capsys)
+    assert "signal" not in _sbatch_directives(script) and "--requeue" not in script
+    assert "\nREQUEUE_ON_STOP=0 " in script and "\ntrap on_usr1 USR1\n" in script
+
+
+@pytest.mark.parametrize("value,seconds", [
+    ("10", 600), ("10:30", 630), ("1:00:00", 3600), ("2-3", (2 * 24 + 3) * 3600),
+    ("1-0:30", 86400 + 1800), ("1-1:1:1", 90061), ("UNLIMITED", None), ("infinite", None),
+    ("0", None)])
+def test_slurm_time_limits_in_seconds(value, seconds):
+    from hacpo.launch.slurm import slurm_time_s
+    assert slurm_time_s(value) == seconds
+
+
+@pytest.mark.parametrize("value", ["", "1:2:3:4", "1-2-3", "x", "1-", "-5", "1.5", "\u00b2"])
+def test_slurm_time_limits_that_are_not(value):
+    from hacpo.launch.slurm import slurm_time_s
+    with pytest.raises(ValueError, match="not a Slurm time limit"):
+        slurm_time_s(value)
+
+
 def test_algorithm_and_steps_reach_the_driver(tmp_path, capsys):
     """``--algorithm`` / ``--steps`` resolve as ``hacpo train``'s do (the preset under the
     algorithm preset, the run preset's minibatch count) and reach the driver's command line;
@@ -319,6 +349,17 @@ _HF_AGENTS = ("--set", *(f"agents.{k}.policy.{f}" for k in range(3)
     (["--out-dir", "{tmp}/back\\slash"], "holds a backslash or a newline, which an #SBATCH "
                                           "line cannot carry"),
     (["--wait-timeout", "60"], "--wait-timeout needs --wait"),
+    # Slurm's --signal range; a signal at (or before) the job's start stopped every requeue
+    (["--checkpoint-before-limit", "0"], "--checkpoint-before-limit must be 1..65535 seconds "
+                                         "(Slurm's --signal), got 0"),
+    (["--checkpoint-before-limit", "70000"], "--checkpoint-before-limit must be 1..65535"),
+    (["--time", "00:05:00", "--checkpoint-before-limit", "300"],
+     "--checkpoint-before-limit 300 is not before --time 00:05:00 (300 s): the job would be "
+     "signalled as it starts"),
+    (["--time", "UNLIMITED", "--checkpoint-before-limit", "60"],
+     "--checkpoint-before-limit needs a time limit to signal before: --time UNLIMITED has none"),
+    (["--time", "1:xx", "--checkpoint-before-limit", "60"],
+     "--time: not a Slurm time limit: '1:xx'"),
     (["--wait", "--wait-timeout", "-1"], "--wait-timeout must be > 0 seconds, got -1"),
 ])
 def test_bad_input_fails_before_submitting(tmp_path, capsys, monkeypatch, args, message):
@@ -523,6 +564,67 @@ def test_requeued_slurm_job_resumes_the_run(local_slurm, tmp_path):
         got = steps()
         print(f"requeue test: step {resumed_at + 1} after {time.time() - t0:.0f}s")
         # the metrics of the steps past the checkpoint were redone, not duplicated
+        assert got == list(range(len(got))), got
+    finally:
+        subprocess.run(["scancel", "--full", "--signal=TERM", job],
+                       env={**os.environ, **local_slurm}, timeout=60)
+        _wait_for("the job to end", lambda: (_state(local_slurm, job) or "X") not in
+                  ("RUNNING", "PENDING", "COMPLETING", "REQUEUED"), 150, 1)
+    assert not processes_mentioning(f"hacpo-slurm-ray-{job}")
+
+
+@pytest.mark.slurm
+def test_slurm_job_signalled_before_its_time_limit_checkpoints_and_requeues(local_slurm,
+                                                                           tmp_path):
+    """--checkpoint-before-limit: the signal Slurm sends the job script before the time limit
+    (here sent by hand as Slurm sends it, `scancel --batch --signal=USR1`: a real limit would
+    make the test wait minutes) reaches the driver, which writes a checkpoint at the end of its
+    step and stops although checkpoint_every is far; the job requeues itself and resumes from
+    that very step (no step lost, none run twice). Before: the script's default action for
+    SIGUSR1 killed it, and the time limit then lost every step since the last checkpoint."""
+    out = tmp_path / "run"
+    args = tiny_run_args(out, tmp_path)
+    args[args.index("steps=2")] = "steps=1000"
+    args.append("checkpoint_every=1000")                    # still under --set
+    r = hacpo(["launch", "slurm", "--nodes", "2", "--cpus-per-node", "2",
+               "--object-store-mb", "200", "--ray-port", str(free_port("127.0.0.2")),
+               "--ray-timeout", "240", "--time", "00:30:00", "--checkpoint-before-limit", "600",
+               *args], env={**local_slurm, **INHERITED_RAY_ENV}, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    job = _job_id(r.stdout)
+    job_out = out / "slurm" / f"slurm-{job}.out"
+    metrics = out / "metrics.jsonl"
+
+    def steps() -> list[int]:
+        text = metrics.read_text() if metrics.exists() else ""
+        return [json.loads(ln)["step"] for ln in text.splitlines() if ln.endswith("}")]
+    try:
+        _wait_for("a step", lambda: len(steps()) >= 1, 300)
+        assert not (out / "checkpoint.pt").exists()
+        subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True,
+                       env={**os.environ, **local_slurm}, timeout=60)
+        log = ""
+
+        def requeued() -> bool:
+            nonlocal log
+            if job_out.exists():          # (its output may start over when the job does)
+                log = max(log, job_out.read_text(), key=len)
+            return _state(local_slurm, job) == "PENDING"
+        _wait_for("the job requeued", requeued, 300)
+        assert "SIGUSR1: the driver writes a checkpoint at the end of its step and stops" in log
+        assert "driver exited with 138" in log, log
+        assert "requeueing the job: it resumes the run from that checkpoint" in log, log
+        from hacpo.engine import checkpoint as ckpt
+        at = ckpt.load(str(out / "checkpoint.pt"))["step"]
+        assert at >= 1 and steps() == list(range(at))
+        _scontrol(local_slurm, "update", f"JobId={job}", "StartTime=now")
+        _wait_for("the resumed driver", lambda: job_out.exists() and "[resume]" in
+                  job_out.read_text(), 300)
+        log = job_out.read_text()
+        assert "restart 1 of this job: the driver resumes the run" in log, log
+        assert f"checkpoint.pt at step {at}" in log, log
+        _wait_for("a step after the resume", lambda: len(steps()) > at, 300)
+        got = steps()
         assert got == list(range(len(got))), got
     finally:
         subprocess.run(["scancel", "--full", "--signal=TERM", job],
