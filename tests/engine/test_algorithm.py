@@ -53,6 +53,18 @@ def test_split_minibatches_mixed_and_self_first():
     assert is_self[torch.cat(sf[:2])].all() and not is_self[torch.cat(sf[2:])].any()
 
 
+def test_self_first_spreads_the_remainder_over_the_first_minibatches():
+    """N = 10 into M = 4: one extra sample to each of the first N % M minibatches (3, 3, 2, 2),
+    not the whole remainder to one; N = 2 < M = 4: two one-sample minibatches, empty ones
+    dropped."""
+    is_self = torch.tensor([True] * 4 + [False] * 6)
+    sf = split_minibatches(torch.arange(10), is_self, 4, "self_first")
+    assert [m.numel() for m in sf] == [3, 3, 2, 2]
+    assert torch.cat(sf).tolist() == list(range(10))
+    sf = split_minibatches(torch.arange(2), torch.tensor([True, False]), 4, "self_first")
+    assert [m.tolist() for m in sf] == [[0], [1]]
+
+
 def test_learner_loss_dispatch():
     N = 4
     z = torch.zeros(N)

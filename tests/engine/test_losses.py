@@ -429,3 +429,38 @@ def test_lists_and_arrays_for_tensors_are_type_errors_naming_them():
         grpo_policy_loss(z[None], z[None], np.ones((1, 2), dtype=bool), torch.ones(1))
     with pytest.raises(TypeError, match=r"rewards must be a torch.Tensor, got list"):
         CapabilityTracker(2).update([0.5, 1.0], torch.tensor([0, 1]))
+
+
+def test_low_var_kl_clamps_the_log_ratio_before_exp():
+    """d = ref - lp = 99 overflows exp in float32: without the clamp of d to [-20, 20] k3's clamp
+    still caps the value at 10, but its backward is 0 * exp(d) = 0 * inf = NaN."""
+    from hacpo.engine.losses import low_var_kl
+    lp = torch.tensor([[-100.0]], requires_grad=True)
+    kl = low_var_kl(lp, torch.tensor([[-1.0]]), torch.tensor([[True]]))
+    assert kl.item() == 10.0
+    kl.sum().backward()
+    assert torch.isfinite(lp.grad).all() and lp.grad.item() == 0.0
+
+
+def test_low_var_kl_log_ratio_clamp_is_20_not_10():
+    """d = ref - lp = -16: k3 = exp(-16) + 16 - 1 ~ 15, capped at 10; clamping d to [-10, 10]
+    instead would give exp(-10) + 9 ~ 9.00005."""
+    from hacpo.engine.losses import low_var_kl
+    kl = low_var_kl(_t([[0.0]]), _t([[-16.0]]), torch.tensor([[True]]))
+    assert kl.item() == 10.0
+    # inside both clamps: k3 = exp(-5) + 5 - 1 by hand
+    kl = low_var_kl(_t([[0.0]]), _t([[-5.0]]), torch.tensor([[True]]))
+    assert kl.item() == pytest.approx(math.exp(-5.0) + 4.0, rel=1e-12)
+
+
+def test_cross_ratio_just_above_one_counts_as_clipped_above():
+    """SPEC: a cross ratio is clamped to [lo_m, 1], so s = 1.0002 is clipped above (zero
+    gradient) although it lies inside the self clip range (1 + 4e-4)."""
+    old = _t([0.0, 0.0])
+    new = _t([math.log(1.0002), math.log(1.0002)], requires_grad=True)
+    loss, met = hacpo_policy_loss(new, old, _t([1.0, -2.0]), torch.tensor([False, False]),
+                                  _t([1.0, 1.0]), minibatch_index=0)
+    assert met["cross_clip_high_frac"].item() == 1.0
+    assert met["cross_clip_low_frac"].item() == 0.0
+    loss.backward()
+    assert new.grad.eq(0).all()

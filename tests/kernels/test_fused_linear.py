@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from hacpo.kernels import fused_linear_token_logprobs
+from hacpo.kernels.fused_linear import default_chunk_size
 from tests.kernels import _checks as C
 
 
@@ -34,6 +35,19 @@ def test_fused_linear_frozen_weight_and_entropy():
     torch.log_softmax(href @ w.t(), -1).gather(1, t[:, None]).sum().backward()
     # fp32 GEMMs with H=16 and V=300 terms: 1e-5 relative to |grad| <= ~10
     assert torch.allclose(h.grad, href.grad, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device, budget", [("cpu", 1 << 25), ("cuda", 1 << 26)])
+def test_default_chunk_size_keeps_a_chunk_within_its_budget(device, budget):
+    """A chunk's logits stay within 32 Mi elements on CPU, 64 Mi on GPU, however long T is; a
+    short T is one chunk; a vocabulary shard wider than the budget gets one-row chunks."""
+    dev = torch.device(device)                      # a device object only: no GPU needed
+    assert default_chunk_size(1 << 20, 65536, dev) == budget // 65536
+    for T, V in ((1 << 20, 151936), (10 ** 6, 781), (4096, 32000)):
+        c = default_chunk_size(T, V, dev)
+        assert 1 <= c <= T and c * V <= budget
+    assert default_chunk_size(100, 781, dev) == 100
+    assert default_chunk_size(1 << 20, budget + 1, dev) == 1
 
 
 def test_fused_linear_under_autocast():

@@ -44,8 +44,9 @@ def test_results_do_not_depend_on_row_chunking(monkeypatch):
     x, t = C.make_logits(203, 781, torch.bfloat16, "cpu")
     g = torch.randn(203)
     outs = []
-    for elems in (1 << 20, 781 * 7, 1):      # one chunk, 7-row chunks, one row per chunk
+    for elems, rows in ((1 << 20, 1342), (781 * 7, 7), (1, 1)):   # one chunk, 7 rows, 1 row
         monkeypatch.setattr(LP, "ROW_CHUNK_ELEMS", elems)
+        assert LP._rows_per_chunk(781) == rows      # else the loop never runs several chunks
         xk = x.clone().requires_grad_()
         lp = token_logprobs(xk, t, temperature=0.9, backend="torch")
         lp.backward(g)
@@ -53,6 +54,15 @@ def test_results_do_not_depend_on_row_chunking(monkeypatch):
     for lp, gr in outs[1:]:
         # row-wise math: chunking only changes which rows share a loop iteration -> bitwise equal
         assert torch.equal(lp, outs[0][0]) and torch.equal(gr, outs[0][1])
+
+
+def test_row_chunks_stay_within_their_element_budget():
+    """A chunk holds at most ROW_CHUNK_ELEMS logits, whatever T; a row wider than the budget
+    is a chunk of its own."""
+    for V in (1, 781, 32000, 151936, LP.ROW_CHUNK_ELEMS):
+        rows = LP._rows_per_chunk(V)
+        assert rows >= 1 and rows * V <= LP.ROW_CHUNK_ELEMS and (rows + 1) * V > LP.ROW_CHUNK_ELEMS
+    assert LP._rows_per_chunk(LP.ROW_CHUNK_ELEMS + 1) == 1
 
 
 def test_auto_backend_is_torch_on_cpu():
