@@ -418,6 +418,45 @@ def test_sigusr1_stops_a_run_at_a_checkpoint_of_its_step(tmp_path):
     # (the resume from it: tests/engine/test_trainer.py, tests/launch/test_slurm.py)
 
 
+def test_a_closed_standard_output_is_one_line_and_exit_141(tmp_path):
+    """`hacpo demo | head -1` (or eval's, train's output): the reader of stdout gone, the next
+    write raised BrokenPipeError: a traceback (demo) or "error: Broken pipe", exit 2 (eval).
+    Now one line on stderr and exit 141, as a shell tool stopped by SIGPIPE."""
+    import subprocess
+    import sys
+    p = subprocess.Popen([sys.executable, "-m", "hacpo.launch.cli", "demo"], cwd=tmp_path,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p.stdout.close()                      # the reader gone before the first line
+    err = p.stderr.read()
+    p.wait(timeout=120)
+    assert p.returncode == 141, err
+    assert err == ("hacpo: stopped: its standard output was closed (the reader of the pipe, "
+                   "e.g. `head`, exited)\n")
+
+
+@pytest.mark.parametrize("stdout_closed", [True, False])
+def test_eval_whose_output_closed_exits_141_and_another_broken_pipe_is_an_error(
+        capsys, monkeypatch, stdout_closed):
+    """eval's input errors include OSError: a closed stdout was "error: Broken pipe", exit 2.
+    It is the one line and 141 now; a BrokenPipeError of another pipe (a worker process gone)
+    is not called a closed output."""
+    import hacpo.engine.eval_harness as eh
+    import hacpo.launch.cli as cli
+
+    def broken(*a, **k):
+        raise BrokenPipeError(32, "Broken pipe")
+    monkeypatch.setattr(eh, "evaluate_checkpoints", broken)
+    monkeypatch.setattr(cli, "_stdout_closed", lambda: stdout_closed)
+    monkeypatch.setattr(cli.os, "dup2", lambda *a: None)       # (pytest's own stdout stays)
+    monkeypatch.delenv("HACPO_TRACEBACK", raising=False)
+    rc = main(["eval", "some/run", "--bench", "x.jsonl"])
+    err = capsys.readouterr().err
+    if stdout_closed:
+        assert rc == 141 and err.startswith("hacpo: stopped: its standard output was closed")
+    else:
+        assert rc == 2 and err == "hacpo eval: error: [Errno 32] Broken pipe\n", err
+
+
 def test_policy_settings_nothing_would_use_fail_before_the_run(capsys, monkeypatch):
     """A decoder size given for an HF policy, and a misspelt hf_config key, are one error line
     when the config loads: before any data, warm-up or model is built."""

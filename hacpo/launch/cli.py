@@ -193,8 +193,9 @@ def _run_command(args) -> int:
     try:
         return _stoppable(args, args.func)
     except Exception as e:
-        if os.environ.get("HACPO_TRACEBACK") == "1":
-            raise
+        if os.environ.get("HACPO_TRACEBACK") == "1" or (isinstance(e, BrokenPipeError)
+                                                        and _stdout_closed()):
+            raise                             # (output closed: main's one line, exit 141)
         msg = _storage_message(e, args.command)
         if msg is None:
             if not is_user_error(e):
@@ -339,8 +340,9 @@ def _input_error(command: str, e: BaseException) -> int:
     dir): one line on stderr, exit status 2; HACPO_TRACEBACK=1 raises it instead."""
     import os
 
-    if os.environ.get("HACPO_TRACEBACK") == "1":
-        raise e
+    if os.environ.get("HACPO_TRACEBACK") == "1" or (isinstance(e, BrokenPipeError)
+                                                    and _stdout_closed()):
+        raise e                               # (output closed: main's one line, exit 141)
     msg = e.args[0] if isinstance(e, KeyError) and e.args else e
     print(f"hacpo {command}: error: {msg}", file=sys.stderr)
     return 2
@@ -412,10 +414,44 @@ def _add_run_args(p):
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        return _main(argv)
+        rc = _main(argv)
+        sys.stdout.flush()       # (a pipe's reader gone: said here, not at the exit's flush)
+        return rc
     except KeyboardInterrupt:    # while a command starts (its imports: seconds), before its
         print("hacpo: interrupted (Ctrl-C)", file=sys.stderr)   # own handler: no traceback
         return 130
+    except BrokenPipeError:
+        if not _stdout_closed():      # another pipe (e.g. a worker process's): a bug's error
+            raise
+        return _output_closed()
+
+
+OUTPUT_CLOSED = 141     # as a command killed by SIGPIPE exits (128 + 13): `... | head` ended it
+
+
+def _stdout_closed() -> bool:
+    """Has the reader of standard output gone (a pipe whose read end is closed)?"""
+    import select
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in poll.poll(0))
+    except (AttributeError, OSError, ValueError):    # no file descriptor behind it
+        return False
+
+
+def _output_closed() -> int:
+    """The reader of the command's standard output went away (``hacpo eval ... | head``):
+    one line on stderr and exit 141, as a shell tool stopped by SIGPIPE (Python ignores
+    SIGPIPE: a BrokenPipeError traceback, or "error: Broken pipe" exit 2, before)."""
+    import contextlib
+    import os
+    with contextlib.suppress(OSError, ValueError):     # no second error as Python exits
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    with contextlib.suppress(OSError, ValueError):
+        print("hacpo: stopped: its standard output was closed (the reader of the pipe, e.g. "
+              "`head`, exited)", file=sys.stderr)
+    return OUTPUT_CLOSED
 
 
 def _main(argv: list[str] | None) -> int:
@@ -497,7 +533,7 @@ def _main(argv: list[str] | None) -> int:
     add_launch_parser(sub)
     args = ap.parse_args(argv)
     _console_safe()
-    if args.command in ("train", "compare", "profile"):
+    if args.command in TRAINING_COMMANDS:
         return _run_command(args)
     if args.command in ("eval", "export", "demo"):    # eval: reward workers too
         return _stoppable(args, args.func)

@@ -61,7 +61,8 @@ def test_row_chunks_stay_within_their_element_budget():
     is a chunk of its own."""
     for V in (1, 781, 32000, 151936, LP.ROW_CHUNK_ELEMS):
         rows = LP._rows_per_chunk(V)
-        assert rows >= 1 and rows * V <= LP.ROW_CHUNK_ELEMS and (rows + 1) * V > LP.ROW_CHUNK_ELEMS
+        budget = LP.ROW_CHUNK_ELEMS
+        assert rows >= 1 and rows * V <= budget and (rows + 1) * V > budget
     assert LP._rows_per_chunk(LP.ROW_CHUNK_ELEMS + 1) == 1
 
 
