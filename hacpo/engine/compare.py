@@ -54,6 +54,7 @@ def run_compare(base: TrainConfig, algorithms: list[str], seeds: list[int], root
     more steps), is resumed from its checkpoint; any other difference is the trainer's
     "cannot resume" error naming the keys (choose another ``root``)."""
     from .errors import user_errors
+    from .signals import stop_between_runs
     from .trainer import train
     with user_errors(ValueError, OSError):
         for what, xs in (("algorithm", algorithms), ("seed", seeds)):
@@ -84,6 +85,7 @@ def run_compare(base: TrainConfig, algorithms: list[str], seeds: list[int], root
                 summary = json.load(f)
             echo(f"[compare] {algo} seed {seed}: reusing the finished run in {out}")
         else:
+            stop_between_runs(root)     # a SIGUSR1 after the run before took its checkpoint
             echo(f"[compare] {algo} seed {seed} -> {out}")
             summary = train(cfg, resume=True,
                             echo=warnings_only(echo, f"[compare] {algo} seed {seed}: "))

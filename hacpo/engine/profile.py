@@ -86,6 +86,7 @@ def run_profile(base: TrainConfig, out_dir: str, *, algorithms=DEFAULT_ALGORITHM
     (its timings are not mixed into, nor replaced by, this profile's)."""
     from .compare import with_algorithm
     from .errors import user_errors
+    from .signals import stop_between_runs
     from .trainer import train
     with user_errors(ValueError, OSError):
         if rounds < 1 or steps_per_round < 1 or skip_steps < 0:
@@ -113,6 +114,7 @@ def run_profile(base: TrainConfig, out_dir: str, *, algorithms=DEFAULT_ALGORITHM
         # effect of running right after another run (allocator, caches, clocks) evens out
         shift = (r - 1) % len(order)
         for algo in order[shift:] + order[:shift]:
+            stop_between_runs(out_dir)   # a SIGUSR1 after the run before took its checkpoint
             echo(f"[profile] round {r}/{rounds}: {algo} to step {r * steps_per_round}")
             train(runs[algo].override({"steps": r * steps_per_round}), resume=True,
                   echo=warnings_only(echo, f"[profile] {algo}: "))

@@ -13,6 +13,9 @@ import contextlib
 import signal
 import threading
 
+from hacpo._stop import (CHECKPOINT_SIGNAL, CHECKPOINT_STOPPED,  # noqa: F401 (re-exported)
+                         clear_stop_request, request_stop, stop_requested)
+
 
 @contextlib.contextmanager
 def signals_deferred(*signums: int):
@@ -44,56 +47,26 @@ def signals_deferred(*signums: int):
 # --------------------------------------------------------------------------------------------
 # Stopping at a checkpoint on request (SIGUSR1 in `hacpo train`: Slurm's `--signal` before a
 # job's time limit): the run writes a checkpoint at the end of its current step and stops.
+# The requests themselves live in hacpo._stop (no torch: the CLI records the signal at once).
 # --------------------------------------------------------------------------------------------
-CHECKPOINT_SIGNAL = signal.SIGUSR1
-CHECKPOINT_STOPPED = 128 + CHECKPOINT_SIGNAL    # a CLI run's exit status then (138 on Linux)
-
-# the requests not yet taken up; a list (appending is atomic; no lock a signal handler could
-# find held by the thread it interrupts)
-_stop_requests: list[bool] = []
 
 
 class RunStopped(Exception):
-    """``train()`` stopped on request (:func:`request_stop`) once its checkpoint of step
-    ``step`` was written in ``out_dir``: ``resume=True`` continues it from there."""
+    """A run stopped on request (:func:`request_stop`): ``train()`` once its checkpoint of
+    step ``step`` was written in ``out_dir`` (``resume=True`` continues it from there);
+    compare / profile between two runs (``step`` None: nothing new to checkpoint)."""
 
-    def __init__(self, step: int, out_dir: str):
-        super().__init__(f"stopped on request at the checkpoint of step {step} in {out_dir}; "
-                         f"resume=True continues it")
+    def __init__(self, step: int | None, out_dir: str):
+        where = (f"at the checkpoint of step {step} in {out_dir}" if step is not None
+                 else f"between the runs in {out_dir}")
+        super().__init__(f"stopped on request {where}")
         self.step = step
         self.out_dir = out_dir
 
 
-def request_stop() -> None:
-    """Ask the run in progress (or the next one this process starts) to write a checkpoint at
-    the end of its current step and stop there (:class:`RunStopped`). Safe from any thread
-    and from a signal handler."""
-    _stop_requests.append(True)
-
-
-def stop_requested() -> bool:
-    return bool(_stop_requests)
-
-
-def clear_stop_request() -> None:
-    _stop_requests.clear()
-
-
-def _on_checkpoint_signal(signum, frame) -> None:
-    request_stop()
-
-
-@contextlib.contextmanager
-def stop_on_checkpoint_signal():
-    """The body with CHECKPOINT_SIGNAL (SIGUSR1) asking the run to stop at a checkpoint
-    (its default action kills the process, losing the steps since the last checkpoint); a
-    request left from before is dropped. Main thread only; elsewhere a no-op."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    clear_stop_request()
-    previous = signal.signal(CHECKPOINT_SIGNAL, _on_checkpoint_signal)
-    try:
-        yield
-    finally:
-        signal.signal(CHECKPOINT_SIGNAL, previous)
+def stop_between_runs(out_dir: str) -> None:
+    """compare / profile, before each run: a request that came after the run before took its
+    last checkpoint (during its evaluation after RL) stops here, not in the next run."""
+    if stop_requested():
+        clear_stop_request()
+        raise RunStopped(None, out_dir)

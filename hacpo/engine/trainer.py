@@ -146,7 +146,6 @@ def train(cfg: TrainConfig, *, resume: bool = False, echo=print) -> dict:
             ckpt.remove_made_dirs(cfg.out_dir, made)
         raise
     finally:
-        clear_stop_request()     # taken up, or came too late (the evaluation after RL)
         lock.close()
 
 
@@ -910,6 +909,7 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
         if stop_requested():
             if saved != at:
                 save(at)
+            clear_stop_request()               # taken up (one arriving after: the caller's)
             echo(f"[stop] stop requested: the checkpoint at step {at} is written; --resume "
                  f"goes on from there")
             raise RunStopped(at, cfg.out_dir)

@@ -240,7 +240,7 @@ def _stoppable(args, func) -> int:
     like Ctrl-C: the command's `finally` blocks close reward workers, engines and a private
     Ray cluster (by default Python dies at once and leaves the reward worker processes
     running). Either prints one line and exits 143 (SIGTERM) / 130 (Ctrl-C); a training
-    command that SIGUSR1 stopped at a checkpoint exits 138."""
+    command that SIGUSR1 stopped at a checkpoint exits 75 (EX_TEMPFAIL: --resume)."""
     import signal
     import threading
 
@@ -299,14 +299,14 @@ TRAINING_COMMANDS = ("train", "compare", "profile")
 
 def _checkpoint_stoppable(func, again):
     def run(args) -> int:
-        from hacpo.engine.signals import (CHECKPOINT_STOPPED, RunStopped,
-                                          stop_on_checkpoint_signal)
+        from hacpo.engine.signals import CHECKPOINT_STOPPED, RunStopped
         try:
-            with stop_on_checkpoint_signal():
-                return func(args)
+            return func(args)
         except RunStopped as e:
-            print(f"hacpo {args.command}: stopped at the checkpoint of step {e.step} "
-                  f"(SIGUSR1){again()}", file=sys.stderr)
+            where = (f"at the checkpoint of step {e.step}" if e.step is not None
+                     else "between its runs")
+            print(f"hacpo {args.command}: stopped {where} (SIGUSR1){again()}",
+                  file=sys.stderr)
             return CHECKPOINT_STOPPED
     return run
 
@@ -534,6 +534,10 @@ def _main(argv: list[str] | None) -> int:
     args = ap.parse_args(argv)
     _console_safe()
     if args.command in TRAINING_COMMANDS:
+        # SIGUSR1 from now to the process's end (before torch is imported: its default action
+        # killed the run) asks for a checkpoint at the end of the step and a stop
+        from hacpo._stop import record_checkpoint_signal
+        record_checkpoint_signal()
         return _run_command(args)
     if args.command in ("eval", "export", "demo"):    # eval: reward workers too
         return _stoppable(args, args.func)

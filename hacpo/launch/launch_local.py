@@ -17,8 +17,9 @@ cluster the same way (exit 143), and so does SIGHUP (the terminal closed; exit 1
 is ignored (nohup). A SIGKILLed launcher cannot tear down: its driver and ``ray start``
 processes get SIGTERM from the kernel when it dies (PR_SET_PDEATHSIG), and stop as they do on
 a teardown's (the Ray temp dir is left). SIGUSR1 to the launcher is passed on to the driver,
-which writes a checkpoint at the end of its step and stops (exit 138, as the launcher's then;
-before the driver runs, SIGUSR1 stops the launch as SIGTERM does). Ctrl-C in the terminal (SIGINT to
+which writes a checkpoint at the end of its step and stops (exit 75, as the launcher's then;
+before the driver runs, SIGUSR1 stops the launch as SIGTERM does, exit 138; once the driver
+has exited, it is ignored). Ctrl-C in the terminal (SIGINT to
 the launcher's process group: the driver and the Ray nodes run in sessions of their own and do
 not see it) is passed on to the driver's process group as SIGINT, so the run stops as an
 interrupted ``hacpo train`` does; then the cluster is torn down and the launcher prints one
@@ -38,7 +39,8 @@ import sys
 import time
 from pathlib import Path
 
-from hacpo.engine.signals import CHECKPOINT_SIGNAL, signals_deferred
+from hacpo._stop import CHECKPOINT_SIGNAL
+from hacpo.engine.signals import signals_deferred
 
 from .ray_cluster import (TEMP_PREFIX, new_auth_env, new_temp_dir, remove_temp_dir,
                           use_auth_env)
@@ -237,19 +239,20 @@ def _end_with_parent() -> None:
 
 @contextlib.contextmanager
 def _passed_on(signum: int, p: subprocess.Popen):
-    """The body with signal ``signum`` to the launcher passed on to process ``p`` (main
-    thread only, as every handler here)."""
-    previous = signal.signal(signum, lambda *_: p.poll() is None and p.send_signal(signum))
+    """The body with signal ``signum`` to the launcher passed on to process ``p``; ignored
+    after it (``p`` has exited: the launch's own end is not a stop before the driver ran).
+    Main thread only, as every handler here."""
+    signal.signal(signum, lambda *_: p.poll() is None and p.send_signal(signum))
     try:
         yield
     finally:
-        signal.signal(signum, previous)
+        signal.signal(signum, lambda *_: None)
 
 
 def launch_local(args) -> int:
     """See the module docstring; SIGTERM, or SIGHUP (unless ignored: nohup), tears down the
     driver and the cluster as Ctrl-C does, and the launcher exits 128 + the signal. SIGUSR1
-    is passed on to the driver (it checkpoints at the end of its step and stops, exit 138);
+    is passed on to the driver (it checkpoints at the end of its step and stops, exit 75);
     before the driver runs, it stops the launch as SIGTERM does (exit 138)."""
     previous = {sig: signal.getsignal(sig)
                 for sig in (signal.SIGTERM, signal.SIGHUP, CHECKPOINT_SIGNAL)}

@@ -16,7 +16,7 @@ submitted), writes an sbatch script into the run dir and submits it. The script:
    (``--resume`` with ``hacpo launch --resume``, and always in a job Slurm requeued, e.g.
    after a preemption: ``SLURM_RESTART_COUNT`` > 0), in the background: a SIGUSR1 to the
    script (``--checkpoint-before-limit S``: Slurm's ``--signal=B:USR1@S`` before the time
-   limit) is passed on to it, it writes a checkpoint at the end of its step and exits 138, and
+   limit) is passed on to it, it writes a checkpoint at the end of its step and exits 75, and
    the job then requeues itself (with the option) to resume from there;
 4. ends the ``srun`` steps (SIGTERM to each step; ``ray start --block`` then stops its node's
    processes) and removes the Ray temp dir. Never ``ray stop``: on a shared machine it would
@@ -287,6 +287,7 @@ say() {{ echo "[hacpo launch] $(date +%H:%M:%S) $*"; }}
 fail() {{ echo "[hacpo launch] ERROR: $*" >&2; exit 1; }}
 cleanup() {{  # end our srun steps: SIGTERM, then SIGKILL after 30 s; then Ray's temp dir
   local rc=$? pid
+  trap : TERM INT USR1   # (the time limit's TERM, the requeue's) never cut it short
   if ((${{#SRUN_PIDS[@]}})); then
     say "ending the Ray srun steps (pids ${{SRUN_PIDS[*]}})"
     kill -TERM "${{SRUN_PIDS[@]}}" 2>/dev/null
@@ -321,19 +322,28 @@ DRIVER_PID=""   # the driver while it runs (in the background: signals reach the
 GOT_USR1=0
 REQUEUE=0
 REQUEUE_ON_STOP={requeue_on_stop}   # 1: --checkpoint-before-limit given
-wait_driver() {{ while kill -0 "$DRIVER_PID" 2>/dev/null; do wait "$DRIVER_PID"; done; }}
+TRAPPED=0
+wait_driver() {{  # RC: the driver's exit status (a trap ends `wait` early: 128 + its signal)
+  while :; do TRAPPED=0; wait "$DRIVER_PID"; RC=$?; ((TRAPPED)) || break; done
+}}
 on_stop() {{  # TERM / INT (scancel, the time limit): the driver, signalled with the job, ends first
-  [ -z "$DRIVER_PID" ] || wait_driver
+  TRAPPED=1
+  if [ -n "$DRIVER_PID" ]; then  # (a background job ignores SIGINT: it gets SIGTERM for it)
+    [ "$1" = INT ] && kill -TERM "$DRIVER_PID" 2>/dev/null
+    wait_driver
+  fi
   fail "job cancelled or timed out (signal)"
 }}
 on_usr1() {{  # --signal=B:USR1@N before the time limit, or `scancel --batch --signal=USR1`
+  TRAPPED=1
   GOT_USR1=1
   if [ -n "$DRIVER_PID" ]; then
     say "SIGUSR1: the driver writes a checkpoint at the end of its step and stops"
     kill -USR1 "$DRIVER_PID" 2>/dev/null
   fi
 }}
-trap on_stop TERM INT
+trap 'on_stop TERM' TERM
+trap 'on_stop INT' INT
 trap on_usr1 USR1
 stopped_nodes() {{  # the nodes whose Ray srun step has exited
   local i
@@ -402,8 +412,8 @@ if (( ${{SLURM_RESTART_COUNT:-0}} > 0 )) && [[ " ${{DRIVER[*]}} " != *" --resume
   say "restart $SLURM_RESTART_COUNT of this job: the driver resumes the run"
 fi
 if ((GOT_USR1)); then   # the time limit is near already: no step could be run and checkpointed
-  say "SIGUSR1 before the driver started: nothing to checkpoint; the job stops (--resume" \
-    "continues the run)"
+  say "SIGUSR1 before the driver started: nothing new to checkpoint; the job stops (--resume" \
+    "continues the run from its last checkpoint)"
   exit {stopped}
 fi
 say "driver: ${{DRIVER[*]}}"
@@ -411,7 +421,6 @@ say "driver: ${{DRIVER[*]}}"
 DRIVER_PID=$!
 ((GOT_USR1)) && kill -USR1 "$DRIVER_PID"   # it came as the driver started
 wait_driver
-wait "$DRIVER_PID"; RC=$?   # its own exit status (a `wait` a trap ended gave 128 + the signal)
 DRIVER_PID=""
 say "driver exited with $RC"
 if ((RC == {stopped} && GOT_USR1)); then

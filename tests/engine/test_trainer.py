@@ -1225,10 +1225,11 @@ def test_a_stop_request_checkpoints_the_step_and_the_resume_goes_on(tmp_path, mo
     the run at the end of its step with a checkpoint there, whatever checkpoint_every says
     (Ctrl-C / SIGTERM lose the steps since the last one); the resume goes on from it and the
     run equals one never stopped. Asked during the evaluation before RL: a checkpoint at step
-    0 (the warm-up and that evaluation are not redone). A request no run took up is dropped
-    when train() returns."""
+    0 (the warm-up and that evaluation are not redone). A request that came after the last
+    checkpoint (the evaluation after RL) is left for the caller."""
     import hacpo.engine.trainer as trainer_mod
-    from hacpo.engine.signals import RunStopped, request_stop, stop_requested
+    from hacpo.engine.signals import (RunStopped, clear_stop_request, request_stop,
+                                      stop_requested)
     cfg = _cfg(tmp_path, steps="4", checkpoint_every="100", plots="false", tensorboard="false",
                **{"data.eval_size": "4"})
     real, calls = trainer_mod.generate_agents, []
@@ -1277,12 +1278,39 @@ def test_a_stop_request_checkpoints_the_step_and_the_resume_goes_on(tmp_path, mo
           echo=said.append)
     assert not any("before RL ..." in line for line in said), said   # measured once
 
-    def ask_after_rl(line):            # too late: the run finishes, the request is dropped
-        if line.startswith("[eval] held-out accuracy after RL"):
+    def ask_after_rl(line):            # too late for this run: it finishes; the request stays
+        if line.startswith("[eval] held-out accuracy after RL"):   # for the caller (compare)
             request_stop()
     done = train(cfg.override({"out_dir": str(tmp_path / "late"), "steps": 1}),
                  echo=ask_after_rl)
-    assert done["steps"] == 1 and not stop_requested()
+    assert done["steps"] == 1 and stop_requested()
+    clear_stop_request()
+
+
+def test_compare_stops_between_runs_on_a_request_its_last_run_was_too_late_for(tmp_path,
+                                                                               monkeypatch):
+    """A stop request (SIGUSR1) during a compare run's evaluation after RL (its checkpoint is
+    written) stops the compare before the next run, which is not started (it trained to its
+    end, losing what it did since its last checkpoint at the time limit)."""
+    import hacpo.engine.trainer as trainer_mod
+    from hacpo.engine.compare import run_compare
+    from hacpo.engine.signals import RunStopped, request_stop, stop_requested
+    real, calls = trainer_mod.evaluate_all, []
+
+    def asked_after_rl(*a, **k):          # the first run's evaluations: before RL, after RL
+        calls.append(1)
+        if len(calls) == 2:
+            request_stop()
+        return real(*a, **k)
+    monkeypatch.setattr(trainer_mod, "evaluate_all", asked_after_rl)
+    cfg = _cfg(tmp_path, steps="1", plots="false", tensorboard="false",
+               **{"data.eval_size": "4"})
+    root = tmp_path / "cmp"
+    with pytest.raises(RunStopped) as e:
+        run_compare(cfg, ["grpo", "hacpo"], [0], str(root), echo=lambda *_: None)
+    assert e.value.step is None and not stop_requested()
+    assert (root / "grpo-seed0" / "summary.json").exists()
+    assert not (root / "hacpo-seed0").exists()
 
 
 def test_a_resume_without_plots_leaves_no_plots_of_the_run_before(tmp_path):

@@ -255,7 +255,7 @@ def test_launch_local_ctrl_c_stops_driver_and_cluster(tmp_path):
 def test_launch_local_passes_sigusr1_on_and_the_driver_stops_at_a_checkpoint(tmp_path):
     """SIGUSR1 to the launcher (a time limit coming) reaches the driver, which writes a
     checkpoint at the end of its step and stops (checkpoint_every far away); the cluster is
-    torn down and the launcher exits 138 as its driver did (before: SIGUSR1's default action
+    torn down and the launcher exits 75 as its driver did (before: SIGUSR1's default action
     killed the launcher; its driver then got SIGTERM and lost the steps since the last
     checkpoint)."""
     out = tmp_path / "run"
@@ -276,7 +276,7 @@ def test_launch_local_passes_sigusr1_on_and_the_driver_stops_at_a_checkpoint(tmp
         p.communicate(timeout=120)
         raise
     p.send_signal(signal.SIGUSR1)
-    _assert_torn_down(p, out, 138, "(SIGUSR1); continue it with --resume")
+    _assert_torn_down(p, out, 75, "(SIGUSR1); continue it with --resume")
     from hacpo.engine import checkpoint as ckpt
     step = ckpt.load(str(out / "checkpoint.pt"))["step"]
     rows = [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()]

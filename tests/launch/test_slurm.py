@@ -205,6 +205,56 @@ def test_dry_run_checkpoint_before_limit(tmp_path, capsys):
     assert "\nREQUEUE_ON_STOP=0 " in script and "\ntrap on_usr1 USR1\n" in script
 
 
+_FAKE_DRIVER = """
+import signal, sys, time
+def usr1(*_):
+    print("driver: USR1", flush=True); time.sleep(0.5); sys.exit(75)
+def term(*_):
+    print("driver: TERM", flush=True); sys.exit(143)
+signal.signal(signal.SIGUSR1, usr1)
+signal.signal(signal.SIGTERM, term)
+print("driver: SIGINT ignored" if signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+      else "driver: SIGINT default", flush=True)
+open(sys.argv[1], "w").close()
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("sig", ["USR1", "INT"])
+def test_job_script_traps_reach_the_background_driver(tmp_path, capsys, sig):
+    """The job script's own trap logic, with a fake driver in the background as the script
+    runs it: SIGUSR1 to the script reaches the driver, and the status the script reads is
+    the driver's own (75), not the 138 of a `wait` the trap cut short; SIGINT (a background job
+    ignores it) reaches the driver as SIGTERM, and the script fails once the driver is gone."""
+    script, _ = _dry_run(tmp_path, capsys, "--checkpoint-before-limit", "300")
+    lines = _logical_lines(script)
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("TRAPPED=0"))
+    end = next(i for i, ln in enumerate(lines) if ln.startswith("trap on_usr1 USR1"))
+    ready = tmp_path / "ready"
+    code = ("set -uo pipefail\nsay() { echo \"say: $*\"; }\n"
+            "fail() { echo \"fail: $*\"; exit 1; }\nGOT_USR1=0\n"
+            + "\n".join(lines[start:end + 1])
+            + f"\n{sys.executable} -c {shlex.quote(_FAKE_DRIVER)} {ready} &\nDRIVER_PID=$!\n"
+            "wait_driver\necho \"rc=$RC got_usr1=$GOT_USR1\"\n")
+    p = subprocess.Popen(["bash", "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    deadline = time.time() + 60
+    while not ready.exists():
+        assert p.poll() is None and time.time() < deadline, p.communicate()
+        time.sleep(0.05)
+    p.send_signal(getattr(signal, f"SIG{sig}"))
+    out, err = p.communicate(timeout=60)
+    assert "driver: SIGINT ignored" in out          # (why INT is passed on as TERM)
+    if sig == "USR1":
+        assert p.returncode == 0, out + err
+        assert "driver: USR1" in out and out.rstrip().endswith("rc=75 got_usr1=1"), out
+        assert "say: SIGUSR1: the driver writes a checkpoint at the end of its step" in out
+    else:
+        assert p.returncode == 1, out + err
+        assert "driver: TERM" in out and out.rstrip().endswith(
+            "fail: job cancelled or timed out (signal)"), out
+
+
 @pytest.mark.parametrize("value,seconds", [
     ("10", 600), ("10:30", 630), ("1:00:00", 3600), ("2-3", (2 * 24 + 3) * 3600),
     ("1-0:30", 86400 + 1800), ("1-1:1:1", 90061), ("UNLIMITED", None), ("infinite", None),
@@ -612,7 +662,7 @@ def test_slurm_job_signalled_before_its_time_limit_checkpoints_and_requeues(loca
             return _state(local_slurm, job) == "PENDING"
         _wait_for("the job requeued", requeued, 300)
         assert "SIGUSR1: the driver writes a checkpoint at the end of its step and stops" in log
-        assert "driver exited with 138" in log, log
+        assert "driver exited with 75" in log, log
         assert "requeueing the job: it resumes the run from that checkpoint" in log, log
         from hacpo.engine import checkpoint as ckpt
         at = ckpt.load(str(out / "checkpoint.pt"))["step"]
