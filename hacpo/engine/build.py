@@ -296,8 +296,11 @@ def warm_start(cfg: TrainConfig, data: Data, policies: list[Policy], echo=print)
     return out
 
 
-def _digest(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, separators=(",", ":")).encode()).hexdigest()
+def _digest(obj, default=None) -> str:
+    """Hash of ``obj``'s compact JSON; ``default`` as json.dumps's (``repr``: an object JSON
+    cannot hold is hashed as its repr)."""
+    return hashlib.sha256(json.dumps(obj, separators=(",", ":"), default=default)
+                          .encode()).hexdigest()
 
 
 def _texts_digest(pairs) -> str:
@@ -366,7 +369,7 @@ def encoding_digest(tok) -> str:
             spec = json.loads(backend.to_str())
             spec.pop("padding", None), spec.pop("truncation", None)
             parts.append(spec)
-    return _digest(json.loads(json.dumps(parts, default=repr)))
+    return _digest(parts, default=repr)
 
 
 def _state_digest(module: torch.nn.Module) -> str:

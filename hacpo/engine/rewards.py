@@ -156,11 +156,9 @@ def _touches_other_number(text: str, start: int, end: int) -> bool:
 
 def _number_beside_other(text: str) -> bool:
     """Whether a decimal digit in ``text`` touches a category-No character ("5①"): math-verify
-    drops such a character, reading the number without it."""
-    return any(unicodedata.category(c) == "No"
-               and ((i > 0 and text[i - 1].isdecimal())
-                    or (i + 1 < len(text) and text[i + 1].isdecimal()))
-               for i, c in enumerate(text) if not c.isascii())
+    drops such a character, reading the number without it. (ASCII text has none.)"""
+    return not text.isascii() and any(c.isdecimal() and _touches_other_number(text, i, i + 1)
+                                      for i, c in enumerate(text))
 
 
 _BRACE_RE = re.compile(r"[{}]")

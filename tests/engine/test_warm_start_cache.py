@@ -310,3 +310,20 @@ def test_cache_follows_how_the_tokenizer_encodes_not_only_its_vocabulary(tmp_pat
     assert _cached(warm(templates("Question: {question}\nAnswer: ", other))) == [False, False]
     assert _cached(warm(templates("Question: {question}\nAnswer: ", other))) == [True, True]
     assert _cached(warm(templates("Q: {question}\nA: ", original))) == [True, True]
+
+
+def test_encoding_digest_values_are_stable():
+    """The warm-start cache keys on encoding_digest: a change to its values (how it serializes,
+    an object JSON cannot hold hashed as its repr) would make every cached warm start a miss."""
+    from types import SimpleNamespace
+
+    from hacpo.models.tokenizer import CharTokenizer
+
+    class NotJSON:
+        def __repr__(self):
+            return "NotJSON<1>"
+    assert build.encoding_digest(CharTokenizer()) == (
+        "9958efd860fb5656af1fa355a44aec4d4b718b1bfec825a6e1670f9b56967341")
+    odd = SimpleNamespace(template=NotJSON(), _use_chat=True, _add_bos=False)
+    assert build.encoding_digest(odd) == (
+        "c3cf6d5a815700d43744647ff9334eef3a49b27f506fc505a140d46f32ffe4fa")
