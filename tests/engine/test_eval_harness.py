@@ -230,6 +230,21 @@ def test_pass_at_k_is_the_unbiased_estimator_and_needs_k_samples():
             pass_at_k(n, c, k)
 
 
+def test_eval_summary_counts_a_sample_above_half_as_solved():
+    """README: pass@k counts a sample whose reward is above 0.5 as solved; avg@k is the mean
+    reward whatever its size (a reward of 0.25 is not solved, 0.5 is not above 0.5)."""
+    from hacpo.engine.eval_harness import _summary
+    from hacpo.engine.evaluate import mean_and_stderr
+    per = [{"rewards": [0.25, 0.0]}, {"rewards": [0.75, 0.0]}, {"rewards": [0.5, 0.5]},
+           {"rewards": [1.0, 0.0]}]
+    s = _summary(per, 2)
+    # solved samples per problem 0, 1, 0, 1: pass@2 is 1 for the two with one solved
+    assert s["pass@2"] == pytest.approx(0.5)
+    assert s["avg@2"] == pytest.approx((0.125 + 0.375 + 0.5 + 0.5) / 4)
+    se = mean_and_stderr([0.125, 0.375, 0.5, 0.5])[1]
+    assert (s["n"], s["stderr"], s["ci95"]) == (4, pytest.approx(se), pytest.approx(1.96 * se))
+
+
 def test_lenient_prompt_ids():
     class NoFallback:
         def prompt_ids(self, q, errors="strict"):

@@ -307,7 +307,9 @@ def test_exact_and_numeric_closeness():
     assert exact("#### 999", "1000") == 0.0
     assert close("#### 10", "10") == 1.0
     assert close("#### 11", "10") == pytest.approx(math.exp(-0.1))
-    assert close("#### 1000000", "10") >= 0.0
+    assert close("#### 100", "10") == pytest.approx(math.exp(-9))      # scale |gold|
+    assert close("#### 0.5", "0") == pytest.approx(math.exp(-0.5))      # scale at least 1
+    assert close("#### 1000000", "10") == 0.0      # exp(-99999) underflows to 0
     assert close("no number", "10") == 0.0
 
 
@@ -319,6 +321,7 @@ def test_in_process_scoring_counts_fast_and_slow():
     assert rewards == [1.0, 1.0, 0.0, 0.0]
     assert (stats.total, stats.fast_path, stats.slow_path) == (4, 3, 1)
     assert stats.errors == stats.timeouts == 0
+    assert stats.seconds > 0        # the call's wall time (metrics reward_fn/seconds)
 
 
 def test_in_process_timeout_and_error_score_zero():
@@ -368,7 +371,9 @@ def test_in_process_reward_keeps_the_callers_timer(caller_timer):
     assert handler.__name__ == "handler" and handler.__module__ == __name__    # the caller's
     signal.setitimer(signal.ITIMER_REAL, 0.05)      # due while the reward runs: 0.2 s
     with RewardComputer("test_pause", num_workers=0, timeout_s=5) as rc:
-        assert rc.score(["x"], [""])[0] == [1.0]     # the reward was not cut short by it
+        rewards, stats = rc.score(["x"], [""])
+    assert rewards == [1.0]                         # the reward was not cut short by it
+    assert stats.seconds >= 0.2                     # its sleep is in the call's wall time
     deadline = time.monotonic() + 10
     while not caller_timer and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -46,6 +46,13 @@ def test_two_step_run_three_tokenizers(tmp_path):
         for stage in ("generate", "old_logprobs", "retokenize", "score_self", "score_cross",
                       "backward_self", "backward_cross", "optimizer", "sync", "update"):
             assert r[f"time/{stage}/{name}"] >= 0, stage
+        # the stages that work for every agent every step on the local engine were timed
+        # (a stage run outside its timer, or never entered, reads 0); cross scoring only for
+        # an agent with cross samples; sync copies nothing (the engine reads the policy)
+        cross = ("retokenize", "score_cross", "backward_cross")
+        for stage in ("generate", "old_logprobs", "score_self", "backward_self", "optimizer",
+                      "update") + (cross if r[f"train/{name}/trained_cross"] > 0 else ()):
+            assert r[f"time/{stage}/{name}"] > 0, stage
         parts = sum(r[f"time/{s}/{name}"] for s in ("score_self", "score_cross",
                                                     "backward_self", "backward_cross",
                                                     "optimizer"))

@@ -254,10 +254,18 @@ def test_reduced_vocabulary_covers_every_warm_up_target(tmp_path):
     cfg = load_config("tiny3", overrides={"data.train_size": 20000,
                                           "cache_dir": str(tmp_path / "cache")})
     data = build.load_data(cfg)
+    reduced = 0
     for a, pol in zip(cfg.agents, build.build_policies(cfg, data)):
         if a.policy.reduce_vocab:
+            tok = pol.tokenizer
+            assert tok.reduced, a.policy.name
+            reduced += 1
             for e in data.train:
-                pol.tokenizer.response_ids(data.target_text(e), add_eos=True)
+                ids = tok.response_ids(data.target_text(e), add_eos=True)
+                # some content before the EOS, every id one of the reduced vocabulary's
+                assert len(ids) > 1 and ids[-1] == tok.eos_id, e
+                assert all(0 <= i < tok.vocab_size for i in ids), e
+    assert reduced > 0      # tiny3 reduces some agent's vocabulary: the loop above ran
 
 
 def test_held_out_problems_that_are_in_the_training_file_are_said(tmp_path, caplog):
