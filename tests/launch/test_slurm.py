@@ -236,8 +236,11 @@ def test_job_script_traps_reach_the_background_driver(tmp_path, capsys, sig):
             + "\n".join(lines[start:end + 1])
             + f"\n{sys.executable} -c {shlex.quote(_FAKE_DRIVER)} {ready} &\nDRIVER_PID=$!\n"
             "wait_driver\necho \"rc=$RC got_usr1=$GOT_USR1\"\n")
+    # SIGINT's default restored: a shell that starts with it ignored (a test run in the
+    # background, as CI's) cannot trap it, as a job script started by Slurm can
     p = subprocess.Popen(["bash", "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
+                         text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 60
     while not ready.exists():
         assert p.poll() is None and time.time() < deadline, p.communicate()
