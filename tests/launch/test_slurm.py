@@ -569,28 +569,42 @@ def _wait_for(what: str, ok, timeout_s: float, poll_s: float = 0.5) -> None:
         time.sleep(poll_s)
 
 
+def _submit_long_run(local_slurm: dict, tmp_path: Path, checkpoint_every: int, *extra: str):
+    """A 2-node job of a 1000-step tiny run, submitted (not waited for): (run dir, job id,
+    job output path, a function reading the steps metrics.jsonl holds so far)."""
+    out = tmp_path / "run"
+    args = tiny_run_args(out, tmp_path)
+    args[args.index("steps=2")] = "steps=1000"
+    args.append(f"checkpoint_every={checkpoint_every}")     # still under --set
+    r = hacpo(["launch", "slurm", "--nodes", "2", "--cpus-per-node", "2",
+               "--object-store-mb", "200", "--ray-port", str(free_port("127.0.0.2")),
+               "--ray-timeout", "240", *extra, *args],
+              env={**local_slurm, **INHERITED_RAY_ENV}, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    job = _job_id(r.stdout)
+    metrics = out / "metrics.jsonl"
+
+    def steps() -> list[int]:
+        text = metrics.read_text() if metrics.exists() else ""
+        return [json.loads(ln)["step"] for ln in text.splitlines() if ln.endswith("}")]
+    return out, job, out / "slurm" / f"slurm-{job}.out", steps
+
+
+def _end_job(local_slurm: dict, job: str) -> None:
+    """SIGTERM everywhere (the script tears down), then wait until the job has ended."""
+    subprocess.run(["scancel", "--full", "--signal=TERM", job],
+                   env={**os.environ, **local_slurm}, timeout=60)
+    _wait_for("the job to end", lambda: (_state(local_slurm, job) or "X") not in
+              ("RUNNING", "PENDING", "COMPLETING", "REQUEUED"), 150, 1)
+
+
 @pytest.mark.slurm
 def test_requeued_slurm_job_resumes_the_run(local_slurm, tmp_path):
     """A job Slurm requeues mid-run (what a preemption or a node failure does; here `scontrol
     requeue`) starts over from its script: a new Ray cluster (new token), and the driver
     resumes from the last checkpoint instead of refusing the run dir that holds it; the
     steps continue where the checkpoint left them."""
-    out = tmp_path / "run"
-    args = tiny_run_args(out, tmp_path)
-    args[args.index("steps=2")] = "steps=1000"
-    args.append("checkpoint_every=1")                       # still under --set
-    r = hacpo(["launch", "slurm", "--nodes", "2", "--cpus-per-node", "2",
-               "--object-store-mb", "200", "--ray-port", str(free_port("127.0.0.2")),
-               "--ray-timeout", "240", *args], env={**local_slurm, **INHERITED_RAY_ENV},
-              timeout=120)
-    assert r.returncode == 0, r.stdout + r.stderr
-    job = _job_id(r.stdout)
-    job_out = out / "slurm" / f"slurm-{job}.out"
-    metrics = out / "metrics.jsonl"
-
-    def steps() -> list[int]:
-        text = metrics.read_text() if metrics.exists() else ""
-        return [json.loads(ln)["step"] for ln in text.splitlines() if ln.endswith("}")]
+    out, job, job_out, steps = _submit_long_run(local_slurm, tmp_path, 1)
     try:
         t0 = time.time()
         _wait_for("two steps and a checkpoint",
@@ -619,10 +633,7 @@ def test_requeued_slurm_job_resumes_the_run(local_slurm, tmp_path):
         # the metrics of the steps past the checkpoint were redone, not duplicated
         assert got == list(range(len(got))), got
     finally:
-        subprocess.run(["scancel", "--full", "--signal=TERM", job],
-                       env={**os.environ, **local_slurm}, timeout=60)
-        _wait_for("the job to end", lambda: (_state(local_slurm, job) or "X") not in
-                  ("RUNNING", "PENDING", "COMPLETING", "REQUEUED"), 150, 1)
+        _end_job(local_slurm, job)
     assert not processes_mentioning(f"hacpo-slurm-ray-{job}")
 
 
@@ -635,22 +646,8 @@ def test_slurm_job_signalled_before_its_time_limit_checkpoints_and_requeues(loca
     step and stops although checkpoint_every is far; the job requeues itself and resumes from
     that very step (no step lost, none run twice). Before: the script's default action for
     SIGUSR1 killed it, and the time limit then lost every step since the last checkpoint."""
-    out = tmp_path / "run"
-    args = tiny_run_args(out, tmp_path)
-    args[args.index("steps=2")] = "steps=1000"
-    args.append("checkpoint_every=1000")                    # still under --set
-    r = hacpo(["launch", "slurm", "--nodes", "2", "--cpus-per-node", "2",
-               "--object-store-mb", "200", "--ray-port", str(free_port("127.0.0.2")),
-               "--ray-timeout", "240", "--time", "00:30:00", "--checkpoint-before-limit", "600",
-               *args], env={**local_slurm, **INHERITED_RAY_ENV}, timeout=120)
-    assert r.returncode == 0, r.stdout + r.stderr
-    job = _job_id(r.stdout)
-    job_out = out / "slurm" / f"slurm-{job}.out"
-    metrics = out / "metrics.jsonl"
-
-    def steps() -> list[int]:
-        text = metrics.read_text() if metrics.exists() else ""
-        return [json.loads(ln)["step"] for ln in text.splitlines() if ln.endswith("}")]
+    out, job, job_out, steps = _submit_long_run(local_slurm, tmp_path, 1000, "--time",
+                                                "00:30:00", "--checkpoint-before-limit", "600")
     try:
         _wait_for("a step", lambda: len(steps()) >= 1, 300)
         assert not (out / "checkpoint.pt").exists()
@@ -680,10 +677,7 @@ def test_slurm_job_signalled_before_its_time_limit_checkpoints_and_requeues(loca
         got = steps()
         assert got == list(range(len(got))), got
     finally:
-        subprocess.run(["scancel", "--full", "--signal=TERM", job],
-                       env={**os.environ, **local_slurm}, timeout=60)
-        _wait_for("the job to end", lambda: (_state(local_slurm, job) or "X") not in
-                  ("RUNNING", "PENDING", "COMPLETING", "REQUEUED"), 150, 1)
+        _end_job(local_slurm, job)
     assert not processes_mentioning(f"hacpo-slurm-ray-{job}")
 
 
