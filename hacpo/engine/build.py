@@ -189,14 +189,26 @@ def build_policies(cfg: TrainConfig, data: Data | None,
 def tokenizer_record(policies: list[Policy]) -> dict[str, list]:
     """What a training checkpoint records of each policy's tokenizer: ``tokenizers``, a digest
     of what its ids mean (a run resumed, evaluated or exported with another is refused:
-    :func:`tokenizer_mismatch`), and ``vocabs``, by agent name, each reduced vocabulary (its
-    kept original ids, int64), from which `hacpo eval` / `export` rebuild it without reading
-    the data."""
+    :func:`tokenizer_mismatch`), ``encodings``, a digest of how it turns text into prompt ids
+    (a run resumed with another is refused: :func:`encoding_mismatch`), and ``vocabs``, by
+    agent name, each reduced vocabulary (its kept original ids, int64), from which `hacpo
+    eval` / `export` rebuild it without reading the data."""
     vocabs = {}
     for p in policies:
         if (kept := p.tokenizer.kept_ids()) is not None:
             vocabs[p.name] = torch.tensor(kept, dtype=torch.int64)
-    return {"tokenizers": [tokenizer_digest(p.tokenizer) for p in policies], "vocabs": vocabs}
+    return {"tokenizers": [tokenizer_digest(p.tokenizer) for p in policies],
+            "encodings": encoding_digests(policies),
+            "vocabs": vocabs}
+
+
+def encoding_digests(policies: list[Policy]) -> list[str]:
+    """A hash of each policy's tokenizer's ``encoding_probe()`` (how it renders and encodes
+    fixed texts: milliseconds), for the checkpoint and the resume check: by what
+    the tokenizer does, so that a tokenizers upgrade that writes tokenizer.json otherwise and
+    encodes alike does not refuse a resume (the warm-start cache keys on the stricter
+    :func:`encoding_digest`, where a miss costs a warm-up only)."""
+    return [_digest(p.tokenizer.encoding_probe()) for p in policies]
 
 
 def saved_vocabs(state: dict) -> dict[str, list[int]]:
@@ -231,7 +243,7 @@ def rebuild_policies(cfg: TrainConfig, state: dict, names: Collection[str],
 def warm_start(cfg: TrainConfig, data: Data, policies: list[Policy], echo=print) -> list[dict]:
     """Supervised warm-up per agent, cached in cfg.cache_dir by a hash of everything that
     determines its result: the policy's config and initial weights, its tokenizer's vocabulary
-    (a reduced one depends on the data), the warm-up config and batch seed, and the prompt and
+    (a reduced one depends on the data) and encoding, the warm-up config and batch seed, and the prompt and
     target texts it trains on (their content, not the files' paths; with the tokenizer, the
     token ids). It does not
     depend on the RL seed or algorithm, so every run of `hacpo compare` shares it. A cached
@@ -337,6 +349,23 @@ def tokenizer_mismatch(state: dict, policies: list[Policy], cfg: TrainConfig) ->
                    f"since? {vocab_source(cfg)}")
             return (f"agent {pol.name}'s tokenizer ({pol.tokenizer.vocab_size} tokens) is not "
                     f"the one its weights were trained with ({why})")
+    return None
+
+
+def encoding_mismatch(state: dict, policies: list[Policy]) -> str | None:
+    """None if every policy's tokenizer encodes text as it did when ``state`` (a training
+    checkpoint) was written (by agent name; a checkpoint without the record: not checked),
+    else which agent's does not and the likely cause. Its ids still mean the same tokens
+    (:func:`tokenizer_mismatch`), but its prompts are other ids than those it trained on."""
+    want = dict(zip([a.get("name") for a in state.get("agents", [])],
+                    state.get("encodings") or []))
+    for pol, now in zip(policies, encoding_digests(policies)):
+        if pol.name in want and want[pol.name] != now:
+            return (f"agent {pol.name}'s prompts are not encoded as when its weights were "
+                    f"trained: the chat template or encoding rules (BOS, normalizer, "
+                    f"pre-tokenizer, merges) of its tokenizer {pol.tokenizer.name!r} changed "
+                    f"since the checkpoint (its files edited, a transformers / tokenizers "
+                    f"upgrade?)")
     return None
 
 

@@ -410,6 +410,10 @@ def _evaluate(runs, labels, out_dirs, out_dir, benches, loaded, names, *, agents
                                  f"(--max-new-tokens chooses fewer)")
         if bad := build.tokenizer_mismatch(state, [policies[name] for name in chosen], cfg):
             raise ValueError(f"cannot evaluate {ck_path}: {bad}")
+        # not an error (a resume's is): an evaluation chooses its prompts (--template), and
+        # one after a tokenizer upgrade is a fair question; its numbers are of prompts of now
+        if note := build.encoding_mismatch(state, [policies[name] for name in chosen]):
+            echo(f"[eval] note: {note}; it is evaluated on prompts encoded as now")
         with RewardComputer(cfg.reward.name, num_workers=cfg.reward.num_workers,
                             timeout_s=cfg.reward.timeout_s) as rc:
             for name in chosen:

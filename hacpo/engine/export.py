@@ -335,6 +335,10 @@ def _export(ck_path, run_dir, state, cfg, by_name, dirs, *, tokenizer, dtype, ov
                                                           f"cannot export from {ck_path}")}
     if why := build.tokenizer_mismatch(state, [policies[n] for n in chosen], cfg):
         raise ValueError(f"cannot export from {ck_path}: {why}")
+    # not an error (a resume's is): an export writes the tokenizer files of now, which may be
+    # the ones wanted (a fixed chat template); said, since its prompts are not the run's
+    if note := build.encoding_mismatch(state, [policies[n] for n in chosen]):
+        echo(f"[export] note: {note}; the folder holds the tokenizer files of now")
     saved = {a["name"]: a for a in state["agents"]}
     for n in chosen:
         pol, (i, pol_cfg) = policies[n], by_name[n]

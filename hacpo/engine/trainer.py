@@ -415,6 +415,11 @@ def _prepare(cfg: TrainConfig, resume: bool, echo):
     policies = build.build_policies(cfg, data)
     if state is not None and (bad := build.tokenizer_mismatch(state, policies, cfg)):
         raise ValueError(f"cannot resume {ck_path}: {bad}")
+    if state is not None and (bad := build.encoding_mismatch(state, policies)):
+        # the steps after it would train on prompts the steps before never saw, silently
+        raise ValueError(f"cannot resume {ck_path}: {bad}; restore the tokenizer files or "
+                         f"package versions it was trained with, or start a new run in "
+                         f"another out_dir")
     check_prompt_lengths(cfg, data, policies)
     if cfg.rollout.engine == "vllm" and cfg.rollout.engine_tp > 1:   # the vocabulary vLLM must
         from hacpo.launch.vllm_rollout import check_engine_tp      # split is the tokenizer's:

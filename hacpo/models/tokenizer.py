@@ -116,6 +116,14 @@ class Tokenizer:
         """:meth:`response_ids` of each text, as :meth:`encode_batch`."""
         return [self.response_ids(t, add_eos=add_eos, errors=errors) for t in texts]
 
+    def encoding_probe(self) -> list:
+        """How this tokenizer turns text into prompts and ids, by what it does to
+        :data:`ENCODING_PROBES` (not by how its files spell it): their prompts as rendered
+        (its template or chat template). A training checkpoint records a hash of it
+        (``hacpo.engine.build.encoding_digests``): a resume whose prompts would be other ids
+        is refused."""
+        return [type(self).__name__, [self.prompt_text(q) for q in ENCODING_PROBES]]
+
     def special_ids(self) -> frozenset[int]:
         """Ids that are never content (EOS, pad, BOS, template markers)."""
         raise NotImplementedError
@@ -231,6 +239,18 @@ class CharTokenizer(Tokenizer):
 LLAMA3_TEMPLATE = ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n{question}"
                    "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
 PLAIN_TEMPLATE = "Question: {question}\nAnswer: "
+
+# texts whose prompts and ids stand for how a tokenizer encodes (Tokenizer.encoding_probe):
+# words, numbers and arithmetic, LaTeX, runs of spaces, tabs and newlines, accents precomposed
+# and combining, other scripts, an emoji, and a special token's string written as text
+ENCODING_PROBES = (
+    "What is 12 + 30? Natalia sold 48 clips in April, and half as many in May.",
+    "Solve $x^2 - 5x + 6 = 0$ and give \\boxed{\\frac{1}{2}}; 3.14159, 1,000,000, -7e-3",
+    "  two  spaces,\ta tab\n\nand two newlines   ",
+    "caf\u00e9 vs cafe\u0301, na\u00efve, \u00bd, \uff11\uff12, \u6771\u4eac, "
+    "\u043f\u0440\u0438\u0432\u0435\u0442, \U0001f642",
+    "<|im_end|> <|endoftext|> </s> <s> [INST]",
+)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -558,6 +578,19 @@ class HFTokenizer(Tokenizer):
 
     def special_ids(self) -> frozenset[int]:
         return self._special
+
+    def encoding_probe(self) -> list:
+        """The base's rendered prompts, their ids as :meth:`prompt_ids` makes them (BOS
+        included) and the probes' ids as :meth:`encode` makes them (a response), in original
+        ids (which tokens a reduced vocabulary kept is the vocabulary check's matter): a chat
+        template, BOS, normalizer, pre-tokenizer or merges that changed these texts' ids
+        changes it; a tokenizer.json written otherwise by another tokenizers version that
+        encodes alike does not."""
+        rendered = self._prompt_texts(ENCODING_PROBES)
+        prompts = [([self.hf.bos_token_id] if self._add_bos else []) + ids
+                   for ids in _batch_ids(self._backend, rendered)]
+        return [type(self).__name__, rendered, prompts,
+                list(_batch_ids(_text_backend(self.hf), ENCODING_PROBES))]
 
     def token_strings(self) -> list[str]:
         """Token string of every id (after reduction), for inspection and tests."""

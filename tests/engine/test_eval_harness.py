@@ -282,6 +282,26 @@ def test_checkpoint_of_another_vocabulary_is_clear_error(run, tmp_path):
         evaluate_checkpoints([str(tmp_path / "other")], run["benches"], agents=["qwen3"])
 
 
+def test_an_agent_whose_prompt_encoding_changed_since_the_checkpoint_is_said(run, tmp_path):
+    """An agent whose tokenizer encodes text otherwise than when the checkpoint was written
+    (its recorded encoding digest edited here: a chat template changed since) is evaluated on
+    the prompts of now, with a one-line note naming it (a resume is refused instead); an
+    unchanged agent gets none."""
+    from hacpo.engine import checkpoint as ckpt
+    state = ckpt.load(str(run["dir"] / "checkpoint.pt"))
+    assert len(state["encodings"]) == len(AGENTS)
+    state["encodings"][AGENTS.index("qwen3")] = "0" * 64
+    ckpt.save_atomic(state, str(tmp_path / "other" / "checkpoint.pt"))
+    said = []
+    rep = evaluate_checkpoints([str(tmp_path / "other")], run["benches"][:1], limit=1,
+                               agents=["char", "qwen3"], echo=said.append)
+    assert [r["row"] for r in rep["rows"]] == ["char", "qwen3"]
+    notes = [s for s in said if "note" in s]
+    assert len(notes) == 1 and notes[0].startswith(
+        "[eval] note: agent qwen3's prompts are not encoded as when its weights were trained: ")
+    assert notes[0].endswith("; it is evaluated on prompts encoded as now")
+
+
 def test_bad_inputs(run, tmp_path, capsys):
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         evaluate_checkpoints([str(tmp_path / "nope")], run["benches"])

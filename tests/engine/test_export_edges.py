@@ -389,6 +389,26 @@ def test_weights_of_agents_the_config_does_not_name_are_refused(run, exported):
     assert not (run / "misnamed-out").exists()
 
 
+def test_an_agent_whose_prompt_encoding_changed_since_the_checkpoint_is_said(run, exported):
+    """An agent whose tokenizer encodes text otherwise than when the checkpoint was written
+    (its recorded encoding digest edited here: a chat template changed since) is exported
+    with the tokenizer files of now, as asked, with a one-line note naming it (a resume is
+    refused instead); an unchanged agent gets none."""
+    state = ckpt.load(str(run / "run" / "checkpoint.pt"))
+    assert [a["name"] for a in state["agents"]] == ["untied", "g2"]
+    state["encodings"][1] = "0" * 64
+    (run / "reencoded").mkdir()
+    ckpt.save_atomic(state, str(run / "reencoded" / "checkpoint.pt"))
+    said = []
+    dirs = export_checkpoint(str(run / "reencoded"), str(run / "reencoded-out"),
+                             tokenizer=False, echo=said.append)
+    assert sorted(dirs) == ["g2", "untied"]
+    notes = [s for s in said if "note" in s]
+    assert len(notes) == 1 and notes[0].startswith(
+        "[export] note: agent g2's prompts are not encoded as when its weights were trained: ")
+    assert notes[0].endswith("; the folder holds the tokenizer files of now")
+
+
 def test_folder_names_never_clash_even_case_insensitively():
     """agent<index> takes as many "_" as it needs to be no other agent's folder, compared
     case-insensitively (macOS / Windows file systems): never two agents in one folder."""

@@ -271,6 +271,50 @@ def test_resume_of_a_foreign_checkpoint_or_changed_data_is_clear_error(tmp_path)
                                      r"size mismatch")
 
 
+def test_resume_after_an_agents_chat_template_changed_is_refused(tmp_path):
+    """The checkpoint records how each agent's tokenizer turns text into ids (chat template,
+    BOS, an HF tokenizer.json's rules), apart from what its ids mean: a resume after a chat
+    template edited in the tokenizer folder (the same vocabulary; before, the steps after it
+    trained on prompts the steps before never saw, silently) is a one-line error naming the
+    agent and the likely cause, the run dir kept; an unchanged tokenizer resumes, and so does
+    a checkpoint written before the record (not checked)."""
+    import dataclasses
+    import shutil
+
+    from hacpo.engine.errors import is_user_error
+    from hacpo.models import tokenizer as tokmod
+    folder = tmp_path / "qwen3-files"
+    shutil.copytree(tokmod.tokenizer_path("qwen3"), folder)
+    cfg = _cfg(tmp_path, steps="1", plots="false", tensorboard="false",
+               **{"agents.1.policy.tokenizer": str(folder)})
+    cfg = dataclasses.replace(cfg, agents=cfg.agents[:2])        # char and qwen3: faster
+    train(cfg, echo=lambda *_: None)
+    ck_path = tmp_path / "run" / "checkpoint.pt"
+    assert len(set(ckpt.load(str(ck_path))["encodings"])) == 2
+    train(cfg, resume=True, echo=lambda *_: None)              # unchanged: resumes
+    conf = folder / "tokenizer_config.json"
+    spec = json.loads(conf.read_text())
+    spec["chat_template"] = spec["chat_template"].replace("<|im_start|>", "<|im_start|>" * 2)
+    conf.write_text(json.dumps(spec))
+    tokmod._load_hf.cache_clear()                  # as a new process reads the folder again
+    kept = {f: (tmp_path / "run" / f).read_bytes() for f in ("checkpoint.pt", "metrics.jsonl")}
+    longer = cfg.override({"steps": 2})
+    with pytest.raises(ValueError, match=r"^cannot resume .*run/checkpoint\.pt: agent qwen3's "
+                                         r"prompts are not encoded as when its weights were "
+                                         r"trained: the chat template .* of its tokenizer "
+                                         r"'qwen3-files' changed since the checkpoint .*"
+                                         r"transformers / tokenizers upgrade\?\); restore "
+                                         r"the tokenizer files .* or start a new run") as e:
+        train(longer, resume=True, echo=lambda *_: None)
+    assert is_user_error(e.value) and "\n" not in str(e.value)
+    assert {f: (tmp_path / "run" / f).read_bytes() for f in kept} == kept
+    state = ckpt.load(str(ck_path))        # a checkpoint of older code: no record, no check
+    del state["encodings"]
+    ckpt.save_atomic(state, str(ck_path))
+    train(longer, resume=True, echo=lambda *_: None)
+    assert ckpt.load(str(ck_path))["step"] == 2
+
+
 def test_resume_rewrites_metrics_atomically_and_drops_a_cut_last_row(tmp_path, monkeypatch):
     """On resume at step s, metrics.jsonl loses its rows of steps >= s through a new file
     renamed over the old one: a full disk while it is written leaves the old file whole (the

@@ -375,3 +375,51 @@ def test_a_tokenizer_saved_with_padding_on_encodes_prompts_unpadded(tmp_path):
         [tok.prompt_ids(q) for q in qs]
     assert len(ref.prompt_ids(qs[1])) > 6
     assert tok.encode_batch(qs) == [ref.encode(q) for q in qs]
+
+
+def test_the_encoding_probe_follows_what_a_tokenizer_does_not_how_its_files_spell_it(tmp_path):
+    """encoding_probe (the checkpoint's encoding record, which a resume compares): the folder
+    written again by this transformers (save_pretrained: its own file layout) or renamed
+    gives the same probe; a chat template edited, a merge removed (the same vocabulary, other
+    ids) or another prompt template change it. A reduced vocabulary gives its full
+    tokenizer's probe (original ids)."""
+    import json
+    import shutil
+
+    from hacpo.models import tokenizer as tokmod
+
+    def probe(path, **kw):
+        tokmod._load_hf.cache_clear()       # as another process reads the folder
+        return load_tokenizer(str(path), **kw).encoding_probe()
+
+    orig = tmp_path / "orig"
+    shutil.copytree(tokmod.tokenizer_path("qwen3"), orig)
+    ref = probe(orig)
+    assert ref == load_tokenizer("qwen3").encoding_probe()
+    assert probe(orig, corpus=["What is 1 + 1?"]) == ref
+    assert probe(orig, template="Q: {question}\nA: ") != ref
+    tokmod._load_hf(str(orig)).save_pretrained(str(tmp_path / "resaved"))
+    assert probe(tmp_path / "resaved") == ref
+
+    def variant(name, file, edit):
+        folder = tmp_path / name
+        shutil.copytree(orig, folder)
+        (folder / file).write_text(edit((folder / file).read_text()))
+        return probe(folder)
+
+    def no_double_space(text):         # the merge of two spaces ("Ġ Ġ")
+        spec = json.loads(text)
+        merges = spec["model"]["merges"]
+        spec["model"]["merges"] = [m for m in merges if m != ["Ġ", "Ġ"]]
+        assert len(spec["model"]["merges"]) == len(merges) - 1
+        return json.dumps(spec)
+    assert variant("merges", "tokenizer.json", no_double_space) != ref
+
+    def human(text):
+        spec = json.loads(text)
+        spec["chat_template"] = spec["chat_template"].replace("user", "human")
+        return json.dumps(spec, indent=2)
+    assert variant("chat", "tokenizer_config.json", human) != ref
+    char = CharTokenizer()
+    assert char.encoding_probe() == CharTokenizer().encoding_probe()
+    assert CharTokenizer(template="Q:{question}\nA:").encoding_probe() != char.encoding_probe()
