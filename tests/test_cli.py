@@ -566,16 +566,16 @@ def test_every_run_and_eval_flag_reaches_its_command(tmp_path, monkeypatch, caps
     assert main(["eval", "r1", "r2", "--bench", "a=x.jsonl", "b=y.jsonl:gsm8k", "--agents", "q",
                  "--samples", "3", "--temperature", "0.5", "--top-p", "0.9",
                  "--max-new-tokens", "11", "--limit", "5", "--template", "t", "--out-dir", out,
-                 "--batch", "7", "--seed", "9"]) == 0
+                 "--batch", "7", "--seed", "9", "--set", "agents.1.policy.path=m"]) == 0
     (ck, bench), kw = got["eval"]
     assert (ck, bench) == (["r1", "r2"], ["a=x.jsonl", "b=y.jsonl:gsm8k"])
     assert kw == {"agents": ["q"], "samples": 3, "temperature": 0.5, "top_p": 0.9,
                   "max_new_tokens": 11, "limit": 5, "template": "t", "out_dir": out,
-                  "batch": 7, "seed": 9}
+                  "batch": 7, "seed": 9, "moved": {"agents.1.policy.path": "m"}}
     assert main(["eval", "r1", "--bench", "a=x.jsonl"]) == 0
     assert got["eval"][1] == {"agents": None, "samples": 1, "temperature": None, "top_p": None,
                               "max_new_tokens": None, "limit": None, "template": None,
-                              "out_dir": None, "batch": 128, "seed": None}
+                              "out_dir": None, "batch": 128, "seed": None, "moved": {}}
     with pytest.raises(SystemExit):           # --pass-k: an integer >= 0
         main(["compare", "--preset", "tiny3", "--pass-k", "-1"])
     assert "must be an integer >= 0, got -1" in capsys.readouterr().err

@@ -7,19 +7,20 @@ import hashlib
 import json
 import logging
 import os
+import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, asdict
 
 import torch
 
 from hacpo.models.policy import Policy, build_policy
-from hacpo.models.tokenizer import Tokenizer, batches, load_tokenizer
+from hacpo.models.tokenizer import KNOWN_TOKENIZERS, Tokenizer, batches, load_tokenizer
 
 from . import checkpoint as ckpt
 from .data import DataError, Example, GSM8K_FIELDS, LoadStats, MATH_ANSWER_FIELDS, \
     MATH_FIELDS, QUESTION_ANSWER_FIELDS, apply_prompt_template, load_examples
 from .errors import describe_os_error
-from .run_config import TrainConfig, config_hash
+from .run_config import TrainConfig, config_hash, expand_user
 from .tasks import ArithmeticTask, reference_solution
 from .warmup import supervised_warmup
 
@@ -234,17 +235,110 @@ def rebuild_policies(cfg: TrainConfig, state: dict, names: Collection[str],
             except ValueError as e:
                 raise ValueError(f"{where}: agent {name}'s reduced vocabulary recorded there "
                                  f"does not fit its tokenizer: {e}") from None
+    for i, a in enumerate(cfg.agents):     # a folder moved since the run: say how to name it
+        for key in MOVABLE:
+            spec = getattr(a.policy, key)
+            if a.policy.name in names and is_folder(key, spec, a.policy.kind) \
+                    and not os.path.exists(spec):
+                raise FileNotFoundError(
+                    f"{where}: agent {a.policy.name}'s policy.{key} {spec} does not exist "
+                    f"(moved? --set agents.{i}.policy.{key}=NEW names its new place)")
     reduced_here = any(a.policy.reduce_vocab and a.policy.name not in made
                        for a in cfg.agents if a.policy.name in names)
     data = load_data(cfg) if reduced_here else None
     return build_policies(cfg, data, names=set(names), tokenizers=made)
 
 
+# An agent's folders that may move (run and models copied to another machine or mount):
+# agents.N.policy.<key>=NEW names the new place (a resume, `hacpo eval`, `hacpo export`), and
+# what it holds is checked against the checkpoint's record of it (check_moved)
+MOVABLE = ("path", "tokenizer")
+_MOVED_KEY = re.compile(r"^agents\.(\d+)\.policy\.(path|tokenizer)$")
+
+
+def is_folder(key: str, spec, kind: str = "hf") -> bool:
+    """Whether policy.<key> ``spec`` names a folder (or file) of the run's (not a tokenizer
+    known by name, not an unset path; a decoder reads no policy.path)."""
+    if not isinstance(spec, str) or not spec:
+        return False
+    return kind == "hf" if key == "path" else spec != "char" and spec not in KNOWN_TOKENIZERS
+
+
+def model_record(cfg: TrainConfig) -> dict[str, dict[str, str]]:
+    """What a training checkpoint records of each policy.path model folder, by agent name:
+    a digest of its config.json (the architecture the checkpoint's weights are read into), so
+    a folder named at another place is checked to hold the same model (check_moved)."""
+    return {"model_configs": {a.policy.name: model_config_digest(a.policy.path)
+                              for a in cfg.agents if is_folder("path", a.policy.path,
+                                                               a.policy.kind)}}
+
+
+def model_config_digest(path: str) -> str:
+    """Hash of a model folder's config.json, less what says where and with which transformers
+    version it was saved (a copied folder, or one saved again, is the same model)."""
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        d = json.load(f)
+    if isinstance(d, dict):
+        d.pop("_name_or_path", None), d.pop("transformers_version", None)
+    return _digest(d)
+
+
+def check_moved(state: dict, index: int, name, key: str, old: str, new: str) -> None:
+    """ValueError unless folder ``new``, named for agent ``index``'s (``name``) policy.<key>
+    instead of the run's ``old``, can stand for it: the checkpoint records what the run's
+    held (a model folder's config.json, checked here; a tokenizer's vocabulary, checked once
+    it is built: tokenizer_mismatch)."""
+    where = f"agents.{index}.policy.{key}={new}"
+    if not os.path.exists(new):
+        raise ValueError(f"{where}: no such file or folder")
+    want = (state.get("model_configs") or {}).get(name) if key == "path" else \
+        state.get("tokenizers")
+    if not want:
+        raise ValueError(f"{where}: the checkpoint does not record what the run's folder "
+                         f"{old} held (written before hacpo recorded it): put the folder back "
+                         f"there, or link it")
+    if key == "path":
+        try:
+            got = model_config_digest(new)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{where}: cannot read its config.json: {e}") from None
+        if got != want:
+            raise ValueError(f"{where}: another model than the run's ({old}): its config.json "
+                             f"differs")
+
+
+def moved_config(state: dict, moved: Mapping[str, str], where: str) -> dict:
+    """A copy of training checkpoint ``state``'s config with the folders ``moved`` names
+    (``{"agents.N.policy.path" | "agents.N.policy.tokenizer": new place}``) there, each
+    checked (check_moved). ValueError on any other key, an agent the run does not have, or a
+    key that names no folder of the run's."""
+    stored = copy.deepcopy(state["config"])
+    agents = stored.get("agents") if isinstance(stored, dict) else None
+    for k, new in moved.items():
+        m = _MOVED_KEY.match(k)
+        if m is None:
+            raise ValueError(f"--set {k}: only agents.N.policy.path / agents.N.policy.tokenizer "
+                             f"(a model or tokenizer folder moved since the run) apply here")
+        i, key = int(m.group(1)), m.group(2)
+        if not isinstance(agents, list) or i >= len(agents):
+            raise ValueError(f"--set {k}: {where} has {len(agents or [])} agents (agents.0 "
+                             f"to agents.{len(agents or []) - 1})")
+        pol = agents[i].get("policy") if isinstance(agents[i], dict) else None
+        old = pol.get(key) if isinstance(pol, dict) else None
+        if not is_folder(key, old, pol.get("kind", "decoder") if pol else "decoder"):
+            raise ValueError(f"--set {k}: agent {i} of {where} reads no folder there "
+                             f"(policy.{key}={old!r})")
+        new = os.path.abspath(expand_user(new))
+        check_moved(state, i, pol.get("name"), key, old, new)
+        pol[key] = new
+    return stored
+
+
 def warm_start(cfg: TrainConfig, data: Data, policies: list[Policy], echo=print) -> list[dict]:
     """Supervised warm-up per agent, cached in cfg.cache_dir by a hash of everything that
     determines its result: the policy's config and initial weights, its tokenizer's vocabulary
-    (a reduced one depends on the data) and encoding, the warm-up config and batch seed, and the prompt and
-    target texts it trains on (their content, not the files' paths; with the tokenizer, the
+    (a reduced one depends on the data) and encoding, the warm-up config and batch seed, and
+    the prompt and target texts it trains on (their content, not the files' paths; with the tokenizer, the
     token ids). It does not
     depend on the RL seed or algorithm, so every run of `hacpo compare` shares it. A cached
     state that cannot be read or does not fit the policy is a logged miss: trained again."""
@@ -341,8 +435,10 @@ def tokenizer_mismatch(state: dict, policies: list[Policy], cfg: TrainConfig) ->
     want = dict(zip([a.get("name") for a in state.get("agents", [])],
                     state.get("tokenizers") or []))
     recorded = saved_vocabs(state)
+    named = _recorded_tokenizer_names(state)
     for pol in policies:
-        if pol.name in want and want[pol.name] != tokenizer_digest(pol.tokenizer):
+        if pol.name in want and want[pol.name] != tokenizer_digest(pol.tokenizer,
+                                                                   named.get(pol.name)):
             why = (f"its reduced vocabulary is the checkpoint's record: did tokenizer "
                    f"{pol.tokenizer.name!r}'s files change since?" if pol.tokenizer.kept_ids() ==
                    recorded.get(pol.name) else f"a vocabulary reduced to data that changed "
@@ -369,15 +465,27 @@ def encoding_mismatch(state: dict, policies: list[Policy]) -> str | None:
     return None
 
 
-def tokenizer_digest(tok) -> str:
-    """Hash of what a tokenizer's ids mean: its class, name, special ids and every id's token
-    (a reduced vocabulary: the kept tokens, in id order)."""
+def _recorded_tokenizer_names(state: dict) -> dict[str, str]:
+    """The name each agent's tokenizer folder had in the checkpoint's run (its folder's name,
+    part of tokenizer_digest), by agent name: one moved since under another name is the same
+    tokenizer."""
+    out = {}
+    for a in (state.get("config") or {}).get("agents") or []:
+        pol = a.get("policy") if isinstance(a, dict) else None
+        if isinstance(pol, dict) and is_folder("tokenizer", spec := pol.get("tokenizer")):
+            out[pol.get("name")] = os.path.basename(os.path.normpath(spec))
+    return out
+
+
+def tokenizer_digest(tok, name: str | None = None) -> str:
+    """Hash of what a tokenizer's ids mean: its class, name (``name``: instead of its own),
+    special ids and every id's token (a reduced vocabulary: the kept tokens, in id order)."""
     if hasattr(tok, "token_strings"):
         tokens = tok.token_strings()
     else:
         tokens = [tok.decode([i], skip_special=False) for i in range(tok.vocab_size)]
-    return _digest([type(tok).__name__, tok.name, tok.vocab_size, tok.eos_id, tok.pad_id,
-                    tok.bos_id, tokens])
+    return _digest([type(tok).__name__, name or tok.name, tok.vocab_size, tok.eos_id,
+                    tok.pad_id, tok.bos_id, tokens])
 
 
 def encoding_digest(tok) -> str:

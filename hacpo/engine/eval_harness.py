@@ -201,12 +201,15 @@ def eval_config(stored: dict, *, temperature: bool = True, max_new_tokens: bool 
         raise ValueError(f"cannot evaluate {where}: its stored config: {e}{hint}") from None
 
 
-def _load_run(path: str, **need):
+def _load_run(path: str, moved: Optional[dict] = None, **need):
+    """A run's checkpoint and the config `hacpo eval` / `export` rebuild its policies from,
+    with the folders ``moved`` names at their new place (build.moved_config)."""
     ck_path, run_dir = resolve_checkpoint(path)
     state = ckpt.load(ck_path)
     if not isinstance(state, dict) or "config" not in state or "agents" not in state:
         raise ValueError(f"{ck_path} is not a hacpo training checkpoint (no 'config'/'agents')")
-    cfg, notes = eval_config(state["config"], where=ck_path, **need)
+    stored = build.moved_config(state, moved, ck_path) if moved else state["config"]
+    cfg, notes = eval_config(stored, where=ck_path, **need)
     return ck_path, run_dir, state, cfg, notes
 
 
@@ -244,6 +247,7 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
                          max_new_tokens: Optional[int] = None, limit: Optional[int] = None,
                          template: Optional[str] = None, out_dir: Optional[str] = None,
                          batch: int = 128, seed: Optional[int] = None,
+                         moved: Optional[dict] = None,
                          echo: Callable[[str], None] = print) -> dict:
     """Evaluate ``agents`` (default: all) of each checkpoint (run dir or ``checkpoint.pt``) on
     each benchmark (:class:`Benchmark` or ``NAME=PATH[:FIELDMAP]`` string).
@@ -258,6 +262,8 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
     very samples of the run's eval_pass_k on its own held-out set (where the run sampled them
     in-process too: not with eval_engine=rollout on vLLM or several engines per agent, which
     a note then says).
+    moved: ``{"agents.N.policy.path" | "agents.N.policy.tokenizer": new place}`` of each run's
+    model or tokenizer folders moved since it ran, checked to hold what its checkpoint records.
     Writes ``<agent>__<benchmark>.json`` per agent and benchmark and ``eval.md``/``eval.json``
     (the table) to ``out_dir`` (default ``<run dir>/eval``; with several runs and an explicit
     out_dir, per-run files go to ``out_dir/<run>``). Each folder written is locked meanwhile
@@ -294,7 +300,7 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
         apply_prompt_template(template, "")   # KeyError listing the known templates
     # fail fast on a bad path or config before any work
     sampled = temperature > 0 if temperature is not None else samples > 1
-    runs = [_load_run(c, temperature=temperature is None and samples > 1,
+    runs = [_load_run(c, moved, temperature=temperature is None and samples > 1,
                       max_new_tokens=max_new_tokens is None, top_p=top_p is None and sampled)
             for c in checkpoints]
     for ck_path, _, state, _, notes in runs:

@@ -270,11 +270,13 @@ def _write_agent(pol, final: str, *, record: dict, tokenizer: bool,
 @build.keeps_torch_threads
 def export_checkpoint(checkpoint: str, out_dir: str, *, agents: Optional[Sequence[str]] = None,
                       tokenizer: bool = True, dtype: Optional[str] = None,
-                      overwrite: bool = False, echo: Callable[[str], None] = print) -> dict:
+                      overwrite: bool = False, moved: Optional[dict] = None,
+                      echo: Callable[[str], None] = print) -> dict:
     """Export ``agents`` (default: every agent that can be; the others are skipped, said) of
     a run (run dir or ``checkpoint.pt``) to ``out_dir/<agent>/`` (see the module docstring).
     ``dtype``: the saved weights' dtype (float32, bfloat16, float16; default the policy's).
-    ``tokenizer=False``: the model alone.
+    ``tokenizer=False``: the model alone. ``moved``: folders moved since the run, as
+    :func:`hacpo.engine.eval_harness.evaluate_checkpoints` takes them.
     Returns ``{agent name: directory}``.
 
     Raises ValueError (an agent that cannot be exported, an unknown agent or dtype, a
@@ -284,7 +286,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, agents: Optional[Sequenc
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; one of {', '.join(DTYPES)}")
     require("transformers", "hacpo export")     # it writes transformers' folders: before any work
-    ck_path, run_dir, state, cfg, notes = _load_run(checkpoint, temperature=False,
+    ck_path, run_dir, state, cfg, notes = _load_run(checkpoint, moved, temperature=False,
                                                     max_new_tokens=False, top_p=False)
     for n in notes:
         echo(f"[export] {ck_path}: ignoring {n} (the run's policy build never used it)")

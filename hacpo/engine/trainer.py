@@ -482,6 +482,10 @@ def _check_resumable(cfg: TrainConfig, state, ck_path: str) -> None:
         for key in ("train_path", "eval_path"):
             if isinstance(stored.get("data"), dict) and key in now.get("data", {}):
                 stored["data"][key] = now["data"][key]
+    try:
+        _accept_moved_folders(state, stored, now)
+    except ValueError as e:
+        raise ValueError(f"cannot resume {ck_path}: {e}") from None
     diff = config_diff(stored, now, defaults=default_fingerprint(cfg))
     if diff:
         own = os.path.join(cfg.out_dir, "config.json")
@@ -494,6 +498,23 @@ def _check_resumable(cfg: TrainConfig, state, ck_path: str) -> None:
         raise ValueError(f"cannot resume {ck_path} at step {state['step']} with steps="
                          f"{cfg.steps}: the run is past it (its metrics and checkpoint "
                          f"hold {state['step']} steps); pass steps >= {state['step']}")
+
+
+def _accept_moved_folders(state: dict, stored: dict, now: dict) -> None:
+    """A model or tokenizer folder of an agent's named at another place than the run's
+    (agents.N.policy.path / tokenizer: run and models copied to another machine or mount) is
+    no config difference once it is checked to hold what the checkpoint records of the run's
+    (build.check_moved; a tokenizer's vocabulary, once built: tokenizer_mismatch). The
+    stored fingerprint ``stored`` takes the new place."""
+    pairs = zip(stored.get("agents") or [], now.get("agents") or [])
+    for i, (was, new) in enumerate(pairs):
+        was, new = was.get("policy") if isinstance(was, dict) else None, new.get("policy", {})
+        for key in build.MOVABLE if isinstance(was, dict) else ():
+            old, kind = was.get(key), new.get("kind")
+            if old != new.get(key) and build.is_folder(key, old, kind) \
+                    and build.is_folder(key, new.get(key), kind):
+                build.check_moved(state, i, was.get("name"), key, old, new[key])
+                was[key] = new[key]
 
 
 def _literal_tilde_run(out_dir: str) -> str | None:
@@ -845,7 +866,8 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
     # plots: sequence-ratio counts per "<agent>/<part>" (RATIO_EDGES), summed over the steps
     ratio_log: dict[str, np.ndarray] = defaultdict(lambda: np.zeros(len(RATIO_EDGES) - 1,
                                                                     dtype=np.int64))
-    tokenizers = build.tokenizer_record(policies)     # for checkpoints
+    # what checkpoints record of the tokenizers and model folders (checked on resume, eval)
+    tokenizers = {**build.tokenizer_record(policies), **build.model_record(cfg)}
     heldout = content_digest(data.eval)    # the set "before RL" was measured on
     if state is None:
         before, start = None, 0

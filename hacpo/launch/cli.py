@@ -353,13 +353,14 @@ INPUT_ERRORS = (OSError, ValueError, KeyError, RuntimeError)
 
 def _eval(args) -> int:
     """Evaluate; an error in the input is :func:`_input_error`."""
+    from hacpo.engine.configtools import parse_overrides
     from hacpo.engine.eval_harness import evaluate_checkpoints
     try:
         out = evaluate_checkpoints(
             args.checkpoints, args.bench, agents=args.agents, samples=args.samples,
             temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
             limit=args.limit, template=args.template, out_dir=args.out_dir, batch=args.batch,
-            seed=args.seed)
+            seed=args.seed, moved=parse_overrides(args.set or []))
     except INPUT_ERRORS as e:
         return _input_error("eval", e)
     print()
@@ -371,11 +372,12 @@ def _eval(args) -> int:
 def _export(args) -> int:
     """Export agents as Hugging Face model directories; an error in the input (a checkpoint,
     an agent that cannot be exported, an output dir) is :func:`_input_error`."""
+    from hacpo.engine.configtools import parse_overrides
     from hacpo.engine.export import export_checkpoint
     try:
         dirs = export_checkpoint(args.checkpoint, args.out, agents=args.agents,
                                  tokenizer=not args.no_tokenizer, dtype=args.dtype,
-                                 overwrite=args.force)
+                                 overwrite=args.force, moved=parse_overrides(args.set or []))
     except INPUT_ERRORS as e:
         return _input_error("export", e)
     print("[export] written: " + ", ".join(dirs.values()))
@@ -410,6 +412,13 @@ def _add_run_args(p):
     p.add_argument("--set", nargs="*", action="extend", metavar="KEY=VALUE",
                    help="dotted overrides, e.g. agents.0.optim.lr=3e-4 rollout.group_size=4 "
                         "(repeatable)")
+
+
+def _add_moved_arg(p):
+    p.add_argument("--set", nargs="+", action="extend", metavar="KEY=NEW",
+                   help="a model or tokenizer folder moved since the run: "
+                        "agents.N.policy.path=NEW, agents.N.policy.tokenizer=NEW (checked to "
+                        "hold what the checkpoint records)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -512,6 +521,7 @@ def _main(argv: list[str] | None) -> int:
     e.add_argument("--seed", type=_int_at_least(0, 2**32 - 1), default=None,
                    help="sampling seed (default: the run's evaluation seed, so --samples k on "
                         "its held-out set draws the samples of its eval_pass_k)")
+    _add_moved_arg(e)
     e.set_defaults(func=_eval)
     x = sub.add_parser("export", help="write trained agents as Hugging Face model directories "
                                       "(from_pretrained / vLLM load them without hacpo)")
@@ -528,6 +538,7 @@ def _main(argv: list[str] | None) -> int:
                         "vocabulary have no tokenizer files)")
     x.add_argument("--force", action="store_true",
                    help="replace existing agent folders (once the new one is complete)")
+    _add_moved_arg(x)
     x.set_defaults(func=_export)
     from .slurm import add_launch_parser
     add_launch_parser(sub)
