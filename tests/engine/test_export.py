@@ -124,6 +124,8 @@ def test_transformers_reads_the_trained_agent(run, exported, agent):
     assert rec["model_class"] == type(model).__name__
     assert (rec["policy"]["kind"], "arch" in rec["policy"], "d_model" in rec["policy"]) == \
         (("decoder", False, True) if agent == "char" else ("hf", True, False))
+    if agent == "gpt2":         # the base model it was fine-tuned from
+        assert rec["policy"]["path"] == str(run / "gpt2-base")
     # the recorded prompt format, encoded by the exported tokenizer, and the exported chat
     # template (the tokenizer's own where hacpo used it: qwen3; else hacpo's format) give
     # hacpo's prompt ids (char: no 'é', '|' in its character set)
@@ -141,6 +143,9 @@ def test_transformers_reads_the_trained_agent(run, exported, agent):
                       skip_special_tokens=True) == "4+3=7 #### 7"
     assert tok.eos_token_id == pol.tokenizer.eos_id == model.generation_config.eos_token_id
     assert model.generation_config.pad_token_id == pol.tokenizer.pad_id
+    if pol.tokenizer.bos_id is not None:    # the tokenizer's, not the base model's config's
+        assert model.config.bos_token_id == model.generation_config.bos_token_id == \
+            pol.tokenizer.bos_id
 
     prompts = [pol.tokenizer.prompt_ids(q) for q in QUESTIONS[:2]]
     # greedy answers: transformers' generate on the export = hacpo's sampler on the policy

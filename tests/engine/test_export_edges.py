@@ -455,9 +455,11 @@ def test_an_error_after_an_agent_was_written_keeps_it_and_its_output_folder(run,
 
 def test_the_record_and_the_echo_name_the_checkpoints_step(run, exported):
     """hacpo_export.json and the echoed line name the step the checkpoint was saved at (this
-    one edited to step 7: the run itself has one step only)."""
+    one edited to step 7: the run itself has one step only), and where it came from: the
+    checkpoint file, its run dir and the run's trainer backend (edited to ray here)."""
     state = ckpt.load(str(run / "run" / "checkpoint.pt"))
     state["step"] = 7
+    state["config"]["trainer_backend"] = "ray"
     (run / "step7").mkdir()
     ckpt.save_atomic(state, str(run / "step7" / "checkpoint.pt"))
     said = []
@@ -465,6 +467,8 @@ def test_the_record_and_the_echo_name_the_checkpoints_step(run, exported):
                           tokenizer=False, echo=said.append)["g2"]
     record = json.loads(open(os.path.join(d, EXPORT_FILE)).read())
     assert record["step"] == 7
+    assert (record["checkpoint"], record["run_dir"], record["trainer_backend"]) == \
+        (str(run / "step7" / "checkpoint.pt"), str(run / "step7"), "ray")
     import hacpo
     assert record["hacpo_version"] == hacpo.__version__ and hacpo.__version__.count(".") == 2
     assert f"[export] g2 (step 7) -> {d} (model only: no tokenizer files)" in said

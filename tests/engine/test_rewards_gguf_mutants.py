@@ -286,17 +286,16 @@ def _llama_cpp_permute(w, n_head):
 _HIDDEN, _HEADS, _KV_HEADS, _FFN, _VOCAB = 16, 2, 1, 32, 10    # head_dim 8: 4 rotary pairs
 
 
-def _hf_weights():
+def _hf_weights(hd=_HIDDEN // _HEADS):
     import numpy as np
     rng = np.random.default_rng(0)
-    hd = _HIDDEN // _HEADS
     shapes = {"model.embed_tokens.weight": (_VOCAB, _HIDDEN), "model.norm.weight": (_HIDDEN,),
               "model.layers.0.input_layernorm.weight": (_HIDDEN,),
               "model.layers.0.post_attention_layernorm.weight": (_HIDDEN,),
               "model.layers.0.self_attn.q_proj.weight": (_HEADS * hd, _HIDDEN),
               "model.layers.0.self_attn.k_proj.weight": (_KV_HEADS * hd, _HIDDEN),
               "model.layers.0.self_attn.v_proj.weight": (_KV_HEADS * hd, _HIDDEN),
-              "model.layers.0.self_attn.o_proj.weight": (_HIDDEN, _HIDDEN),
+              "model.layers.0.self_attn.o_proj.weight": (_HIDDEN, _HEADS * hd),
               "model.layers.0.mlp.gate_proj.weight": (_FFN, _HIDDEN),
               "model.layers.0.mlp.up_proj.weight": (_FFN, _HIDDEN),
               "model.layers.0.mlp.down_proj.weight": (_HIDDEN, _FFN),
@@ -309,10 +308,12 @@ def _hf_weights():
 
 
 def _write_gguf(path, *, arch="llama", tied=True, extra_fields=None, extra_tensor=None,
-                q8_down=False):
+                q8_down=False, head_dim=None):
+    """head_dim: written as llama.rope.dimension_count, the attention weights shaped for it
+    (None: no such field, head_dim hidden / heads)."""
     import numpy as np
     import gguf
-    hf = _hf_weights()
+    hf = _hf_weights() if head_dim is None else _hf_weights(head_dim)
     gg = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight":
           "model.norm.weight", "blk.0.attn_norm.weight": "model.layers.0.input_layernorm.weight",
           "blk.0.ffn_norm.weight": "model.layers.0.post_attention_layernorm.weight",
@@ -335,6 +336,8 @@ def _write_gguf(path, *, arch="llama", tied=True, extra_fields=None, extra_tenso
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
     w.add_vocab_size(_VOCAB)
+    if head_dim is not None:
+        w.add_rope_dimension_count(head_dim)
     for key, value in (extra_fields or {}).items():
         w.add_string(key, value)
     for name, hf_name in gg.items():
@@ -367,11 +370,13 @@ def test_unpermute_rope_inverts_llama_cpp_permute():
         assert not np.array_equal(_llama_cpp_permute(w, heads), w)
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_gguf_config_names_and_weights(tmp_path, tied):
+@pytest.mark.parametrize("tied, head_dim", [(True, None), (False, None), (True, 4)])
+def test_gguf_config_names_and_weights(tmp_path, tied, head_dim):
+    """head_dim 4: a file whose heads are not hidden / heads wide (8) says so in
+    rope.dimension_count, which the config takes."""
     import numpy as np
     from hacpo.models.gguf import read_llama_gguf
-    hf, names = _write_gguf(tmp_path / "m.gguf", tied=tied, q8_down=True)
+    hf, names = _write_gguf(tmp_path / "m.gguf", tied=tied, q8_down=True, head_dim=head_dim)
     with warnings.catch_warnings():
         # copies, not read-only views of the memory-mapped file (torch warns on those)
         warnings.filterwarnings("error", message=".*not writable")
@@ -380,7 +385,7 @@ def test_gguf_config_names_and_weights(tmp_path, tied):
     assert (config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"],
             config["head_dim"], config["intermediate_size"], config["num_hidden_layers"],
             config["vocab_size"], config["rope_theta"]) == (
-        _HIDDEN, _HEADS, _KV_HEADS, _HIDDEN // _HEADS, _FFN, 1, _VOCAB, 10000.0)
+        _HIDDEN, _HEADS, _KV_HEADS, head_dim or _HIDDEN // _HEADS, _FFN, 1, _VOCAB, 10000.0)
     assert config["tie_word_embeddings"] is tied
     assert set(tensors) == names
     for name in names:

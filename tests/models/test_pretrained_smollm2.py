@@ -156,6 +156,11 @@ def test_conversion_is_idempotent_and_atomic(model_dir, tmp_path):
                               conv.MARKER, "model.safetensors", "tokenizer.json",
                               "tokenizer_config.json"]
     assert os.listdir(os.path.dirname(model_dir)) == ["hf"]
+    umask = os.umask(0)
+    os.umask(umask)             # readable as the umask says (safetensors and mkdtemp: 0600/0700)
+    assert os.stat(model_dir).st_mode & 0o777 == 0o777 & ~umask
+    assert {n: os.stat(os.path.join(model_dir, n)).st_mode & 0o777 for n in before} == \
+        {n: 0o666 & ~umask for n in before}
 
 
 def test_a_conversion_with_files_missing_is_an_error(model_dir, tmp_path):
@@ -172,6 +177,24 @@ def test_a_conversion_with_files_missing_is_an_error(model_dir, tmp_path):
                                                        r"tokenizer_config.json\): remove it"):
         conv.convert(str(broken))
     assert sorted(os.listdir(broken)) == sorted([conv.MARKER, "config.json"])   # left as it was
+
+
+def test_a_folder_converted_from_another_file_or_converter_is_not_reused(model_dir, tmp_path):
+    """A whole converted folder (its files stand-ins here) whose marker names another GGUF
+    (its sha256) or another converter version is no conversion of this file: an error, the
+    folder left as it was (never returned as this file's model)."""
+    marker = json.loads(open(os.path.join(model_dir, conv.MARKER)).read())
+    for key, other in (("sha256", "0" * 64), ("converter_version", -1)):
+        folder = tmp_path / key
+        folder.mkdir()
+        for name in os.listdir(model_dir):
+            (folder / name).write_text("stand-in")
+        (folder / conv.MARKER).write_text(json.dumps({**marker, key: other}))
+        with pytest.raises(conv.GGUFConversionError, match=r"is not empty \(and is not a "
+                                                           r"conversion of .*\.gguf\)"):
+            conv.convert(str(folder))
+        assert json.loads((folder / conv.MARKER).read_text())[key] == other
+        assert sorted(os.listdir(folder)) == sorted(os.listdir(model_dir))
 
 
 # -- tokenizer and HF policy ------------------------------------------------------------------
