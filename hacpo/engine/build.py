@@ -338,9 +338,8 @@ def warm_start(cfg: TrainConfig, data: Data, policies: list[Policy], echo=print)
     """Supervised warm-up per agent, cached in cfg.cache_dir by a hash of everything that
     determines its result: the policy's config and initial weights, its tokenizer's vocabulary
     (a reduced one depends on the data) and encoding, the warm-up config and batch seed, and
-    the prompt and target texts it trains on (their content, not the files' paths; with the tokenizer, the
-    token ids). It does not
-    depend on the RL seed or algorithm, so every run of `hacpo compare` shares it. A cached
+    the prompt and target texts it trains on (their content, not the files' paths; with the
+    tokenizer, the token ids). It does not depend on the RL seed or algorithm, so every run of `hacpo compare` shares it. A cached
     state that cannot be read or does not fit the policy is a logged miss: trained again."""
     out = []
     examples_digest = None

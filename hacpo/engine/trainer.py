@@ -867,7 +867,7 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
     ratio_log: dict[str, np.ndarray] = defaultdict(lambda: np.zeros(len(RATIO_EDGES) - 1,
                                                                     dtype=np.int64))
     # what checkpoints record of the tokenizers and model folders (checked on resume, eval)
-    tokenizers = {**build.tokenizer_record(policies), **build.model_record(cfg)}
+    inputs = {**build.tokenizer_record(policies), **build.model_record(cfg)}
     heldout = content_digest(data.eval)    # the set "before RL" was measured on
     if state is None:
         before, start = None, 0
@@ -928,7 +928,7 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
         nonlocal saved, saving
         saving = at
         _save(ck_path, cfg, at, agents, tracker, sampler, engine, shuffle_gen, nonfinite, warm,
-              before, ratio_log, tokenizers, heldout)
+              before, ratio_log, inputs, heldout)
         agents.checkpoint_saved()      # e.g. drop optimizer shards no checkpoint names
         saved, saving = at, None
 
@@ -1135,7 +1135,7 @@ def _view_tokens(view, name: str) -> dict[str, float]:
 
 
 def _save(path, cfg, next_step, agents, tracker, sampler, engine, shuffle_gen, nonfinite, warm,
-          before, ratio_log, tokenizers, heldout):
+          before, ratio_log, inputs, heldout):
     ckpt.save_atomic({
         "step": next_step, "config": cfg.to_dict(), "fingerprint": fingerprint_dict(cfg),
         "agents": [{"name": name, **agents.state_dict(k)} for k, name in enumerate(agents.names)],
@@ -1144,7 +1144,7 @@ def _save(path, cfg, next_step, agents, tracker, sampler, engine, shuffle_gen, n
         "nonfinite": dict(nonfinite), "warmup": warm, "eval_before": before,
         # tensors, not numpy arrays: the checkpoint loads with torch.load(weights_only=True)
         "ratio_hist": {key: torch.from_numpy(c.copy()) for key, c in ratio_log.items()},
-        **tokenizers, "heldout": heldout}, path)
+        **inputs, "heldout": heldout}, path)
 
 
 def _progress(cfg, start):
