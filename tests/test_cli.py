@@ -538,14 +538,15 @@ def test_every_run_and_eval_flag_reaches_its_command(tmp_path, monkeypatch, caps
                         record("eval", {"table": "", "out_dirs": []}))
     out = str(tmp_path / "r")
     assert main(["train", "--preset", "tiny3", "--steps", "7", "--out-dir", out,
-                 "--skip-bad-rows", "--resume", "--set", "prompts_per_step=3"]) == 0
+                 "--skip-bad-rows", "--resume", "--set", "prompts_per_step=3",
+                 "--accept-encoding-change"]) == 0
     (cfg,), kw = got["train"]
     assert (cfg.steps, cfg.out_dir, cfg.data.skip_bad_rows, cfg.prompts_per_step, kw) == \
-        (7, out, True, 3, {"resume": True})
+        (7, out, True, 3, {"resume": True, "accept_encoding_change": True})
     assert main(["train", "--preset", "tiny3"]) == 0
     (cfg,), kw = got["train"]
     assert (cfg.steps, cfg.out_dir, cfg.data.skip_bad_rows, kw) == \
-        (2, "runs/tiny3", False, {"resume": False})
+        (2, "runs/tiny3", False, {"resume": False, "accept_encoding_change": False})
     assert main(["compare", "--preset", "tiny3", "--algorithms", "gspo", "hacpo", "--seeds",
                  "3", "4", "--pass-k", "0", "--out-dir", out, "--steps", "5"]) == 0
     (cfg, algos, seeds, root), kw = got["compare"]

@@ -450,18 +450,26 @@ def tokenizer_mismatch(state: dict, policies: list[Policy], cfg: TrainConfig) ->
 def encoding_mismatch(state: dict, policies: list[Policy]) -> str | None:
     """None if every policy's tokenizer encodes text as it did when ``state`` (a training
     checkpoint) was written (by agent name; a checkpoint without the record: not checked),
-    else which agent's does not and the likely cause. Its ids still mean the same tokens
-    (:func:`tokenizer_mismatch`), but its prompts are other ids than those it trained on."""
+    else which agent's does not and the likely cause (the first: :func:`encoding_mismatches`
+    has them all). Its ids still mean the same tokens (:func:`tokenizer_mismatch`), but its
+    prompts are other ids than those it trained on."""
+    bad = encoding_mismatches(state, policies)
+    return bad[0][1] if bad else None
+
+
+def encoding_mismatches(state: dict, policies: list[Policy]) -> list[tuple[str, str]]:
+    """``(agent name, why)`` for each policy whose tokenizer does not encode text as it did
+    when ``state`` was written, in the policies' order (see :func:`encoding_mismatch`)."""
     want = dict(zip([a.get("name") for a in state.get("agents", [])],
                     state.get("encodings") or []))
-    for pol, now in zip(policies, encoding_digests(policies)):
-        if pol.name in want and want[pol.name] != now:
-            return (f"agent {pol.name}'s prompts are not encoded as when its weights were "
-                    f"trained: the chat template or encoding rules (BOS, normalizer, "
-                    f"pre-tokenizer, merges) of its tokenizer {pol.tokenizer.name!r} changed "
-                    f"since the checkpoint (its files edited, a transformers / tokenizers "
-                    f"upgrade?)")
-    return None
+    return [(pol.name,
+             f"agent {pol.name}'s prompts are not encoded as when its weights were "
+             f"trained: the chat template or encoding rules (BOS, normalizer, "
+             f"pre-tokenizer, merges) of its tokenizer {pol.tokenizer.name!r} changed "
+             f"since the checkpoint (its files edited, a transformers / tokenizers "
+             f"upgrade?)")
+            for pol, now in zip(policies, encoding_digests(policies))
+            if pol.name in want and want[pol.name] != now]
 
 
 def _recorded_tokenizer_names(state: dict) -> dict[str, str]:

@@ -104,11 +104,20 @@ def evaluate_all(cfg, data, agents, engine, rc, pass_k: int = 0) -> dict[str, di
 
 
 @build.keeps_torch_threads
-def train(cfg: TrainConfig, *, resume: bool = False, echo=print) -> dict:
+def train(cfg: TrainConfig, *, resume: bool = False, accept_encoding_change: bool = False,
+          echo=print) -> dict:
     """Run (or resume) training; returns the summary (held-out accuracy before/after). The
     run dir is locked for the whole run: a second run in it (or a resume while the first
-    still runs) is an error, never two writers of one metrics.jsonl and checkpoint."""
+    still runs) is an error, never two writers of one metrics.jsonl and checkpoint.
+
+    A resume whose agent's tokenizer encodes prompts otherwise than at the checkpoint (an
+    edited chat template, a tokenizers upgrade) is refused unless ``accept_encoding_change``:
+    then it goes on with the tokenizer as it is now, says so, and the checkpoints record the
+    step and agent of each change accepted (``encoding_changes``)."""
     with user_errors():
+        if accept_encoding_change and not resume:
+            raise ValueError("accept_encoding_change (--accept-encoding-change) applies to a "
+                             "resume only (--resume): a new run has no encoding to change")
         cfg = revalidated(cfg)             # a copy; checked again if edited in place
         cfg.check_runnable()               # before the warm-up, not at the engines' start
         for note in check_packages(cfg):   # ray (before megatron_trainer imports it), and
@@ -134,7 +143,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, echo=print) -> dict:
                             timeout_s=cfg.reward.timeout_s) as rc:   # no worker outlives the run
             with user_errors(ValueError):
                 rc.start()           # a reward its workers cannot load: before any work
-            return _train(cfg, rc, resume, echo)
+            return _train(cfg, rc, resume, accept_encoding_change, echo)
     except BaseException:
         # a new run refused before its config.json (an agent name new runs may not use, a
         # missing data file) leaves nothing it made: its lock file, and the folders it made
@@ -313,9 +322,10 @@ def _unlocked(f, out_dir: str, e: OSError, user: str = "run"):
     return f
 
 
-def _train(cfg: TrainConfig, rc: RewardComputer, resume: bool, echo) -> dict:
+def _train(cfg: TrainConfig, rc: RewardComputer, resume: bool, accept_encoding: bool,
+           echo) -> dict:
     with user_errors():     # the run's inputs: config, run dir, checkpoint, data, warm start
-        data, policies, state, warm, ck_path = _prepare(cfg, resume, echo)
+        data, policies, state, warm, ck_path = _prepare(cfg, resume, accept_encoding, echo)
     agents = build_agents(cfg, policies)   # first: a Ray cluster it starts also holds the engine
     try:
         engine = build.rollout_engine(cfg, policies, agents)
@@ -388,7 +398,7 @@ def _heldout_check(cfg: TrainConfig, data, state: dict, ck_path: str) -> None:
                      f"the run evaluated content {want}): restore it, or start a new run")
 
 
-def _prepare(cfg: TrainConfig, resume: bool, echo):
+def _prepare(cfg: TrainConfig, resume: bool, accept_encoding: bool, echo):
     """Everything before the trainers start: checks, run dir, the checkpoint to resume, data,
     policies and their warm start."""
     ck_path = os.path.join(cfg.out_dir, CHECKPOINT)
@@ -415,11 +425,8 @@ def _prepare(cfg: TrainConfig, resume: bool, echo):
     policies = build.build_policies(cfg, data)
     if state is not None and (bad := build.tokenizer_mismatch(state, policies, cfg)):
         raise ValueError(f"cannot resume {ck_path}: {bad}")
-    if state is not None and (bad := build.encoding_mismatch(state, policies)):
-        # the steps after it would train on prompts the steps before never saw, silently
-        raise ValueError(f"cannot resume {ck_path}: {bad}; restore the tokenizer files or "
-                         f"package versions it was trained with, or start a new run in "
-                         f"another out_dir")
+    if state is not None:
+        _check_encodings(state, policies, ck_path, accept_encoding, echo)
     check_prompt_lengths(cfg, data, policies)
     if cfg.rollout.engine == "vllm" and cfg.rollout.engine_tp > 1:   # the vocabulary vLLM must
         from hacpo.launch.vllm_rollout import check_engine_tp      # split is the tokenizer's:
@@ -437,6 +444,30 @@ def _prepare(cfg: TrainConfig, resume: bool, echo):
             echo(f"[warn] {note}")
     warm = build.warm_start(cfg, data, policies, echo) if state is None else state["warmup"]
     return data, policies, state, warm, ck_path
+
+
+def _check_encodings(state: dict, policies, ck_path: str, accept: bool, echo) -> None:
+    """A resume whose agents' tokenizers encode prompts otherwise than at the checkpoint: the
+    steps after it would train on prompts the steps before never saw, silently. Refused, or
+    with ``accept`` said and recorded in ``state["encoding_changes"]`` (the checkpoints after
+    it carry the record on)."""
+    bad = build.encoding_mismatches(state, policies)
+    if bad and not accept:
+        raise ValueError(f"cannot resume {ck_path}: {bad[0][1]}; restore the tokenizer files "
+                         f"or package versions it was trained with, pass "
+                         f"--accept-encoding-change to go on with the encoding of now, or "
+                         f"start a new run in another out_dir")
+    if not bad:
+        if accept:
+            echo("[resume] --accept-encoding-change: every agent's prompts are encoded as at "
+                 "the checkpoint (nothing to accept)")
+        return
+    changes = list(state.get("encoding_changes") or [])
+    for name, why in bad:
+        echo(f"[warn] {why}: accepted (--accept-encoding-change): from step {state['step']} "
+             f"on, agent {name} trains on prompts encoded by its tokenizer as it is now")
+        changes.append({"agent": name, "step": int(state["step"])})
+    state["encoding_changes"] = changes
 
 
 def check_run_dir(cfg: TrainConfig, resume: bool) -> None:
@@ -867,7 +898,9 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
     ratio_log: dict[str, np.ndarray] = defaultdict(lambda: np.zeros(len(RATIO_EDGES) - 1,
                                                                     dtype=np.int64))
     # what checkpoints record of the tokenizers and model folders (checked on resume, eval)
-    inputs = {**build.tokenizer_record(policies), **build.model_record(cfg)}
+    inputs = {**build.tokenizer_record(policies), **build.model_record(cfg),
+              # the steps at which a resume accepted an agent's changed encoding (_prepare)
+              "encoding_changes": list((state or {}).get("encoding_changes") or [])}
     heldout = content_digest(data.eval)    # the set "before RL" was measured on
     if state is None:
         before, start = None, 0

@@ -152,7 +152,7 @@ def _train(args) -> int:
     args.run_dir = cfg.out_dir      # what a stop's "continue it with --resume" refers to
     print(f"[hacpo] run dir {cfg.out_dir}; algorithm {cfg.algorithm.name}; agents "
           + ", ".join(f"{a.policy.name} ({a.policy.tokenizer})" for a in cfg.agents))
-    train(cfg, resume=args.resume)
+    train(cfg, resume=args.resume, accept_encoding_change=args.accept_encoding_change)
     return 0
 
 
@@ -478,6 +478,10 @@ def _main(argv: list[str] | None) -> int:
     t.add_argument("--resume", action="store_true", help="continue the run in --out-dir")
     t.add_argument("--skip-bad-rows", action="store_true",
                    help="skip (and count) dataset rows that cannot be parsed")
+    t.add_argument("--accept-encoding-change", action="store_true",
+                   help="with --resume: go on although an agent's tokenizer encodes prompts "
+                        "otherwise than at the checkpoint (e.g. a fixed chat template); "
+                        "said, and recorded in the checkpoint")
     t.set_defaults(func=_train)
     c = sub.add_parser("compare", help="same budget under several algorithms and seeds; "
                                        "markdown table + plot")

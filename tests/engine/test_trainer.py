@@ -276,8 +276,10 @@ def test_resume_after_an_agents_chat_template_changed_is_refused(tmp_path):
     BOS, an HF tokenizer.json's rules), apart from what its ids mean: a resume after a chat
     template edited in the tokenizer folder (the same vocabulary; before, the steps after it
     trained on prompts the steps before never saw, silently) is a one-line error naming the
-    agent and the likely cause, the run dir kept; an unchanged tokenizer resumes, and so does
-    a checkpoint written before the record (not checked)."""
+    agent and the likely cause, the run dir kept; with accept_encoding_change (a template
+    fixed on purpose) it goes on, says so and records the step and agent in the checkpoints
+    after it; an unchanged tokenizer resumes, and so does a checkpoint written before the
+    record (not checked)."""
     import dataclasses
     import shutil
 
@@ -292,6 +294,7 @@ def test_resume_after_an_agents_chat_template_changed_is_refused(tmp_path):
     ck_path = tmp_path / "run" / "checkpoint.pt"
     assert len(set(ckpt.load(str(ck_path))["encodings"])) == 2
     train(cfg, resume=True, echo=lambda *_: None)              # unchanged: resumes
+    was = ckpt.load(str(ck_path))["encodings"]
     conf = folder / "tokenizer_config.json"
     spec = json.loads(conf.read_text())
     spec["chat_template"] = spec["chat_template"].replace("<|im_start|>", "<|im_start|>" * 2)
@@ -304,15 +307,41 @@ def test_resume_after_an_agents_chat_template_changed_is_refused(tmp_path):
                                          r"trained: the chat template .* of its tokenizer "
                                          r"'qwen3-files' changed since the checkpoint .*"
                                          r"transformers / tokenizers upgrade\?\); restore "
-                                         r"the tokenizer files .* or start a new run") as e:
+                                         r"the tokenizer files .*, pass "
+                                         r"--accept-encoding-change to go on with the "
+                                         r"encoding of now, or start a new run") as e:
         train(longer, resume=True, echo=lambda *_: None)
     assert is_user_error(e.value) and "\n" not in str(e.value)
     assert {f: (tmp_path / "run" / f).read_bytes() for f in kept} == kept
+    said = []
+    train(longer, resume=True, accept_encoding_change=True, echo=said.append)
+    assert [s for s in said if "encoded" in s] == [
+        f"[warn] {str(e.value).split(': ', 1)[1].split('; restore')[0]}: accepted "
+        f"(--accept-encoding-change): from step 1 on, agent qwen3 trains on prompts encoded "
+        f"by its tokenizer as it is now"]
+    state = ckpt.load(str(ck_path))
+    assert state["step"] == 2 and state["encoding_changes"] == [{"agent": "qwen3", "step": 1}]
+    assert state["encodings"][0] == was[0] and state["encodings"][1] != was[1]
+    said = []       # the new encoding is the checkpoint's now; the record goes on
+    train(cfg.override({"steps": 3}), resume=True, accept_encoding_change=True,
+          echo=said.append)
+    assert "[resume] --accept-encoding-change: every agent's prompts are encoded as at the " \
+           "checkpoint (nothing to accept)" in said
+    state = ckpt.load(str(ck_path))
+    assert state["step"] == 3 and state["encoding_changes"] == [{"agent": "qwen3", "step": 1}]
+    with pytest.raises(ValueError, match=r"^accept_encoding_change \(--accept-encoding-change"
+                                         r"\) applies to a resume only"):
+        train(cfg.override({"out_dir": str(tmp_path / "new")}), accept_encoding_change=True,
+              echo=lambda *_: None)
+    assert not (tmp_path / "new").exists()
+    spec["chat_template"] = spec["chat_template"].replace("<|im_start|>" * 2, "<|im_start|>")
+    conf.write_text(json.dumps(spec))
+    tokmod._load_hf.cache_clear()
     state = ckpt.load(str(ck_path))        # a checkpoint of older code: no record, no check
     del state["encodings"]
     ckpt.save_atomic(state, str(ck_path))
-    train(longer, resume=True, echo=lambda *_: None)
-    assert ckpt.load(str(ck_path))["step"] == 2
+    train(cfg.override({"steps": 4}), resume=True, echo=lambda *_: None)
+    assert ckpt.load(str(ck_path))["step"] == 4
 
 
 def test_resume_rewrites_metrics_atomically_and_drops_a_cut_last_row(tmp_path, monkeypatch):
