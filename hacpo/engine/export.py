@@ -370,6 +370,10 @@ def _export(ck_path, run_dir, state, cfg, by_name, dirs, *, tokenizer, dtype, ov
                           # would misread them; decode through this)
                           "kept_ids": tok.kept_ids()},
             "prompt": _prompt_record(tok, cfg.data.template),
+            # the steps from which it trained on prompts its tokenizer encoded otherwise (a
+            # resume with --accept-encoding-change, e.g. a fixed chat template)
+            "encoding_changes": [int(c["step"]) for c in state.get("encoding_changes") or []
+                                 if c.get("agent") == n],
         }
         _write_agent(pol, dirs[n], record=record, tokenizer=tokenizer,
                      dtype=DTYPES[dtype] if dtype else None, overwrite=overwrite)

@@ -329,6 +329,11 @@ def test_resume_after_an_agents_chat_template_changed_is_refused(tmp_path):
            "checkpoint (nothing to accept)" in said
     state = ckpt.load(str(ck_path))
     assert state["step"] == 3 and state["encoding_changes"] == [{"agent": "qwen3", "step": 1}]
+    from hacpo.engine.export import export_checkpoint     # the export's provenance
+    export_checkpoint(str(tmp_path / "run"), str(tmp_path / "out"), tokenizer=False,
+                      echo=lambda *_: None)
+    assert [json.loads((tmp_path / "out" / a / "hacpo_export.json").read_text())[
+        "encoding_changes"] for a in ("char", "qwen3")] == [[], [1]]
     with pytest.raises(ValueError, match=r"^accept_encoding_change \(--accept-encoding-change"
                                          r"\) applies to a resume only"):
         train(cfg.override({"out_dir": str(tmp_path / "new")}), accept_encoding_change=True,
