@@ -56,6 +56,22 @@ def test_in_process_engines_sample_one_agent_after_another():
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))        # no overlap
 
 
+def test_pool_engines_sample_and_sync_one_agent_after_another_without_at_once():
+    """agents_at_once=false: a pool engine's agents sample, and get their weights, one after
+    another from the calling thread, as an in-process engine's do."""
+    engine = SlowEngine(True)
+    got = generate_agents(engine, PROMPTS, timer=lambda k: Stopwatch()("x"), at_once=False,
+                          **KW)
+    assert [g[0] for g in got] == [0, 1, 2] and len(engine.threads) == 1
+    spans = [engine.spans[k] for k in range(3)]
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))        # no overlap
+    log = SyncLog(True)
+    sync_agents(log, log, 3, timer=lambda k: Stopwatch()("x"), at_once=False)
+    assert [(w, k) for w, k, _ in log.calls] == [
+        (w, k) for k in range(3) for w in ("pull", "sync-start", "sync")]
+    assert len({t for _, _, t in log.calls}) == 1
+
+
 def test_an_agents_error_is_raised_after_all_calls_ended():
     engine = SlowEngine(True, fail={1, 2}, meet=True)
     with pytest.raises(RuntimeError, match="agent 1 failed"):        # the first, in order

@@ -156,6 +156,26 @@ def test_learner_view_fits_cross_samples_in_the_learners_positions(qwen3_reduced
     assert torch.isfinite(tl).all() and mask.sum() == 1 + char.max_len - len(prompts[0][0])
 
 
+def test_learner_view_cuts_cross_samples_at_four_times_max_new_tokens_but_not_below_16():
+    """With room to spare, a cross sample is cut to max(4 * max_new_tokens, 16) learner
+    tokens: 16 for max_new_tokens=2 (not 8), 20 for 5; a shorter one is kept whole, its final
+    EOS left out of the scored ids."""
+    from hacpo.models.tokenizer import CharTokenizer
+    src, tok = CharTokenizer(name="c0"), CharTokenizer()
+    pols = [SimpleNamespace(tokenizer=tok, max_len=512), SimpleNamespace(tokenizer=src,
+                                                                         max_len=512)]
+    prompts = [[tok.prompt_ids("2+3?")], [src.prompt_ids("2+3?")]]
+    long, short = "0123456789" * 3, "12 apples, 5"
+    pool = _pool([src.encode(long), src.encode(short) + [src.eos_id]], [1, 1], [-1.0, -2.0])
+    ones = torch.ones(2)
+    for max_new, cut in ((2, 16), (5, 20)):
+        stats = RetokStats()
+        view = learner_view(pool, 0, torch.arange(2), ones, ones, pols, prompts, max_new,
+                            stats, True)
+        assert view.response_ids == [tok.encode(long[:cut]), tok.encode(short)], max_new
+        assert stats.as_dict()["retok/truncated"] == 1
+
+
 def test_status_ok_means_the_learner_spells_the_same_text(qwen3, llama32, qwen3_reduced):
     """Fuzzing found Llama text with a decomposed accent ("e" + U+0301) re-tokenized for Qwen3
     with status OK but decoding to "é" (U+00E9): Qwen3's NFC normalizer changed the text the

@@ -123,3 +123,57 @@ def test_a_boolean_prompt_id_is_refused(bad):
     with pytest.raises(ValueError, match=rf"prompt ids must be integers, got {want}$"):
         generate(_tiny_policy(max_len=16), [[5, bad]], num_samples=1, max_new_tokens=1,
                  temperature=0)
+
+
+def test_decoding_stops_once_every_row_has_produced_eos():
+    """Rows that produced EOS only decode padding: once every row has, the loop ends (one
+    model call per new token but the last) instead of running on to max_new_tokens."""
+    from tests.models.test_generation import ScriptedDecoder
+
+    tok = CharTokenizer()
+    d = [tok.encode(str(i))[0] for i in range(10)]
+
+    class Counting(ScriptedDecoder):
+        calls = 0
+
+        def hidden(self, *a, **k):
+            Counting.calls += 1
+            return super().hidden(*a, **k)
+
+    pol = Policy(Counting(tok, {d[i]: d[i + 1] for i in range(9)} | {d[9]: tok.eos_id}), tok,
+                 "count")
+    ro = generate(pol, [tok.encode("x=9"), tok.encode("y=7")], num_samples=2,
+                  max_new_tokens=40, temperature=0)
+    assert [tok.decode(r) for r in ro.response_ids] == ["", "", "89", "89"]
+    assert ro.finished_eos == [True] * 4
+    assert Counting.calls == 3       # the prefill, then after new tokens 0 and 1 (EOS at 2)
+
+
+class _WideHead(Decoder):
+    """An output layer with 8 more rows than the tokenizer has ids (as real checkpoints pad
+    theirs): every hidden state is all ones, so the padding rows (weight 1) get the largest
+    logits and, inside the vocabulary, token 5 (weight 0.01) does."""
+
+    def hidden(self, input_ids, attention_mask=None, position_ids=None, cache=None,
+               check_positions=True):
+        super().hidden(input_ids, attention_mask, position_ids, cache)  # advance the cache
+        return torch.ones(*input_ids.shape, self.cfg.d_model)
+
+
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_no_token_outside_the_tokenizers_vocabulary_is_sampled(temperature):
+    """Logits beyond the tokenizer's vocabulary (padded output rows) are never sampled, from
+    the first new token on (the prefill's logits) as from every later one."""
+    tok = CharTokenizer()
+    V = tok.vocab_size
+    model = _WideHead(DecoderConfig(vocab_size=V + 8, d_model=16, n_layers=1, n_heads=2))
+    with torch.no_grad():
+        model.output_weight.zero_()
+        model.output_weight[V:] = 1.0
+        model.output_weight[5] = 0.01
+    pol = Policy(model, tok, "wide")
+    ro = generate(pol, [[6, 7], [8]], num_samples=3, max_new_tokens=4, temperature=temperature,
+                  generator=torch.Generator().manual_seed(0))
+    assert all(0 <= t < V for r in ro.response_ids for t in r)
+    if temperature == 0:
+        assert ro.response_ids == [[5] * 4] * 6
