@@ -71,6 +71,9 @@ def load_run(args):
     from .cli import train_config
     if args.config and not Path(args.config).is_file():
         raise LaunchError(f"--config {args.config}: no such file")
+    if getattr(args, "accept_encoding_change", False) and not args.resume:
+        raise LaunchError("--accept-encoding-change applies with --resume only (a new run "
+                          "has no encoding to change)")
     try:
         overrides = parse_overrides(args.set or [])
     except (ValueError, KeyError) as e:
@@ -225,6 +228,8 @@ def driver_argv(args, cfg, python: str) -> list[str]:
             "--out-dir", str(Path(cfg.out_dir).resolve())]
     if args.resume:
         argv.append("--resume")
+    if getattr(args, "accept_encoding_change", False):
+        argv.append("--accept-encoding-change")
     if args.algorithm:
         argv += ["--algorithm", args.algorithm]
     if args.steps is not None:
@@ -751,6 +756,10 @@ def _add_run_args(p) -> None:
                    help="continue the run in the run dir (the driver runs `hacpo train "
                         "--resume`); without it a run dir holding a run is an error. A Slurm "
                         "job that Slurm requeues resumes either way")
+    p.add_argument("--accept-encoding-change", action="store_true",
+                   help="with --resume: the driver goes on although an agent's tokenizer "
+                        "encodes prompts otherwise than at the checkpoint (`hacpo train "
+                        "--accept-encoding-change`)")
     p.add_argument("--rollout-engine", default=None, choices=["ray", "vllm", "local"],
                    help="rollout.engine of the driver (default: the config's, its 'local' "
                         "as 'ray': actors over the cluster)")

@@ -189,6 +189,10 @@ def test_dry_run_resume_and_requeue(tmp_path, capsys):
     given = _driver_after_requeue(script, None)
     assert given.count("--resume") == 1 and given.index("--resume") < given.index("--set")
     assert _driver_after_requeue(script, 3) == given      # not twice
+    script, _ = _dry_run(tmp_path, capsys, "--resume", "--accept-encoding-change")
+    flagged = _driver_after_requeue(script, None)
+    assert flagged == given[:given.index("--resume") + 1] + ["--accept-encoding-change"] + \
+        given[given.index("--resume") + 1:]
 
 
 def test_dry_run_checkpoint_before_limit(tmp_path, capsys):
@@ -317,6 +321,9 @@ def test_run_dir_holding_a_run_needs_resume(tmp_path, capsys, launcher):
     assert f"hacpo launch: error: {run} already holds a run (checkpoint.pt); pass --resume " \
            f"to continue it or choose another --out-dir" in err
     assert sorted(p.name for p in run.iterdir()) == ["checkpoint.pt"]
+    rc, out, err = launch(base + ["--accept-encoding-change"], capsys)   # none to accept
+    assert rc == 2 and "hacpo launch: error: --accept-encoding-change applies with --resume " \
+                       "only (a new run has no encoding to change)" in err, (out, err)
     if launcher == "slurm":
         rc, out, err = launch(base + ["--resume", "--dry-run"], capsys)
         assert rc == 0 and out.startswith("#!/bin/bash"), err
