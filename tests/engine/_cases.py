@@ -3,6 +3,21 @@ cross samples."""
 import torch
 
 from hacpo.engine.pool import LearnerView, score_responses
+from hacpo.models.policy import PolicyConfig, build_policy
+
+
+def char_policy(name: str, seed: int):
+    """A one-layer plain-torch decoder over the char tokenizer (d_model 32, 2 heads)."""
+    return build_policy(PolicyConfig(name=name, kind="decoder", tokenizer="char", d_model=32,
+                                     n_layers=1, n_heads=2, max_len=64, seed=seed))
+
+
+def learner_setup():
+    """(policy "p", view, lp_old, prompt index of each sample): :func:`learner_case` over a
+    :func:`char_policy` (torch's global seed set first)."""
+    torch.manual_seed(0)
+    pol = char_policy("p", 3)
+    return (pol, *learner_case(pol))
 
 
 def learner_case(pol, operands=((1, 2), (3, 4), (5, 6))):

@@ -11,16 +11,12 @@ from hacpo.engine import preset
 from hacpo.engine.pool import LearnerView, score_responses
 from hacpo.engine.timing import Stopwatch
 from hacpo.engine.update import update_learner
-from hacpo.models.policy import PolicyConfig, build_policy
-from tests.engine._cases import learner_case
+from tests.engine._cases import char_policy, learner_setup
 
 
 @pytest.fixture
 def setup():
-    torch.manual_seed(0)
-    pol = build_policy(PolicyConfig(name="p", kind="decoder", tokenizer="char", d_model=32,
-                                    n_layers=1, n_heads=2, max_len=64, seed=3))
-    return (pol, *learner_case(pol))
+    return learner_setup()
 
 
 def _run(pol, view, lp_old, p_of, micro_batch, timer=None, algo="hacpo"):
@@ -114,8 +110,7 @@ def test_kl_term_is_aggregated_like_the_policy_loss(setup, algo):
     from hacpo.engine.pool import score_responses
 
     pol, view, lp_old, p_of = setup
-    ref = build_policy(PolicyConfig(name="ref", kind="decoder", tokenizer="char", d_model=32,
-                                    n_layers=1, n_heads=2, max_len=64, seed=4))
+    ref = char_policy("ref", 4)
     n = view.idx.numel()
     view = LearnerView(view.idx, view.advantages, view.omega, torch.ones(n, dtype=torch.bool),
                        view.prompt_ids, view.response_ids, {})      # self samples only

@@ -8,16 +8,12 @@ import torch
 from hacpo.engine import preset
 from hacpo.engine.metrics import MetricsLogger
 from hacpo.engine.update import UpdateMetrics, adamw, agent_streak, update_learner
-from hacpo.models.policy import PolicyConfig, build_policy
-from tests.engine._cases import learner_case
+from tests.engine._cases import char_policy, learner_setup
 
 
 @pytest.fixture
 def setup():
-    torch.manual_seed(0)
-    pol = build_policy(PolicyConfig(name="p", kind="decoder", tokenizer="char", d_model=32,
-                                    n_layers=1, n_heads=2, max_len=64, seed=3))
-    return (pol, *learner_case(pol))
+    return learner_setup()
 
 
 def _rows(path, steps, last=""):
@@ -201,8 +197,7 @@ def test_scoring_and_kl_reference_use_the_sampling_temperature(setup, share_prom
 
     pol, view, _, p_of = setup
     pol.share_prompts = share_prompts
-    ref = build_policy(PolicyConfig(name="ref", kind="decoder", tokenizer="char", d_model=32,
-                                    n_layers=1, n_heads=2, max_len=64, seed=4))
+    ref = char_policy("ref", 4)
     lp_old, _ = score_responses(pol, view.prompt_ids, view.response_ids, micro_batch=64,
                                 temperature=2.0)
     m = update_learner(preset("hacpo", {"num_minibatches": 1}), pol,
