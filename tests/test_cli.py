@@ -552,9 +552,11 @@ def test_every_run_and_eval_flag_reaches_its_command(tmp_path, monkeypatch, caps
     (cfg, algos, seeds, root), kw = got["compare"]
     assert (cfg.steps, algos, seeds, root, kw["pass_k"]) == (5, ["gspo", "hacpo"], [3, 4], out,
                                                              0)
-    assert main(["compare", "--preset", "tiny3"]) == 0
+    assert kw["accept_encoding_change"] is False
+    assert main(["compare", "--preset", "tiny3", "--accept-encoding-change"]) == 0
     assert got["compare"][0][1:] == (["grpo", "gspo", "gspo2x", "naive", "hacpo"], [0, 1, 2],
                                      "runs/compare") and got["compare"][1]["pass_k"] == 4
+    assert got["compare"][1]["accept_encoding_change"] is True
     assert main(["profile", "--preset", "tiny3", "--algorithms", "gspo", "hacpo", "--rounds",
                  "4", "--steps-per-round", "3", "--skip-steps", "2", "--out-dir", out]) == 0
     (cfg, root), kw = got["profile"]

@@ -44,7 +44,8 @@ def warnings_only(echo, prefix: str):
 
 
 def run_compare(base: TrainConfig, algorithms: list[str], seeds: list[int], root: str, *,
-                pass_k: int = 4, keep: dict | None = None, echo=print) -> dict:
+                pass_k: int = 4, keep: dict | None = None, accept_encoding_change: bool = False,
+                echo=print) -> dict:
     """Train ``base`` under every algorithm preset x seed (``with_algorithm``, ``keep``: its
     dotted algorithm overrides kept for every algorithm) into ``root/<algo>-seed<seed>``.
 
@@ -52,7 +53,10 @@ def run_compare(base: TrainConfig, algorithms: list[str], seeds: list[int], root
     records) is reused;
     one that did not finish, or whose config differs only where a resume may change it (e.g.
     more steps), is resumed from its checkpoint; any other difference is the trainer's
-    "cannot resume" error naming the keys (choose another ``root``)."""
+    "cannot resume" error naming the keys (choose another ``root``). A run to resume whose
+    agent's tokenizer encodes prompts otherwise than at its checkpoint is refused unless
+    ``accept_encoding_change`` (``train``'s: said per agent, recorded in its checkpoints); a
+    finished run reused is not trained again, so nothing of it is checked or recorded."""
     from .errors import user_errors
     from .signals import stop_between_runs
     from .trainer import train
@@ -87,7 +91,7 @@ def run_compare(base: TrainConfig, algorithms: list[str], seeds: list[int], root
         else:
             stop_between_runs(root)     # a SIGUSR1 after the run before took its checkpoint
             echo(f"[compare] {algo} seed {seed} -> {out}")
-            summary = train(cfg, resume=True,
+            summary = train(cfg, resume=True, accept_encoding_change=accept_encoding_change,
                             echo=warnings_only(echo, f"[compare] {algo} seed {seed}: "))
         for agent, r in summary["after"].items():
             results.setdefault(algo, {}).setdefault(agent, []).append(

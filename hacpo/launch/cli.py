@@ -162,7 +162,8 @@ def _compare(args) -> int:
     # a stop's line: the same command continues (finished runs reused, the others resumed)
     args.stop_hint = lambda: "; run the same command again to continue it"
     run_compare(cfg, args.algorithms, args.seeds, args.out_dir or "runs/compare",
-                pass_k=args.pass_k, keep=keep)
+                pass_k=args.pass_k, keep=keep,
+                accept_encoding_change=args.accept_encoding_change)
     return 0
 
 
@@ -490,6 +491,10 @@ def _main(argv: list[str] | None) -> int:
     c.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     c.add_argument("--pass-k", type=_int_at_least(0), default=4,
                    help="k of the held-out pass@k (0 or 1: none; default 4)")
+    c.add_argument("--accept-encoding-change", action="store_true",
+                   help="the runs it resumes go on although an agent's tokenizer encodes "
+                        "prompts otherwise than at their checkpoint (as train --resume "
+                        "--accept-encoding-change)")
     c.set_defaults(func=_compare)
     pr = sub.add_parser("profile", help="gspo vs gspo2x vs hacpo side by side: extra scoring "
                                         "cost, time per trained sample, fitted cost model")

@@ -145,3 +145,49 @@ def test_compare_into_a_file_is_a_user_error(tmp_path):
     with pytest.raises(ValueError, match=r"notes\.txt is a file") as e:
         run_compare(base, ["gspo"], [0], str(f), pass_k=0, echo=lambda *_: None)
     assert is_user_error(e.value) and f.read_text() == "mine"
+
+
+def test_compare_resumes_a_run_whose_chat_template_changed_only_when_told(tmp_path):
+    """A run compare resumes (more steps) after an agent's chat template was edited in its
+    tokenizer folder: train's refusal, naming the flag; with accept_encoding_change (``hacpo
+    compare --accept-encoding-change``) it goes on, the [warn] line said with the run's prefix
+    and the change recorded in its checkpoint; a finished run reused is not trained again."""
+    import dataclasses
+    import shutil
+
+    from hacpo.engine import checkpoint as ckpt
+    from hacpo.models import tokenizer as tokmod
+    folder = tmp_path / "qwen3-files"
+    shutil.copytree(tokmod.tokenizer_path("qwen3"), folder)
+    base = load_config("tiny3", overrides={"steps": 1, "cache_dir": str(tmp_path / "cache"),
+                                           "threads": 1, "plots": False, "tensorboard": False,
+                                           "agents.1.policy.tokenizer": str(folder)})
+    base = dataclasses.replace(base, agents=base.agents[:2])       # char and qwen3: faster
+    root = tmp_path / "cmp"
+    quiet = lambda *_: None
+    run_compare(base, ["gspo"], [0], str(root), pass_k=0, echo=quiet)
+    conf = folder / "tokenizer_config.json"
+    spec = json.loads(conf.read_text())
+    spec["chat_template"] = spec["chat_template"].replace("<|im_start|>", "<|im_start|>" * 2)
+    conf.write_text(json.dumps(spec))
+    tokmod._load_hf.cache_clear()                  # as a new process reads the folder again
+    said = []                                      # finished with this config: reused as is
+    run_compare(base, ["gspo"], [0], str(root), pass_k=0, accept_encoding_change=True,
+                echo=said.append)
+    assert not any("accepted" in s for s in said)
+    longer = base.override({"steps": 2})
+    with pytest.raises(ValueError, match=r"^cannot resume .*gspo-seed0/checkpoint\.pt: agent "
+                                         r"qwen3's prompts are not encoded as when its .*pass "
+                                         r"--accept-encoding-change to go on"):
+        run_compare(longer, ["gspo"], [0], str(root), pass_k=0, echo=quiet)
+    said = []
+    run_compare(longer, ["gspo"], [0], str(root), pass_k=0, accept_encoding_change=True,
+                echo=said.append)
+    accepted = [s for s in said if "accepted" in s]
+    assert len(accepted) == 1 and accepted[0].startswith(
+        "[compare] gspo seed 0: [warn] agent qwen3's prompts are not encoded as when its "
+        "weights were trained") and accepted[0].endswith(
+        "accepted (--accept-encoding-change): from step 1 on, agent qwen3 trains on prompts "
+        "encoded by its tokenizer as it is now")
+    state = ckpt.load(str(root / "gspo-seed0" / "checkpoint.pt"))
+    assert state["step"] == 2 and state["encoding_changes"] == [{"agent": "qwen3", "step": 1}]
