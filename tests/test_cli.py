@@ -543,6 +543,9 @@ def test_every_run_and_eval_flag_reaches_its_command(tmp_path, monkeypatch, caps
     (cfg,), kw = got["train"]
     assert (cfg.steps, cfg.out_dir, cfg.data.skip_bad_rows, cfg.prompts_per_step, kw) == \
         (7, out, True, 3, {"resume": True, "accept_encoding_change": True})
+    assert main(["train", "--preset", "tiny3", "--resume", "--accept-encoding-change", "qwen3",
+                 "char"]) == 0                          # those agents' changes only
+    assert got["train"][1] == {"resume": True, "accept_encoding_change": ["qwen3", "char"]}
     assert main(["train", "--preset", "tiny3"]) == 0
     (cfg,), kw = got["train"]
     assert (cfg.steps, cfg.out_dir, cfg.data.skip_bad_rows, kw) == \
@@ -557,6 +560,8 @@ def test_every_run_and_eval_flag_reaches_its_command(tmp_path, monkeypatch, caps
     assert got["compare"][0][1:] == (["grpo", "gspo", "gspo2x", "naive", "hacpo"], [0, 1, 2],
                                      "runs/compare") and got["compare"][1]["pass_k"] == 4
     assert got["compare"][1]["accept_encoding_change"] is True
+    assert main(["compare", "--preset", "tiny3", "--accept-encoding-change", "qwen3"]) == 0
+    assert got["compare"][1]["accept_encoding_change"] == ["qwen3"]
     assert main(["profile", "--preset", "tiny3", "--algorithms", "gspo", "hacpo", "--rounds",
                  "4", "--steps-per-round", "3", "--skip-steps", "2", "--out-dir", out]) == 0
     (cfg, root), kw = got["profile"]

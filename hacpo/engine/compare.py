@@ -44,8 +44,8 @@ def warnings_only(echo, prefix: str):
 
 
 def run_compare(base: TrainConfig, algorithms: list[str], seeds: list[int], root: str, *,
-                pass_k: int = 4, keep: dict | None = None, accept_encoding_change: bool = False,
-                echo=print) -> dict:
+                pass_k: int = 4, keep: dict | None = None,
+                accept_encoding_change: bool | list[str] = False, echo=print) -> dict:
     """Train ``base`` under every algorithm preset x seed (``with_algorithm``, ``keep``: its
     dotted algorithm overrides kept for every algorithm) into ``root/<algo>-seed<seed>``.
 
@@ -55,9 +55,11 @@ def run_compare(base: TrainConfig, algorithms: list[str], seeds: list[int], root
     more steps), is resumed from its checkpoint; any other difference is the trainer's
     "cannot resume" error naming the keys (choose another ``root``). A run to resume whose
     agent's tokenizer encodes prompts otherwise than at its checkpoint is refused unless
-    ``accept_encoding_change`` (``train``'s: said per agent, recorded in its checkpoints); a
-    finished run reused is not trained again, so nothing of it is checked or recorded."""
+    ``accept_encoding_change`` (``train``'s: True or agent names; said per agent, recorded in
+    its checkpoints); a finished run reused is not trained again, so nothing of it is checked
+    or recorded."""
     from .errors import user_errors
+    from .run_config import accepted_encoding_agents
     from .signals import stop_between_runs
     from .trainer import train
     with user_errors(ValueError, OSError):
@@ -75,6 +77,7 @@ def run_compare(base: TrainConfig, algorithms: list[str], seeds: list[int], root
                            "progress": False, "eval_pass_k": pass_k,
                            "cache_dir": base.cache_dir}), algo, keep))
             for algo in algorithms for seed in seeds]
+        accepted_encoding_agents(accept_encoding_change, [a.policy.name for a in base.agents])
         if base.data.eval_size == 0:
             raise ValueError("hacpo compare compares held-out accuracy, but the config has no "
                              "held-out set (data.eval_size=0)")

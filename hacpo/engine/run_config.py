@@ -7,6 +7,7 @@ import json
 import math
 import numbers
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -366,6 +367,27 @@ def _check_agent_name(i: int, name, *, new_run: bool = False) -> None:
         why = f"may not contain {', '.join(bad)}" if bad else "may not be '.' or '..'"
         raise ValueError(f"{where}: an agent's name {why} (it names files and metric keys "
                          f"such as train/<name>/loss and omega/<source>-><learner>)")
+
+
+def accepted_encoding_agents(accept: bool | Sequence[str],
+                             agents: Sequence[str]) -> bool | tuple[str, ...]:
+    """``train``'s ``accept_encoding_change`` checked against the run's agent names: False,
+    True (every agent), or the agent names given (each once, each an agent of the run; a
+    single name may be a string)."""
+    if isinstance(accept, bool):
+        return accept
+    names = (accept,) if isinstance(accept, str) else tuple(accept)
+    if not names:
+        raise ValueError("accept_encoding_change: an empty list of agents (True: every agent; "
+                         "or name the agents)")
+    for n in names:
+        if not isinstance(n, str) or n not in agents:
+            raise ValueError(f"--accept-encoding-change {n!r}: not an agent of this run "
+                             f"(its agents: {', '.join(agents)})")
+    if len(set(names)) < len(names):
+        raise ValueError(f"--accept-encoding-change names an agent more than once: "
+                         f"{' '.join(names)}")
+    return names
 
 
 def check_new_run_names(cfg: "TrainConfig") -> None:

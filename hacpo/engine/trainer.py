@@ -25,10 +25,12 @@ import importlib
 import json
 import logging
 import os
+import shlex
 import socket
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -49,10 +51,10 @@ from .plots import PLOT_FILES, RATIO_EDGES, RATIO_FILE, ratio_counts
 from .pool import build_pool, learner_view
 from .rewards import RewardComputer
 from .rollout import generate_agents, sync_agents
-from .run_config import (TrainConfig, check_new_run_names, config_diff, config_hash,
-                         default_fingerprint, drop_unused_policy_settings, fingerprint_dict,
-                         resolve_paths, resolve_stored_paths, revalidated,
-                         unused_rollout_settings)
+from .run_config import (TrainConfig, accepted_encoding_agents, check_new_run_names,
+                         config_diff, config_hash, default_fingerprint,
+                         drop_unused_policy_settings, fingerprint_dict, resolve_paths,
+                         resolve_stored_paths, revalidated, unused_rollout_settings)
 # request_stop: the API's way to stop a run at a checkpoint (hacpo.engine.signals)
 from .signals import RunStopped, clear_stop_request, request_stop, stop_requested  # noqa: F401
 from .timing import Stopwatch, device_sync, null_timer
@@ -104,17 +106,20 @@ def evaluate_all(cfg, data, agents, engine, rc, pass_k: int = 0) -> dict[str, di
 
 
 @build.keeps_torch_threads
-def train(cfg: TrainConfig, *, resume: bool = False, accept_encoding_change: bool = False,
-          echo=print) -> dict:
+def train(cfg: TrainConfig, *, resume: bool = False,
+          accept_encoding_change: bool | Sequence[str] = False, echo=print) -> dict:
     """Run (or resume) training; returns the summary (held-out accuracy before/after). The
     run dir is locked for the whole run: a second run in it (or a resume while the first
     still runs) is an error, never two writers of one metrics.jsonl and checkpoint.
 
     A resume whose agent's tokenizer encodes prompts otherwise than at the checkpoint (an
-    edited chat template, a tokenizers upgrade) is refused unless ``accept_encoding_change``:
-    then it goes on with the tokenizer as it is now, says so, and the checkpoints record the
-    step and agent of each change accepted (``encoding_changes``)."""
+    edited chat template, a tokenizers upgrade) is refused unless ``accept_encoding_change``
+    (True: every agent's; agent names: those agents'): then it goes on with the tokenizer as
+    it is now, says so, and the checkpoints record the step and agent of each change accepted
+    (``encoding_changes``)."""
     with user_errors():
+        accept_encoding_change = accepted_encoding_agents(
+            accept_encoding_change, [a.policy.name for a in cfg.agents])
         if accept_encoding_change and not resume:
             raise ValueError("accept_encoding_change (--accept-encoding-change) applies to a "
                              "resume only (--resume): a new run has no encoding to change")
@@ -322,7 +327,7 @@ def _unlocked(f, out_dir: str, e: OSError, user: str = "run"):
     return f
 
 
-def _train(cfg: TrainConfig, rc: RewardComputer, resume: bool, accept_encoding: bool,
+def _train(cfg: TrainConfig, rc: RewardComputer, resume: bool, accept_encoding,
            echo) -> dict:
     with user_errors():     # the run's inputs: config, run dir, checkpoint, data, warm start
         data, policies, state, warm, ck_path = _prepare(cfg, resume, accept_encoding, echo)
@@ -398,7 +403,7 @@ def _heldout_check(cfg: TrainConfig, data, state: dict, ck_path: str) -> None:
                      f"the run evaluated content {want}): restore it, or start a new run")
 
 
-def _prepare(cfg: TrainConfig, resume: bool, accept_encoding: bool, echo):
+def _prepare(cfg: TrainConfig, resume: bool, accept_encoding: bool | tuple[str, ...], echo):
     """Everything before the trainers start: checks, run dir, the checkpoint to resume, data,
     policies and their warm start."""
     ck_path = os.path.join(cfg.out_dir, CHECKPOINT)
@@ -446,21 +451,33 @@ def _prepare(cfg: TrainConfig, resume: bool, accept_encoding: bool, echo):
     return data, policies, state, warm, ck_path
 
 
-def _check_encodings(state: dict, policies, ck_path: str, accept: bool, echo) -> None:
+def _check_encodings(state: dict, policies, ck_path: str, accept: bool | tuple[str, ...],
+                     echo) -> None:
     """A resume whose agents' tokenizers encode prompts otherwise than at the checkpoint: the
     steps after it would train on prompts the steps before never saw, silently. Refused, or
-    with ``accept`` said and recorded in ``state["encoding_changes"]`` (the checkpoints after
-    it carry the record on)."""
+    for the agents ``accept`` takes (True: all; else their names) said and recorded in
+    ``state["encoding_changes"]`` (the checkpoints after it carry the record on)."""
     bad = build.encoding_mismatches(state, policies)
-    if bad and not accept:
-        raise ValueError(f"cannot resume {ck_path}: {bad[0][1]}; restore the tokenizer files "
-                         f"or package versions it was trained with, pass "
-                         f"--accept-encoding-change to go on with the encoding of now, or "
-                         f"start a new run in another out_dir")
+    refused = [(n, why) for n, why in bad if accept is not True and n not in (accept or ())]
+    if refused:
+        # the flag that takes every change found (an agent named before: taken again)
+        flag = " ".join(["--accept-encoding-change"] + [shlex.quote(n) for n, _ in bad])
+        raise ValueError(f"cannot resume {ck_path}: {refused[0][1]}"
+                         + (f" (and agent(s) {', '.join(n for n, _ in refused[1:])})"
+                            if len(refused) > 1 else "")
+                         + f"; restore the tokenizer files or package versions it was trained "
+                           f"with, pass {flag} to go on with the encoding of now, or "
+                           f"start a new run in another out_dir")
+    if accept is True and not bad:
+        echo("[resume] --accept-encoding-change: every agent's prompts are encoded as at "
+             "the checkpoint (nothing to accept)")
+    elif isinstance(accept, tuple):
+        changed = {n for n, _ in bad}
+        for n in accept:
+            if n not in changed:
+                echo(f"[resume] --accept-encoding-change {n}: agent {n}'s prompts are encoded "
+                     f"as at the checkpoint (nothing to accept)")
     if not bad:
-        if accept:
-            echo("[resume] --accept-encoding-change: every agent's prompts are encoded as at "
-                 "the checkpoint (nothing to accept)")
         return
     changes = list(state.get("encoding_changes") or [])
     for name, why in bad:

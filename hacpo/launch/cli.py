@@ -152,8 +152,15 @@ def _train(args) -> int:
     args.run_dir = cfg.out_dir      # what a stop's "continue it with --resume" refers to
     print(f"[hacpo] run dir {cfg.out_dir}; algorithm {cfg.algorithm.name}; agents "
           + ", ".join(f"{a.policy.name} ({a.policy.tokenizer})" for a in cfg.agents))
-    train(cfg, resume=args.resume, accept_encoding_change=args.accept_encoding_change)
+    train(cfg, resume=args.resume, accept_encoding_change=accept_arg(args))
     return 0
+
+
+def accept_arg(args) -> bool | list[str]:
+    """``--accept-encoding-change [AGENT ...]`` as ``train``'s ``accept_encoding_change``:
+    absent False, alone True (every agent), with names those agents."""
+    names = getattr(args, "accept_encoding_change", None)
+    return False if names is None else (names or True)
 
 
 def _compare(args) -> int:
@@ -163,7 +170,7 @@ def _compare(args) -> int:
     args.stop_hint = lambda: "; run the same command again to continue it"
     run_compare(cfg, args.algorithms, args.seeds, args.out_dir or "runs/compare",
                 pass_k=args.pass_k, keep=keep,
-                accept_encoding_change=args.accept_encoding_change)
+                accept_encoding_change=accept_arg(args))
     return 0
 
 
@@ -479,10 +486,11 @@ def _main(argv: list[str] | None) -> int:
     t.add_argument("--resume", action="store_true", help="continue the run in --out-dir")
     t.add_argument("--skip-bad-rows", action="store_true",
                    help="skip (and count) dataset rows that cannot be parsed")
-    t.add_argument("--accept-encoding-change", action="store_true",
+    t.add_argument("--accept-encoding-change", nargs="*", metavar="AGENT", default=None,
                    help="with --resume: go on although an agent's tokenizer encodes prompts "
                         "otherwise than at the checkpoint (e.g. a fixed chat template); "
-                        "said, and recorded in the checkpoint")
+                        "said, and recorded in the checkpoint. With agent names: those "
+                        "agents' changes only (another agent's is still refused)")
     t.set_defaults(func=_train)
     c = sub.add_parser("compare", help="same budget under several algorithms and seeds; "
                                        "markdown table + plot")
@@ -491,10 +499,10 @@ def _main(argv: list[str] | None) -> int:
     c.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     c.add_argument("--pass-k", type=_int_at_least(0), default=4,
                    help="k of the held-out pass@k (0 or 1: none; default 4)")
-    c.add_argument("--accept-encoding-change", action="store_true",
+    c.add_argument("--accept-encoding-change", nargs="*", metavar="AGENT", default=None,
                    help="the runs it resumes go on although an agent's tokenizer encodes "
                         "prompts otherwise than at their checkpoint (as train --resume "
-                        "--accept-encoding-change)")
+                        "--accept-encoding-change [AGENT ...])")
     c.set_defaults(func=_compare)
     pr = sub.add_parser("profile", help="gspo vs gspo2x vs hacpo side by side: extra scoring "
                                         "cost, time per trained sample, fitted cost model")

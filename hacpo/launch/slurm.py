@@ -68,10 +68,11 @@ def load_run(args):
     import argparse
 
     from hacpo.engine.configtools import parse_overrides
-    from .cli import train_config
+    from hacpo.engine.run_config import accepted_encoding_agents
+    from .cli import accept_arg, train_config
     if args.config and not Path(args.config).is_file():
         raise LaunchError(f"--config {args.config}: no such file")
-    if getattr(args, "accept_encoding_change", False) and not args.resume:
+    if accept_arg(args) and not args.resume:
         raise LaunchError("--accept-encoding-change applies with --resume only (a new run "
                           "has no encoding to change)")
     try:
@@ -95,6 +96,10 @@ def load_run(args):
     except Exception as e:  # the config loader's own error (yaml, unknown key, bad value)
         raise LaunchError(f"config {args.config or '(preset ' + args.preset + ')'} does not "
                           f"load: {type(e).__name__}: {e}") from e
+    try:                                # names that are not the run's agents: before submit
+        accepted_encoding_agents(accept_arg(args), [a.policy.name for a in cfg.agents])
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
     _check_run_dir(cfg, args.resume)
     return cfg
 
@@ -224,12 +229,13 @@ def single_actor_needs(cfg) -> list[tuple[str, dict[str, float]]]:
 def driver_argv(args, cfg, python: str) -> list[str]:
     """``hacpo train`` for the driver, minus the Ray address (known only once the job runs).
     Paths are absolute: the job may start elsewhere."""
+    from .cli import accept_arg
     argv = [python, "-m", "hacpo.launch.cli", "train", "--preset", args.preset,
             "--out-dir", str(Path(cfg.out_dir).resolve())]
     if args.resume:
         argv.append("--resume")
-    if getattr(args, "accept_encoding_change", False):
-        argv.append("--accept-encoding-change")
+    if accept_arg(args):
+        argv += ["--accept-encoding-change"] + list(args.accept_encoding_change)
     if args.algorithm:
         argv += ["--algorithm", args.algorithm]
     if args.steps is not None:
@@ -756,10 +762,10 @@ def _add_run_args(p) -> None:
                    help="continue the run in the run dir (the driver runs `hacpo train "
                         "--resume`); without it a run dir holding a run is an error. A Slurm "
                         "job that Slurm requeues resumes either way")
-    p.add_argument("--accept-encoding-change", action="store_true",
+    p.add_argument("--accept-encoding-change", nargs="*", metavar="AGENT", default=None,
                    help="with --resume: the driver goes on although an agent's tokenizer "
                         "encodes prompts otherwise than at the checkpoint (`hacpo train "
-                        "--accept-encoding-change`)")
+                        "--accept-encoding-change [AGENT ...]`; with names: those agents')")
     p.add_argument("--rollout-engine", default=None, choices=["ray", "vllm", "local"],
                    help="rollout.engine of the driver (default: the config's, its 'local' "
                         "as 'ray': actors over the cluster)")

@@ -132,6 +132,10 @@ def test_compare_refuses_a_seed_or_algorithm_listed_twice(tmp_path):
                     echo=lambda *_: None)
     with pytest.raises(ValueError, match="at least one seed"):
         run_compare(base, ["gspo"], [], str(root), pass_k=0, echo=lambda *_: None)
+    with pytest.raises(ValueError, match=r"--accept-encoding-change 'nosuch': not an agent of "
+                                         r"this run \(its agents: char, qwen3, llama\)"):
+        run_compare(base, ["gspo"], [0], str(root), pass_k=0, accept_encoding_change=["nosuch"],
+                    echo=lambda *_: None)
     assert not root.exists()
 
 
@@ -178,10 +182,10 @@ def test_compare_resumes_a_run_whose_chat_template_changed_only_when_told(tmp_pa
     longer = base.override({"steps": 2})
     with pytest.raises(ValueError, match=r"^cannot resume .*gspo-seed0/checkpoint\.pt: agent "
                                          r"qwen3's prompts are not encoded as when its .*pass "
-                                         r"--accept-encoding-change to go on"):
+                                         r"--accept-encoding-change qwen3 to go on"):
         run_compare(longer, ["gspo"], [0], str(root), pass_k=0, echo=quiet)
     said = []
-    run_compare(longer, ["gspo"], [0], str(root), pass_k=0, accept_encoding_change=True,
+    run_compare(longer, ["gspo"], [0], str(root), pass_k=0, accept_encoding_change=["qwen3"],
                 echo=said.append)
     accepted = [s for s in said if "accepted" in s]
     assert len(accepted) == 1 and accepted[0].startswith(

@@ -308,14 +308,27 @@ def test_resume_after_an_agents_chat_template_changed_is_refused(tmp_path):
                                          r"'qwen3-files' changed since the checkpoint .*"
                                          r"transformers / tokenizers upgrade\?\); restore "
                                          r"the tokenizer files .*, pass "
-                                         r"--accept-encoding-change to go on with the "
+                                         r"--accept-encoding-change qwen3 to go on with the "
                                          r"encoding of now, or start a new run") as e:
         train(longer, resume=True, echo=lambda *_: None)
     assert is_user_error(e.value) and "\n" not in str(e.value)
+    # another agent's change accepted by name: qwen3's is still refused
+    with pytest.raises(ValueError, match=r"^cannot resume .*: agent qwen3's prompts .*pass "
+                                         r"--accept-encoding-change qwen3 to go on") as e2:
+        train(longer, resume=True, accept_encoding_change=["char"], echo=lambda *_: None)
+    assert is_user_error(e2.value)
+    for names, why in ((["nosuch"], r"--accept-encoding-change 'nosuch': not an agent of this "
+                                    r"run \(its agents: char, qwen3\)"),
+                       (["qwen3", "qwen3"], "names an agent more than once: qwen3 qwen3"),
+                       ([], "an empty list of agents")):
+        with pytest.raises(ValueError, match=why):
+            train(longer, resume=True, accept_encoding_change=names, echo=lambda *_: None)
     assert {f: (tmp_path / "run" / f).read_bytes() for f in kept} == kept
     said = []
-    train(longer, resume=True, accept_encoding_change=True, echo=said.append)
-    assert [s for s in said if "encoded" in s] == [
+    train(longer, resume=True, accept_encoding_change=["qwen3", "char"], echo=said.append)
+    assert "[resume] --accept-encoding-change char: agent char's prompts are encoded as at " \
+           "the checkpoint (nothing to accept)" in said
+    assert [s for s in said if s.startswith("[warn]") and "encoded" in s] == [
         f"[warn] {str(e.value).split(': ', 1)[1].split('; restore')[0]}: accepted "
         f"(--accept-encoding-change): from step 1 on, agent qwen3 trains on prompts encoded "
         f"by its tokenizer as it is now"]

@@ -193,6 +193,12 @@ def test_dry_run_resume_and_requeue(tmp_path, capsys):
     flagged = _driver_after_requeue(script, None)
     assert flagged == given[:given.index("--resume") + 1] + ["--accept-encoding-change"] + \
         given[given.index("--resume") + 1:]
+    script, _ = _dry_run(tmp_path, capsys, "--resume", "--accept-encoding-change", "qwen3")
+    named = _driver_after_requeue(script, None)           # an agent's change only
+    assert named == given[:given.index("--resume") + 1] + ["--accept-encoding-change",
+                                                           "qwen3"] + \
+        given[given.index("--resume") + 1:]
+    assert _driver_after_requeue(script, 2) == named       # kept on a requeue
 
 
 def test_dry_run_checkpoint_before_limit(tmp_path, capsys):
@@ -324,6 +330,10 @@ def test_run_dir_holding_a_run_needs_resume(tmp_path, capsys, launcher):
     rc, out, err = launch(base + ["--accept-encoding-change"], capsys)   # none to accept
     assert rc == 2 and "hacpo launch: error: --accept-encoding-change applies with --resume " \
                        "only (a new run has no encoding to change)" in err, (out, err)
+    rc, out, err = launch(base + ["--resume", "--accept-encoding-change", "qwen3", "nosuch"],
+                          capsys)                     # not an agent of the run: before submit
+    assert rc == 2 and "hacpo launch: error: --accept-encoding-change 'nosuch': not an agent " \
+                       "of this run (its agents: char, qwen3, llama)" in err, (out, err)
     if launcher == "slurm":
         rc, out, err = launch(base + ["--resume", "--dry-run"], capsys)
         assert rc == 0 and out.startswith("#!/bin/bash"), err
