@@ -1,6 +1,7 @@
 """`hacpo eval`: checkpoints of a 1-step tiny3 run evaluated on two tiny benchmarks (API + CLI),
 the numbers' consistency, greedy determinism, the tokenizer fallback, and the bad-input errors."""
 import json
+import os
 
 import pytest
 import torch
@@ -849,3 +850,88 @@ def test_two_checkpoints_of_one_run_dir_without_an_out_dir_are_refused(run, tmp_
                                              r"--out-dir \(a folder per run under it\)"):
             evaluate_checkpoints(two, run["benches"][:1], agents=["char"], limit=1,
                                  max_new_tokens=8, echo=lambda *_: None)
+
+
+# --------------------------------------------------------------------------------------------
+# found by a mutation audit: behaviours no test above pinned
+# --------------------------------------------------------------------------------------------
+
+def test_a_relative_run_path_records_the_absolute_run_dir(run, tmp_path, monkeypatch, capsys):
+    """`hacpo eval .` (in the run dir) or `hacpo eval run/checkpoint.pt` records the run dir as
+    an absolute path and labels the run by its folder's name; eval.json's results leave the
+    responses to the per-pair files; one agent named twice is evaluated once; an earlier
+    evaluation's files are named four at most."""
+    out = tmp_path / "e"
+    out.mkdir()
+    for i in range(5):
+        (out / f"old__b{i}.json").write_text("{}")
+    kw = dict(agents=["char", "char"], limit=1, max_new_tokens=8, out_dir=str(out), echo=print)
+    monkeypatch.chdir(run["dir"])
+    evaluate_checkpoints(["."], run["benches"][:1], **kw)
+    said = capsys.readouterr().out
+    assert "rebuilding 1 policy" in said
+    assert f"{out} also holds 5 file(s) of an earlier evaluation (old__b0.json, old__b1.json, " \
+           f"old__b2.json, old__b3.json, ...): kept" in said
+    monkeypatch.chdir(run["dir"].parent)
+    evaluate_checkpoints(["run/checkpoint.pt"], run["benches"][:1],
+                         **{**kw, "out_dir": str(tmp_path / "f")})
+    for d in (out, tmp_path / "f"):
+        rec = json.loads((d / "char__gsm.json").read_text())
+        assert (rec["run"], rec["run_dir"], len(rec["problems"])) == ("run", str(run["dir"]), 1)
+        results = json.loads((d / "eval.json").read_text())["results"]
+        assert [(r["run_dir"], "problems" in r) for r in results] == [(str(run["dir"]), False)]
+
+
+def test_sampled_eval_defaults_and_per_benchmark_seeds(run, tmp_path, monkeypatch):
+    """--samples k samples at the run's own rollout temperature (here 0.7, not 1) from the
+    run's seed + 1; the i-th benchmark is sampled from seed + 1000 i, as if evaluated alone
+    with that seed; --template replaces the run's template."""
+    warm = _with_config(run, tmp_path, "warm", lambda c: c["rollout"].update(temperature=0.7))
+    kw = dict(agents=["qwen3"], samples=2, limit=2, max_new_tokens=8, echo=lambda *_: None)
+    evaluate_checkpoints([warm], run["benches"], out_dir=str(tmp_path / "a"), **kw)
+    gsm = json.loads((tmp_path / "a" / "qwen3__gsm.json").read_text())
+    math_ = json.loads((tmp_path / "a" / "qwen3__math.json").read_text())
+    stored = json.loads((run["dir"] / "config.json").read_text())
+    assert (gsm["temperature"], gsm["seed"], math_["seed"]) == (0.7, stored["seed"] + 1,
+                                                                  stored["seed"] + 1001)
+    evaluate_checkpoints([warm], run["benches"][1:], seed=stored["seed"] + 1001,
+                         out_dir=str(tmp_path / "b"), **kw)
+    alone = json.loads((tmp_path / "b" / "qwen3__math.json").read_text())
+    assert alone["problems"] == math_["problems"]
+    evaluate_checkpoints([warm], run["benches"][1:], seed=stored["seed"] + 1,
+                         out_dir=str(tmp_path / "c"), **kw)
+    first = json.loads((tmp_path / "c" / "qwen3__math.json").read_text())
+    assert first["problems"] != math_["problems"]      # the seed draws other samples
+    assert {gsm["template"], math_["template"]} == {stored["data"]["template"]} != {"short"}
+    from hacpo.engine import eval_harness
+    real, asked = eval_harness._score_policy, []
+
+    def recording(policy, questions, *a, **k):
+        asked.extend(questions)
+        return real(policy, questions, *a, **k)
+    monkeypatch.setattr(eval_harness, "_score_policy", recording)
+    evaluate_checkpoints([warm], run["benches"][1:], template="short",
+                         out_dir=str(tmp_path / "d"), **kw)
+    assert json.loads((tmp_path / "d" / "qwen3__math.json").read_text())["template"] == "short"
+    assert asked == ["Q: Compute $1+1$.\nA:", "Q: Bob has 5 hats. He gives away 1. How many "
+                     "hats does Bob have?\nA:"]
+
+
+def test_the_policies_are_scored_with_the_runs_thread_count(run, tmp_path, monkeypatch):
+    """The run's `threads` (tiny3 here: 1) is the torch thread count while `hacpo eval`
+    samples; the caller's is restored after it."""
+    from hacpo.engine import eval_harness
+    seen = []
+
+    def fake(pol, ids, golds, rc, samples, **kw):
+        seen.append(torch.get_num_threads())
+        return [[0.0] * samples for _ in ids], [["r"] * samples for _ in ids], {}
+    monkeypatch.setattr(eval_harness, "sample_and_score", fake)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        evaluate_checkpoints([str(run["dir"])], run["benches"][:1], agents=["char"], limit=1,
+                             out_dir=str(tmp_path / "e"), echo=lambda *_: None)
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
