@@ -1,7 +1,6 @@
 """`hacpo eval`: checkpoints of a 1-step tiny3 run evaluated on two tiny benchmarks (API + CLI),
 the numbers' consistency, greedy determinism, the tokenizer fallback, and the bad-input errors."""
 import json
-import os
 
 import pytest
 import torch
