@@ -118,12 +118,12 @@ def train(cfg: TrainConfig, *, resume: bool = False,
     it is now, says so, and the checkpoints record the step and agent of each change accepted
     (``encoding_changes``)."""
     with user_errors():
+        cfg = revalidated(cfg)             # a copy; checked again if edited in place
         accept_encoding_change = accepted_encoding_agents(
             accept_encoding_change, [a.policy.name for a in cfg.agents])
         if accept_encoding_change and not resume:
             raise ValueError("accept_encoding_change (--accept-encoding-change) applies to a "
                              "resume only (--resume): a new run has no encoding to change")
-        cfg = revalidated(cfg)             # a copy; checked again if edited in place
         cfg.check_runnable()               # before the warm-up, not at the engines' start
         for note in check_packages(cfg):   # ray (before megatron_trainer imports it), and
             echo(f"[warn] {note}")         # the default-on features' packages
