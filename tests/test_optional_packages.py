@@ -234,7 +234,7 @@ def test_compare_and_profile_without_matplotlib_write_their_results(tmp_path, mo
     are written (not a traceback once every run has finished). The runs are stand-ins."""
     from hacpo.engine import compare, profile, trainer
 
-    def fake_train(cfg, resume=False, echo=print):
+    def fake_train(cfg, resume=False, accept_encoding_change=False, echo=print):
         os.makedirs(cfg.out_dir, exist_ok=True)
         with open(os.path.join(cfg.out_dir, "metrics.jsonl"), "w") as f:
             for step in range(cfg.steps):
