@@ -327,8 +327,8 @@ def _unlocked(f, out_dir: str, e: OSError, user: str = "run"):
     return f
 
 
-def _train(cfg: TrainConfig, rc: RewardComputer, resume: bool, accept_encoding,
-           echo) -> dict:
+def _train(cfg: TrainConfig, rc: RewardComputer, resume: bool,
+           accept_encoding: bool | tuple[str, ...], echo) -> dict:
     with user_errors():     # the run's inputs: config, run dir, checkpoint, data, warm start
         data, policies, state, warm, ck_path = _prepare(cfg, resume, accept_encoding, echo)
     agents = build_agents(cfg, policies)   # first: a Ray cluster it starts also holds the engine

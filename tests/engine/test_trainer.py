@@ -362,6 +362,36 @@ def test_resume_after_an_agents_chat_template_changed_is_refused(tmp_path):
     assert ckpt.load(str(ck_path))["step"] == 4
 
 
+def test_encoding_refusal_names_every_agent_it_refuses_and_the_flag_for_every_change(
+        monkeypatch):
+    """Two or more agents whose prompts are encoded otherwise than at the checkpoint: the
+    refusal gives the first agent's reason, names the other refused agents, and the flag it
+    suggests takes every change found (an agent accepted by name included, its change taken
+    again); the names are shell-quoted. Nothing is recorded in the state when it refuses."""
+    from hacpo.engine import build
+    from hacpo.engine.trainer import _check_encodings
+    changed = [("a b", "agent a b's prompts changed"), ("c", "agent c's prompts changed"),
+               ("d", "agent d's prompts changed")]
+    monkeypatch.setattr(build, "encoding_mismatches", lambda state, policies: list(changed))
+    state = {"step": 5, "encoding_changes": [{"agent": "c", "step": 2}]}
+    for accept, first, others in ((False, "a b", "c, d"), (("c",), "a b", "d"),
+                                  (("a b", "d"), "c", None)):
+        with pytest.raises(ValueError) as e:
+            _check_encodings(state, [], "run/checkpoint.pt", accept, lambda *_: None)
+        msg = str(e.value)
+        assert msg.startswith(f"cannot resume run/checkpoint.pt: agent {first}'s prompts "
+                              f"changed"), msg
+        assert (f" (and agent(s) {others});" in msg) == (others is not None), msg
+        assert "pass --accept-encoding-change 'a b' c d to go on" in msg, msg
+    assert state == {"step": 5, "encoding_changes": [{"agent": "c", "step": 2}]}
+    said = []
+    _check_encodings(state, [], "run/checkpoint.pt", ("a b", "c", "d"), said.append)
+    assert [s.split(":")[0] for s in said] == [f"[warn] agent {n}'s prompts changed"
+                                               for n in ("a b", "c", "d")]
+    assert state["encoding_changes"] == [{"agent": "c", "step": 2}] + [
+        {"agent": n, "step": 5} for n in ("a b", "c", "d")]
+
+
 def test_resume_rewrites_metrics_atomically_and_drops_a_cut_last_row(tmp_path, monkeypatch):
     """On resume at step s, metrics.jsonl loses its rows of steps >= s through a new file
     renamed over the old one: a full disk while it is written leaves the old file whole (the
