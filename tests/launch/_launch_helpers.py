@@ -111,6 +111,16 @@ def assert_trained_cross(rows: list[dict], names) -> None:
             (name, [r[f"train/{name}/cross_count"] for r in rows])
 
 
+def perturb_weights(policy, seed: int) -> None:
+    """Add seeded noise (0.05 x N(0, 1)) to every parameter of ``policy``, in place: weights
+    that differ from the ones an engine was started with, so a weight sync must matter."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+
+
 # -- fault-injection helpers ----------------------------------------------------------------------
 def capture_instances(monkeypatch, cls) -> list:
     """Every instance of ``cls`` constructed while ``monkeypatch`` holds (appended after its

@@ -20,7 +20,7 @@ from hacpo.engine.trainer import train
 from hacpo.launch.ray_rollout import RayRolloutEngine, merge_rollouts, shard_bounds
 from hacpo.models.generation import generate
 
-from ._launch_helpers import assert_trained_cross, two_agent_cfg
+from ._launch_helpers import assert_trained_cross, perturb_weights, two_agent_cfg
 
 import ray
 
@@ -35,13 +35,6 @@ def setup(cluster, tmp_path_factory):
     prompts = [[p.tokenizer.prompt_ids(build.prompt_text(cfg, e)) for e in data.train[:5]]
                for p in policies]
     return cfg, policies, prompts
-
-
-def _perturb(policy, seed):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in policy.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
 
 
 def _sharded_reference(policy, prompts, gen, shards):
@@ -83,7 +76,7 @@ def test_ray_equals_local_engine(setup):
         for rnd in range(2):
             if rnd == 1:                      # weights change; the actors must follow
                 for k, pol in enumerate(policies):
-                    _perturb(pol, 10 + k)
+                    perturb_weights(pol, 10 + k)
                     eng.sync_weights(k)
             for k in range(2):
                 for _ in range(2):
@@ -113,7 +106,7 @@ def test_actor_weight_load_part_way_claims_no_version(setup):
 
     cfg, policies, _ = setup
     src, dst = policies[0], copy.deepcopy(policies[0])
-    _perturb(dst, 5)
+    perturb_weights(dst, 5)
     actor = RolloutActor(threads=1, policy=dst)
     refs = [ray.put(b) for b in weight_buckets(src.state_dict(), 10 * 1024)]
     assert len(refs) > 3
@@ -168,7 +161,7 @@ def test_kill_actor_mid_call_retries_identically(setup, tmp_path):
     pol = policies[1]
     eng = RayRolloutEngine([pol], cfg)
     try:
-        _perturb(pol, 99)                    # the pickled copy is now stale: sync must matter
+        perturb_weights(pol, 99)             # the pickled copy is now stale: sync must matter
         eng.sync_weights(0)
         ref_gen = torch.Generator().manual_seed(cfg.seed * 1000 + 17)
         actor = eng.actors(0)[1]

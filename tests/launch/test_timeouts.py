@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from hacpo.engine import build
 from hacpo.engine.run_config import fingerprint_dict, load_config
@@ -27,8 +26,8 @@ from hacpo.launch.ray_cluster import call_deadline, next_ready
 from hacpo.launch.ray_rollout import RayRolloutEngine
 
 from ._launch_helpers import (alive, capture_instances, free_cpus_back, gone_within, hacpo,
-                              processes_mentioning, reap, run_in_thread, tiny_run_args,
-                              two_agent_cfg, wait_for_first_step)
+                              perturb_weights, processes_mentioning, reap, run_in_thread,
+                              tiny_run_args, two_agent_cfg, wait_for_first_step)
 
 import ray
 
@@ -97,13 +96,6 @@ def setup(cluster, tmp_path_factory):
                       for e in data.train[:5]]
 
 
-def _perturb(policy, seed):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in policy.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
-
-
 def test_hung_rollout_actor_is_restarted_and_the_call_retried(setup, tmp_path):
     """Two actors for one agent, rollout.call_timeout_s=6, max_engine_restarts=2.
     1. actor 1 computes its result, then sleeps 600 s: after 6 s it is killed, Ray restarts
@@ -140,7 +132,7 @@ def test_hung_rollout_actor_is_restarted_and_the_call_retried(setup, tmp_path):
         # 2. frozen during sync_weights: new weights, next generate = no-fault reference
         pid = ray.get(actor.ready.remote())
         assert pid != hung_pid
-        _perturb(pol, 5)
+        perturb_weights(pol, 5)
         os.kill(pid, signal.SIGSTOP)
         frozen.append(pid)
         eng.sync_weights(0)
