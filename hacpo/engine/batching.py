@@ -46,7 +46,7 @@ def balanced_shares(lengths: Sequence[int], parts: int,
     Longest row first, each to the share with the fewest tokens so far (ties: fewer rows,
     then the lower share). Every share lists its rows in ascending order. The largest share
     exceeds the mean by at most the longest row."""
-    if not isinstance(parts, int) or parts < 1:
+    if not isinstance(parts, int) or isinstance(parts, bool) or parts < 1:
         raise ValueError(f"parts must be an integer >= 1, got {parts!r}")
     rows = _check(lengths, rows)
     shares: list[list[int]] = [[] for _ in range(parts)]

@@ -152,6 +152,8 @@ def test_negative_rows_and_non_integer_limits_are_refused():
         pack_micro_batches([3, 4], 8, 4, rows=[0, -2])
     with pytest.raises(ValueError, match=r"parts must be an integer >= 1, got 2\.0"):
         balanced_shares([3, 4], 2.0)
+    with pytest.raises(ValueError, match="parts must be an integer >= 1, got True"):
+        balanced_shares([3, 4], True)
     with pytest.raises(ValueError, match="max_tokens must be an integer >= 1, got True"):
         pack_micro_batches([3], True, 4)
     with pytest.raises(ValueError, match=r"max_rows must be an integer >= 1, got 2\.5"):
