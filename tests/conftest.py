@@ -42,6 +42,35 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture
+def command_calls(monkeypatch, tmp_path):
+    """Every command's function replaced by a recorder of its arguments ``(args, kwargs)``
+    under the command's name (tests/test_cli.py, tests/test_cli_mutants.py: what `hacpo`'s
+    options pass on, with nothing run); eval's returns a one-line table, export's two folders;
+    the working folder is the test's tmp_path (a run's default out_dir: nothing is written)."""
+    from hacpo.engine import compare, eval_harness, export, profile, trainer
+    from hacpo.launch import bandit_demo
+    calls = {}
+
+    def record(name, ret=None):
+        def f(*a, **k):
+            calls[name] = (a, k)
+            return ret
+        return f
+    monkeypatch.setattr(trainer, "train", record("train"))
+    monkeypatch.setattr(compare, "run_compare", record("compare"))
+    monkeypatch.setattr(profile, "run_profile", record("profile"))
+    monkeypatch.setattr(eval_harness, "evaluate_checkpoints",
+                        record("eval", {"table": "| the table |", "out_dirs": ["e1", "e2"]}))
+    monkeypatch.setattr(export, "export_checkpoint",
+                        record("export", {"a": "x/a", "b": "x/b"}))
+    monkeypatch.setattr(bandit_demo, "run", lambda algo, **k: calls.setdefault(
+        "demo", []).append((algo, k)) or [0.5, 0.25])
+    monkeypatch.delenv("HACPO_TRACEBACK", raising=False)
+    monkeypatch.chdir(tmp_path)
+    return calls
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory):
     """SmolLM2-135M-Instruct converted once per test session (``python -m hacpo.models.gguf``,

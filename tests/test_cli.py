@@ -518,24 +518,11 @@ def test_an_error_raised_while_a_run_stops_is_reported_as_the_stop(capsys, tmp_p
         _stoppable(args, cut_short(SystemExit(1)))
 
 
-def test_every_run_and_eval_flag_reaches_its_command(tmp_path, monkeypatch, capsys):
+def test_every_run_and_eval_flag_reaches_its_command(tmp_path, command_calls, capsys):
     """Each option of train / compare / profile / eval arrives where it acts (the command's
     config or its function's argument), none parsed and dropped: the commands' functions are
     replaced by recorders here, so nothing runs."""
-    from hacpo.engine import compare, eval_harness, profile, trainer
-
-    got = {}
-
-    def record(name, ret=None):
-        def f(*a, **k):
-            got[name] = (a, k)
-            return ret
-        return f
-    monkeypatch.setattr(trainer, "train", record("train"))
-    monkeypatch.setattr(compare, "run_compare", record("compare"))
-    monkeypatch.setattr(profile, "run_profile", record("profile"))
-    monkeypatch.setattr(eval_harness, "evaluate_checkpoints",
-                        record("eval", {"table": "", "out_dirs": []}))
+    got = command_calls
     out = str(tmp_path / "r")
     assert main(["train", "--preset", "tiny3", "--steps", "7", "--out-dir", out,
                  "--skip-bad-rows", "--resume", "--set", "prompts_per_step=3",
