@@ -94,8 +94,8 @@ def test_compare_and_profile_get_the_user_s_algorithm_settings(command_calls, tm
 
 @pytest.mark.parametrize("step, where", [(3, "at the checkpoint of step 3"),
                                          (None, "between its runs")])
-def test_a_run_stopped_by_sigusr1_says_where_and_exits_75(command_calls, monkeypatch, capsys, step,
-                                                          where):
+def test_a_run_stopped_by_sigusr1_says_where_and_exits_75(command_calls, monkeypatch, capsys,
+                                                          step, where):
     def stopped(*a, **k):
         raise RunStopped(step, "runs/compare")
     monkeypatch.setattr(compare, "run_compare", stopped)
@@ -198,7 +198,7 @@ def test_eval_and_export_say_what_they_wrote_and_pass_each_option_on(command_cal
     assert capsys.readouterr().out == "[export] written: x/a, x/b\n"
     assert main(["export", "r", "--out", "x"]) == 0
     assert command_calls["export"][1] == {"agents": None, "tokenizer": True, "dtype": None,
-                                "overwrite": False, "moved": {}}
+                                          "overwrite": False, "moved": {}}
 
 
 @pytest.mark.parametrize("argv, said", [
@@ -246,8 +246,8 @@ def test_a_sigterm_stop_names_itself_and_exits_143(capsys):
     assert e.value.code == 143 and capsys.readouterr().err == "hacpo export: terminated (SIGTERM)\n"
 
 
-def test_a_run_s_config_json_is_checked_against_its_folder_by_train_only(command_calls, tmp_path,
-                                                                          capsys):
+def test_a_run_s_config_json_is_checked_against_its_folder_by_train_only(command_calls,
+                                                                          tmp_path, capsys):
     """`--config RUN/config.json` (a checkpoint beside it) of a run reached through a link is
     that run; of a moved run, an error unless --out-dir says where; compare, which chooses
     its runs' folders, and another file beside a checkpoint are not checked."""

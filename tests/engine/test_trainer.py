@@ -367,7 +367,9 @@ def test_encoding_refusal_names_every_agent_it_refuses_and_the_flag_for_every_ch
     """Two or more agents whose prompts are encoded otherwise than at the checkpoint: the
     refusal gives the first agent's reason, names the other refused agents, and the flag it
     suggests takes every change found (an agent accepted by name included, its change taken
-    again); the names are shell-quoted. Nothing is recorded in the state when it refuses."""
+    again); the names are shell-quoted. Nothing is recorded in the state when it refuses;
+    accepted (every agent by name, or True), each change is said and added to the record of
+    the changes accepted before."""
     from hacpo.engine import build
     from hacpo.engine.trainer import _check_encodings
     changed = [("a b", "agent a b's prompts changed"), ("c", "agent c's prompts changed"),
@@ -384,12 +386,13 @@ def test_encoding_refusal_names_every_agent_it_refuses_and_the_flag_for_every_ch
         assert (f" (and agent(s) {others});" in msg) == (others is not None), msg
         assert "pass --accept-encoding-change 'a b' c d to go on" in msg, msg
     assert state == {"step": 5, "encoding_changes": [{"agent": "c", "step": 2}]}
-    said = []
-    _check_encodings(state, [], "run/checkpoint.pt", ("a b", "c", "d"), said.append)
-    assert [s.split(":")[0] for s in said] == [f"[warn] agent {n}'s prompts changed"
-                                               for n in ("a b", "c", "d")]
-    assert state["encoding_changes"] == [{"agent": "c", "step": 2}] + [
-        {"agent": n, "step": 5} for n in ("a b", "c", "d")]
+    for accept in (("a b", "c", "d"), True):      # by name, or a bare flag: every agent
+        said, taken = [], {**state, "encoding_changes": list(state["encoding_changes"])}
+        _check_encodings(taken, [], "run/checkpoint.pt", accept, said.append)
+        assert [s.split(":")[0] for s in said] == [f"[warn] agent {n}'s prompts changed"
+                                                   for n in ("a b", "c", "d")]
+        assert taken["encoding_changes"] == [{"agent": "c", "step": 2}] + [
+            {"agent": n, "step": 5} for n in ("a b", "c", "d")]    # the earlier one kept
 
 
 def test_resume_rewrites_metrics_atomically_and_drops_a_cut_last_row(tmp_path, monkeypatch):

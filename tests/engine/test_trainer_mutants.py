@@ -1,7 +1,6 @@
 """Trainer behaviour a mutation audit found untested: the resume's checks of a checkpoint
-against the config (its fields, a folder named as a known tokenizer, encoding changes
-accepted for every agent or by name), what a resume restores (the warm-up record, the step of
-its checkpoint), a stop pending at a finished run's resume, an extended run's final
+against the config (its fields, a folder named as a known tokenizer), what a resume
+restores (the warm-up record, the step of its checkpoint), a stop pending at a finished run's resume, an extended run's final
 evaluation, the rows a resume drops, and the run dir checks (empty result files, a
 checkpoint beside an export, a launcher's check_run_dir)."""
 import dataclasses
@@ -57,31 +56,6 @@ def test_a_checkpoint_without_its_data_cursor_is_not_a_training_checkpoint(finis
                                          r"\(no 'step', 'fingerprint', 'agents' and "
                                          r"'sampler'\)"):
         trainer_mod._check_resumable(cfg, state, path)
-
-
-def test_encoding_changes_accepted_for_every_agent_or_by_name_are_all_recorded(monkeypatch):
-    """Two agents' encodings changed since the checkpoint: accepting one by name is refused
-    for the other, with the flag that takes both; ``True`` (a bare --accept-encoding-change)
-    accepts both, added to the record of the changes accepted before. (Which encodings
-    changed: build.encoding_mismatches, stood in for here; the whole path:
-    test_trainer's chat-template test.)"""
-    from hacpo.engine import build
-    monkeypatch.setattr(build, "encoding_mismatches", lambda state, policies: [
-        ("qwen3", "agent qwen3's prompts are not encoded as when ..."),
-        ("llama", "agent llama's prompts are not encoded as when ...")])
-    state = {"step": 3, "encoding_changes": [{"agent": "llama", "step": 1}]}
-    with pytest.raises(ValueError, match=r"^cannot resume ck: agent llama's prompts .*; restore "
-                                         r".* pass --accept-encoding-change qwen3 llama to go "
-                                         r"on"):
-        trainer_mod._check_encodings(dict(state), [], "ck", ("qwen3",), quiet)
-    said = []
-    trainer_mod._check_encodings(state, [], "ck", True, said.append)
-    assert [s.split(": accepted")[0] for s in said] == [
-        "[warn] agent qwen3's prompts are not encoded as when ...",
-        "[warn] agent llama's prompts are not encoded as when ..."]
-    assert state["encoding_changes"] == [{"agent": "llama", "step": 1},
-                                         {"agent": "qwen3", "step": 3},
-                                         {"agent": "llama", "step": 3}]
 
 
 def test_a_stop_pending_at_a_finished_runs_resume_is_left_for_the_caller(finished, tmp_path):
