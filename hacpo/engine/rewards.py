@@ -11,7 +11,9 @@ A reward function maps ``(response: str, gold: str) -> float`` in ``[0, 1]``. Bu
   decimals: ``0.333333`` is ``1/3``) and so decides. Everything else goes to
   ``math_verify.verify(parse(gold), parse(pred))`` (the slow path). Both sides are first written
   the ASCII way (see ``_normalize_unicode``: ``2½`` is ``\\frac{5}{2}``, ``5²`` is ``5^{2}``, a
-  fullwidth minus is ``-``, invisible format characters go).
+  fullwidth minus is ``-``, invisible format characters go, ``·`` is ``\\cdot``, ``√12`` is
+  ``\\sqrt{12}``). A percent (``12.5%``) equals its number and its fraction (as math-verify has
+  it for whole numbers); ``1.2e3`` inside other math is ``1.2 \\times 10^{3}`` to math-verify.
 - ``exact``: string equality of the normalized final answer and the normalized gold.
 - ``numeric_closeness``: ``exp(-|pred - gold| / max(|gold|, 1))``, a continuous reward.
 
@@ -22,7 +24,8 @@ has a timeout: a ``SIGALRM`` timer inside the worker (soft, the worker survives)
 in the parent (hard: a worker that does not answer in time, e.g. stuck in C code with signals
 blocked, is killed and the pool replaced). A reward function that raises or times out gives
 0.0 and is counted in :class:`RewardStats`; a reward that is not a finite number in ``[0, 1]``
-is a ``ValueError`` naming the batch index (the trainer maps indices to prompt and agent).
+is a ``ValueError`` naming the batch index (the trainer maps indices to prompt and agent), and
+so, for the built-in rewards, is a gold answer that is not a non-empty string.
 
 This module imports only the standard library at import time; math-verify (and sympy) are
 imported on first use of the slow path.
@@ -92,7 +95,12 @@ _INVISIBLE = ("\u00ad\u061c\u180e\u200b\u200c\u200d\u200e\u200f\u202a\u202b\u202
               "\u202e\u2060\u2061\u2063\u2066\u2067\u2068\u2069\ufeff")
 _MINUS_TRANS = str.maketrans({"\u2212": "-", "\u2013": "-", "\uff0d": "-", "\ufe63": "-",
                               "\u00a0": " ", "\u202f": " ", "\u2009": " ", "\u2044": "/",
-                              "\u2062": "*", "\u2064": "+", **dict.fromkeys(_INVISIBLE)})
+                              "\u2062": "*", "\u2064": "+", **dict.fromkeys(_INVISIBLE),
+                              # signs math-verify does not read: "3·4" was 3, "∞" no value
+                              "\u00b7": "\\cdot ", "\u22c5": "\\cdot ", "\u221e": "\\infty "})
+# A square root sign before a number, one letter or a brace: "√12" is \sqrt{12} (math-verify
+# read "√2" as no number at all).
+_SQRT_RE = re.compile(r"\u221a\s*(\d+(?:\.\d+)?|[A-Za-z](?![A-Za-z])|(?=\{))")
 
 
 def _vulgar_fractions() -> dict[str, str]:
@@ -144,6 +152,7 @@ def _normalize_unicode(text: str) -> str:
     if text.isascii():
         return text
     text = _UNICODE_FRACTION_RE.sub(_unicode_fraction, text.translate(_MINUS_TRANS))
+    text = _SQRT_RE.sub(lambda m: f"\\sqrt{{{m.group(1)}}}" if m.group(1) else "\\sqrt", text)
     return _POWER_RE.sub(lambda m: "^{" + m.group(0).translate(_SCRIPT_TRANS) + "}", text)
 
 
@@ -224,8 +233,25 @@ _PLAIN_RE = re.compile(rf"^{_PLAIN}$")
 _SCI_RE = re.compile(rf"^{_PLAIN}{_SCI_EXPONENT}$")     # 1e5, 3.2e-4
 
 
+# A proper fraction after a whole number and spaces: "1 1/2 cups" is the mixed number 3/2.
+_WHOLE_RE = re.compile(r"-?\d+")
+_PROPER_FRACTION_RE = re.compile(r"(\d+)/(\d+)")
+
+
+def _mixed_with(last: Optional[str], last_end: int, text: str, m: re.Match) -> Optional[str]:
+    """``last`` (a whole number ending at ``last_end``) and the fraction ``m`` after it, only
+    spaces apart, as one mixed number ("1 1/2"); else None."""
+    frac = _PROPER_FRACTION_RE.fullmatch(m.group(0))
+    if (last is None or frac is None or not _WHOLE_RE.fullmatch(last)
+            or not 0 < int(frac.group(1)) < int(frac.group(2))):
+        return None
+    gap = text[last_end:m.start()]
+    return f"{last} {m.group(0)}" if gap and not gap.strip(" ") else None
+
+
 def _last_number(text: str) -> Optional[str]:
     last = None
+    last_end = -1
     skip_to = 0
     for m in _NUMBER_RE.finditer(text):
         if m.start() < skip_to:         # the exponent of the number before
@@ -244,7 +270,8 @@ def _last_number(text: str) -> Optional[str]:
         if s.startswith("-") and m.start() > 0 and (text[m.start() - 1].isalnum()
                                                      or text[m.start() - 1] in ")]}"):
             s = s[1:]
-        last = s
+        last = _mixed_with(last, last_end, text, m) or s
+        last_end = m.end()
     return last
 
 
@@ -390,6 +417,8 @@ def gold_answer(gold: str) -> str:
 
 
 _INT_COMMAS_RE = re.compile(r"^-?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
+# A comma and a space part a list ("3, 125": two solutions), never thousands ("3,125").
+_LIST_COMMA_RE = re.compile(r",\s")
 _INT_SPACES_RE = re.compile(r"^-?\d{1,3}(?: \d{3})+(?:\.\d+)?$")
 _DIGIT_SPACE_DIGIT_RE = re.compile(r"\d +\d")
 _MIXED_RE = re.compile(r"^(-?)(\d+) +(\d+)/(\d+)$")
@@ -405,7 +434,7 @@ def parse_number(text: str) -> Optional[Fraction]:
     are not thousands groups such as ``3 4``, numbers too long for ``int``, ...).
     """
     s = _clean(_normalize_unicode(text)).replace("\\!", "").replace("\\,", "").replace("{,}", ",")
-    if not s:
+    if not s or _LIST_COMMA_RE.search(s):
         return None
     try:
         if _DIGIT_SPACE_DIGIT_RE.search(s):
@@ -445,7 +474,7 @@ def normalize_answer(text: str) -> str:
     ``\\text{x}`` -> ``x``, a unicode minus read as ``-``."""
     s = _clean(_normalize_unicode(text)).replace("{,}", ",").replace(",\\!", ",")
     s = re.sub(r"\\text\{([^{}]*)\}", r"\1", s)
-    if _INT_COMMAS_RE.match(s.replace(" ", "")):
+    if _INT_COMMAS_RE.match(s.replace(" ", "")) and not _LIST_COMMA_RE.search(s):
         s = s.replace(",", "")
     return re.sub(r"\s+", " ", s).strip().lower()
 
@@ -485,6 +514,15 @@ def _math_verify_timeouts() -> Optional[int]:
 _MV_FLOAT_BAND = Fraction(1, 10**6)
 
 
+_PERCENT_RE = re.compile(r"^(.*?)\s*\\?%$")
+
+
+def _percent_number(text: str) -> Optional[Fraction]:
+    """The number of a plain number with a percent sign ("12.5%", "12.5\\%"), or None."""
+    m = _PERCENT_RE.match(text)
+    return parse_number(m.group(1)) if m else None
+
+
 def math_fast_path(response: str, gold: str) -> Optional[float]:
     """The ``math`` reward when it can be decided without math-verify, else None."""
     pred = extract_answer(response)
@@ -492,6 +530,12 @@ def math_fast_path(response: str, gold: str) -> Optional[float]:
         return 0.0
     g_text = gold_answer(gold)
     g, p = parse_number(g_text), parse_number(pred)
+    # A percent equals its number and its fraction (math-verify's rule, which it keeps for
+    # whole numbers only: "50%" was 50 but "12.5%" was not 12.5); other pairs: math-verify's.
+    if (g is None) != (p is None):
+        pct, num = (_percent_number(g_text), p) if g is None else (_percent_number(pred), g)
+        if pct is not None and num in (pct, pct / 100):
+            return 1.0
     if g is not None and p is not None:
         if g == p:
             return 1.0
@@ -502,6 +546,15 @@ def math_fast_path(response: str, gold: str) -> Optional[float]:
             return None
         return 0.0
     return None
+
+
+# A number in scientific notation inside an answer ("1.5e3 \\text{ m}", "x = 1e3"): math-verify
+# reads its "e" as Euler's number (1.5e3 is 1.5 * e * 3); it is given 1.5 \\times 10^{3}.
+_SCI_TOKEN_RE = re.compile(r"(?<![\w.\\])(\d+(?:\.\d*)?|\.\d+)[eE]([+-]?\d{1,3})(?![\w.])")
+
+
+def _sci_written_out(text: str) -> str:
+    return _SCI_TOKEN_RE.sub(lambda m: f"{m.group(1)} \\times 10^{{{int(m.group(2))}}}", text)
 
 
 def math_reward(response: str, gold: str) -> float:
@@ -517,8 +570,8 @@ def math_reward(response: str, gold: str) -> float:
         # math-verify would drop the "①" of "5①" and read 5: compare the strings instead.
         return 1.0 if normalize_answer(g_text) == normalize_answer(pred) else 0.0
     t = _math_verify_timeouts()
-    g_parsed = parse(f"${g_text}$", parsing_timeout=t)
-    p_parsed = parse(f"${pred}$", parsing_timeout=t)
+    g_parsed = parse(f"${_sci_written_out(g_text)}$", parsing_timeout=t)
+    p_parsed = parse(f"${_sci_written_out(pred)}$", parsing_timeout=t)
     if not g_parsed or not p_parsed:
         # Fall back to string equality of the normalized answers.
         return 1.0 if normalize_answer(g_text) == normalize_answer(pred) else 0.0
@@ -624,6 +677,8 @@ def list_rewards() -> list[str]:
 register_reward("math", fast_path=math_fast_path)(math_reward)
 register_reward("exact", in_process=True)(exact_reward)
 register_reward("numeric_closeness", in_process=True)(numeric_closeness_reward)
+# the built-in rewards read the gold answer as text: a gold that is none is an error
+_TEXT_GOLD_REWARDS = (math_reward, exact_reward, numeric_closeness_reward)
 
 
 # --------------------------------------------------------------------------------------------
@@ -918,6 +973,12 @@ class RewardComputer:
         """
         if len(responses) != len(golds):
             raise ValueError(f"{len(responses)} responses but {len(golds)} gold answers")
+        if self.spec.fn in _TEXT_GOLD_REWARDS:
+            for i, gold in enumerate(golds):
+                if not isinstance(gold, str) or not gold.strip():
+                    # not a reward of 0 counted as an error (an int gold scored 0 always)
+                    raise ValueError(f"reward {self.name!r}: the gold answer of item {i} is "
+                                     f"{gold!r} ({type(gold).__name__}), not a non-empty string")
         t0 = time.perf_counter()
         stats = RewardStats(total=len(responses))
         raw: list = [None] * len(responses)
