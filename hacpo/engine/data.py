@@ -21,6 +21,7 @@ import math
 import os
 import random
 import re
+import struct
 from typing import Iterable, Iterator, Optional, Sequence, Union
 
 from hacpo.engine.errors import require
@@ -76,7 +77,7 @@ def _detect_field_map(row: dict) -> Optional[FieldMap]:
         # GSM8K answers are worked solutions ending "#### x"; an answer without one is the
         # answer itself (a row of GSM8K without it, read this way, is caught: _to_example)
         a = row["answer"]
-        return GSM8K_FIELDS if not isinstance(a, (str, int, float)) or isinstance(a, bool) \
+        return GSM8K_FIELDS if not isinstance(a, _ANSWER_TYPES) or isinstance(a, bool) \
             or "####" in str(a) else QUESTION_ANSWER_FIELDS
     if "problem" in row and "answer" in row:
         return MATH_ANSWER_FIELDS
@@ -104,6 +105,8 @@ class LoadStats:
     MAX_KEPT = 20
 
 
+# (a parquet decimal column's values are Decimals)
+_ANSWER_TYPES = (str, int, float, decimal.Decimal)
 _GSM8K_RE = re.compile(r"####\s*((?:(?!####)[^\n])*)")   # up to the next marker or line end
 _THOUSANDS_RE = re.compile(r"^-?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
 
@@ -112,14 +115,22 @@ def parse_gold(value, answer_format: str) -> str:
     """The gold answer string of an answer field; ValueError if there is none."""
     if value is None:
         raise ValueError("answer is null")
-    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+    if isinstance(value, bool) or not isinstance(value, _ANSWER_TYPES):
         raise ValueError(f"answer has type {type(value).__name__}, expected a string or number")
     if isinstance(value, float):
         if not math.isfinite(value):
             raise ValueError(f"answer is {value!r}, not a finite number")
         # A float column (e.g. parquet float64): 18.0 -> "18", 1e-05 -> "0.00001", never an
-        # exponent, which the verifier would read as Euler's e.
-        text = str(int(value)) if value.is_integer() else format(decimal.Decimal(repr(value)), "f")
+        # exponent, which the verifier would read as Euler's e. repr's digits, not the binary
+        # value's: 1e23 -> "1" and 23 zeros (int(1e23) is 99999999999999991611392).
+        text = format(decimal.Decimal(repr(value)), "f").removesuffix(".0")
+        text = "0" if text == "-0" else text
+    elif isinstance(value, decimal.Decimal):     # a parquet decimal column: 2.50 -> "2.5"
+        if not value.is_finite():
+            raise ValueError(f"answer is {value}, not a finite number")
+        text = format(value, "f")
+        text = text.rstrip("0").rstrip(".") if "." in text else text
+        text = "0" if text == "-0" else text
     else:
         text = str(value)
     if answer_format == "gsm8k":
@@ -191,16 +202,32 @@ def _iter_parquet(path: str) -> Iterator[tuple[str, object]]:
     --limit``) reads what it keeps, not the whole file (whose rows as Python dicts took 1 GB
     for 1M rows)."""
     pq = require("pyarrow.parquet", f"reading {path}", "or give the data as .jsonl")
+    pa = require("pyarrow", f"reading {path}", "or give the data as .jsonl")
     i = 0
     try:     # (what the consumer raises is not raised here: only reading the file is caught)
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=PARQUET_BATCH_ROWS):
+        pf = pq.ParquetFile(path)
+        f32 = [f.name for f in pf.schema_arrow if pa.types.is_float32(f.type)]
+        for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS):
             for row in batch.to_pylist():
+                for k in f32:
+                    if isinstance(row.get(k), float):
+                        row[k] = _float32_digits(row[k])
                 yield f"{path}:row {i}", row
                 i += 1
     except FileNotFoundError:
         raise
     except Exception as e:  # not a parquet file, truncated, ...: a bad file, named
         raise DataError(f"{path}: cannot read as parquet ({type(e).__name__}: {e})") from e
+
+
+def _float32_digits(x: float) -> float:
+    """The shortest decimal that reads back as the float32 ``x``, as a Python float: a float32
+    column's 0.1 reads as the double 0.10000000149011612, whose digits were the gold."""
+    for digits in range(1, 10):       # 9 significant digits round-trip every float32
+        y = float(f"{x:.{digits}g}")
+        if struct.unpack("f", struct.pack("f", y))[0] == x:
+            return y
+    return x      # nan
 
 
 def load_examples(path: Union[str, os.PathLike], field_map: Union[FieldMap, str] = "auto", *,
@@ -243,16 +270,18 @@ def load_examples(path: Union[str, os.PathLike], field_map: Union[FieldMap, str]
                 raise row
             if not isinstance(row, dict):
                 raise DataError(f"{loc}: expected a JSON object, got {type(row).__name__}")
-            if fm is None:
-                fm = _detect_field_map(row)
-                if fm is None:
+            row_fm = fm
+            if row_fm is None:      # detected again until a row loads (the first good row)
+                row_fm = _detect_field_map(row)
+                if row_fm is None:
                     raise DataError(
                         f"{loc}: cannot detect the fields (keys {sorted(row)}): auto-detection "
                         f"knows question/answer (gsm8k: an answer with '#### x'; "
                         f"question_answer: the answer itself), problem/answer (math_answer) "
                         f"and problem/solution (math); name the layout (data.field_map, hacpo "
                         f"eval's NAME=PATH:FIELDMAP) or pass a FieldMap")
-            out.append(_to_example(row, fm, loc, source))
+            out.append(_to_example(row, row_fm, loc, source))
+            fm = row_fm
         except DataError as e:
             if not skip_bad_rows:
                 raise
