@@ -236,7 +236,7 @@ def load_examples(path: Union[str, os.PathLike], field_map: Union[FieldMap, str]
     """Load a ``.jsonl``/``.ndjson`` or ``.parquet`` file of math problems.
 
     field_map: a :class:`FieldMap`, or ``"auto"`` (detected from the first good row:
-        ``question``+``answer`` -> GSM8K, or the answer itself when the first row's answer
+        ``question``+``answer`` -> GSM8K, or the answer itself when the first good row's answer
         has no ``####``; ``problem``+``answer`` -> raw answer;
         ``problem``+``solution`` -> boxed).
     source: the examples' ``source`` (default: the file name without extension).
@@ -310,7 +310,7 @@ def _to_example(row: dict, fm: FieldMap, loc: str, source: str) -> Example:
     if fm == QUESTION_ANSWER_FIELDS and "####" in gold:
         raise DataError(f"{loc}: field {fm.answer!r}: a GSM8K solution ('#### x') where the "
                         f"answer itself was expected (field map question_answer: auto-detected "
-                        f"when a file's first row has no '####'); data.field_map=gsm8k reads "
+                        f"when a file's first good row has no '####'); data.field_map=gsm8k reads "
                         f"GSM8K answers")
     if fm.id is not None:
         if row.get(fm.id) is None:
