@@ -17,16 +17,14 @@ from hacpo.models.policy import Policy, build_policy
 from hacpo.models.tokenizer import KNOWN_TOKENIZERS, Tokenizer, batches, load_tokenizer
 
 from . import checkpoint as ckpt
-from .data import DataError, Example, GSM8K_FIELDS, LoadStats, MATH_ANSWER_FIELDS, \
-    MATH_FIELDS, QUESTION_ANSWER_FIELDS, apply_prompt_template, load_examples
+from .data import FIELD_MAPS, DataError, Example, LoadStats, apply_prompt_template, \
+    load_examples
 from .errors import describe_os_error
 from .run_config import TrainConfig, config_hash, expand_user
 from .tasks import ArithmeticTask, reference_solution
 from .warmup import supervised_warmup
 
 log = logging.getLogger("hacpo")
-_FIELD_MAPS = {"gsm8k": GSM8K_FIELDS, "math": MATH_FIELDS, "math_answer": MATH_ANSWER_FIELDS,
-               "question_answer": QUESTION_ANSWER_FIELDS}
 
 
 @dataclass
@@ -57,10 +55,10 @@ def load_data(cfg: TrainConfig) -> Data:
     if d.task == "arithmetic":
         task = ArithmeticTask.from_difficulty(d.difficulty, wording=d.wording, seed=d.seed)
         return Data(task.train_split(d.train_size), task.heldout_split(d.eval_size), True, {})
-    fm = _FIELD_MAPS.get(d.field_map, d.field_map)
+    fm = FIELD_MAPS.get(d.field_map, d.field_map)
     if isinstance(fm, str) and fm != "auto":
         raise ValueError(f"unknown data.field_map {d.field_map!r}; one of auto, "
-                         f"{', '.join(_FIELD_MAPS)}")
+                         f"{', '.join(FIELD_MAPS)}")
     train, st = _read_examples("train", d.train_path, fm, skip_bad_rows=d.skip_bad_rows)
     _check_loaded("train", d.train_path, d.field_map, st)
     if d.eval_size == 0:
@@ -121,7 +119,7 @@ def _check_loaded(role: str, path: str, field_map: str, st: LoadStats) -> None:
         log.info(f"{where}: {st.loaded} examples from {st.rows} rows")
     if st.loaded:
         return
-    fm = _FIELD_MAPS.get(field_map)
+    fm = FIELD_MAPS.get(field_map)
     fields = "auto (detected from the first good row)" if fm is None else \
         f"{field_map} (prompt {fm.prompt!r}, answer {fm.answer!r}, format {fm.answer_format})"
     if st.rows == 0:
@@ -339,8 +337,9 @@ def warm_start(cfg: TrainConfig, data: Data, policies: list[Policy], echo=print)
     determines its result: the policy's config and initial weights, its tokenizer's vocabulary
     (a reduced one depends on the data) and encoding, the warm-up config and batch seed, and
     the prompt and target texts it trains on (their content, not the files' paths; with the
-    tokenizer, the token ids). It does not depend on the RL seed or algorithm, so every run of `hacpo compare` shares it. A cached
-    state that cannot be read or does not fit the policy is a logged miss: trained again."""
+    tokenizer, the token ids). It does not depend on the RL seed or algorithm, so every run of
+    `hacpo compare` shares it. A cached state that cannot be read or does not fit the policy is
+    a logged miss: trained again."""
     out = []
     examples_digest = None
     for k, (a, pol) in enumerate(zip(cfg.agents, policies)):

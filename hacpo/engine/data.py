@@ -29,7 +29,7 @@ from hacpo.engine.rewards import extract_boxed
 
 __all__ = [
     "Example", "FieldMap", "GSM8K_FIELDS", "MATH_FIELDS", "MATH_ANSWER_FIELDS",
-    "QUESTION_ANSWER_FIELDS", "DataError",
+    "QUESTION_ANSWER_FIELDS", "FIELD_MAPS", "DataError",
     "LoadStats", "load_examples", "parse_gold", "PROMPT_TEMPLATES", "register_prompt_template",
     "apply_prompt_template", "PromptSampler",
 ]
@@ -70,6 +70,9 @@ MATH_FIELDS = FieldMap("problem", "solution", "boxed")
 MATH_ANSWER_FIELDS = FieldMap("problem", "answer", "raw")
 # question + the final answer itself ({"question": ..., "answer": 42}: SVAMP-, GSM-hard-style)
 QUESTION_ANSWER_FIELDS = FieldMap("question", "answer", "raw")
+# data.field_map's names ("auto": the layout detected from the first good row)
+FIELD_MAPS = {"gsm8k": GSM8K_FIELDS, "math": MATH_FIELDS, "math_answer": MATH_ANSWER_FIELDS,
+              "question_answer": QUESTION_ANSWER_FIELDS}
 
 
 def _detect_field_map(row: dict) -> Optional[FieldMap]:

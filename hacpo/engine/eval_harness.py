@@ -36,7 +36,7 @@ from hacpo.models.tokenizer import UnencodableTextError
 
 from . import build, checkpoint as ckpt
 from .compare import mean_ci
-from .data import DataError, apply_prompt_template, load_examples
+from .data import FIELD_MAPS, DataError, apply_prompt_template, load_examples
 from .evaluate import mean_and_stderr, pass_at_k, sample_and_score
 from .errors import StorageError
 from .rewards import RewardComputer
@@ -47,7 +47,7 @@ __all__ = ["Benchmark", "parse_benchmark_spec", "resolve_checkpoint", "prompt_id
 
 CHECKPOINT = "checkpoint.pt"
 EVAL_LOCK = ".hacpo-eval.lock"     # held in each output folder while an evaluation writes it
-FIELD_MAP_NAMES = ("auto", "gsm8k", "math", "math_answer", "question_answer")
+FIELD_MAP_NAMES = ("auto", *FIELD_MAPS)
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 
 
@@ -315,7 +315,7 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
             raise ValueError(f"unknown agent(s) {missing} in {ck_path}; it holds {have}")
     loaded = {}
     for b in benches:
-        fm = "auto" if b.field_map == "auto" else build._FIELD_MAPS[b.field_map]
+        fm = "auto" if b.field_map == "auto" else FIELD_MAPS[b.field_map]
         try:
             exs, _ = load_examples(b.path, fm, source=b.name, limit=limit)
         except DataError as e:

@@ -7,6 +7,7 @@ import json
 import math
 import numbers
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -310,10 +311,29 @@ HF_ONLY_POLICY_FIELDS = ("arch", "hf_config", "path")
 DECODER_ONLY_POLICY_FIELDS = ("d_model", "n_layers", "n_heads", "max_len")
 
 
+# a number in exponent form that YAML 1.1 (PyYAML) reads as a string: "1e4", "1.0e5" (its
+# floats need a dot and a signed exponent), "5E-6"
+_EXPONENT_NUMBER = re.compile(r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+")
+
+
+def _yaml_exponents(v: Any) -> Any:
+    """``v`` (an ``hf_config`` value: no field types to parse its strings by, as configtools
+    does for the run config's own fields) with every string in exponent form a float: YAML's
+    ``rope_theta: 1e4`` passed the config's checks as the string '1e4' and failed building the
+    model, a traceback after the warm-up."""
+    if isinstance(v, dict):
+        return {k: _yaml_exponents(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_yaml_exponents(x) for x in v]
+    return float(v) if isinstance(v, str) and _EXPONENT_NUMBER.fullmatch(v.strip()) else v
+
+
 def _check_policy(p: PolicyConfig) -> None:
     """What build_policy would reject, or silently ignore, checked when the config loads
     (its ``~`` paths expanded first: the checks that read policy.path's files see them)."""
     p.path, p.tokenizer = expand_user(p.path), expand_user(p.tokenizer)
+    if isinstance(p.hf_config, dict):
+        p.hf_config = _yaml_exponents(p.hf_config)
     where = f"agent {p.name!r}"
     _check_seed(f"{where}: policy.seed", p.seed)
     _check_choice(f"{where}: policy.kind", p.kind, ("decoder", "hf"))
@@ -680,6 +700,16 @@ class DataConfig:
                 raise ValueError(f"{', '.join(given)} only appl{'y' if len(given) > 1 else 'ies'}"
                                  f" to data.task='files' (data.task={self.task!r} trains on the "
                                  f"embedded task): set data.task=files to read them")
+        # the names the data's builders take, checked when the config loads (a launcher's
+        # check before it submits, too), naming the key: they were errors only once a run built
+        # its data, without the key (e.g. "unknown difficulty 'hrad'")
+        from .data import FIELD_MAPS
+        from .tasks import DIFFICULTIES, WORDINGS
+        _check_choice("data.difficulty", self.difficulty, tuple(DIFFICULTIES))
+        _check_choice("data.wording", self.wording, WORDINGS)
+        if self.field_map not in ("auto", *FIELD_MAPS):
+            raise ValueError(f"unknown data.field_map {self.field_map!r}; one of auto, "
+                             f"{', '.join(FIELD_MAPS)}")
         _check_count("data.train_size", self.train_size, 1)
         _check_seed("data.seed", self.seed)
         _check_count("data.eval_size", self.eval_size, 0, " (0: no held-out set)")
@@ -752,12 +782,17 @@ class TrainConfig(ConfigMixin):
         sample with temperature 0 or in [0.01, 2], with the model's heads split over
         ``rollout.engine_tp`` workers, from the vLLM venv's Python, which must exist (found
         after the warm-up, it was a traceback once the run dir was written); ``reward.name``
-        is a registered reward (rewards registered by the caller's own code count: this runs
-        in the driver's process)."""
+        is a registered reward and ``data.template`` a registered prompt template (those the
+        caller's own code registers count: this runs in the driver's process)."""
         from .rewards import UNKNOWN_REWARD_HINT, list_rewards
         if self.reward.name not in list_rewards():
             raise ValueError(f"unknown reward.name {self.reward.name!r}; registered rewards: "
                              f"{', '.join(list_rewards())} {UNKNOWN_REWARD_HINT}")
+        from .data import PROMPT_TEMPLATES      # registered by the caller's code count too
+        if self.data.template not in PROMPT_TEMPLATES:
+            raise ValueError(f"unknown data.template {self.data.template!r}; registered "
+                             f"templates: {', '.join(PROMPT_TEMPLATES)} (data."
+                             f"register_prompt_template adds one)")
         if self.rollout.engine == "vllm":
             check_vllm_kinds([(a.policy.name, a.policy.kind) for a in self.agents])
             check_vllm_temperature(self.rollout.temperature, "rollout.temperature")
@@ -1103,9 +1138,17 @@ def read_config_file(path: str) -> dict[str, Any]:
         raise ValueError(f"config file {path}: the top level must be a mapping of config keys "
                          f"(e.g. 'steps: 10'), got {type(data).__name__} {data!r:.60}")
     try:
-        return _flatten(data)
+        flat = _flatten(data)
     except ValueError as e:
         raise ValueError(f"config file {path}: {e}") from None
+    keys = list(flat)
+    if isinstance(flat.get("agents"), list):   # a list replaces what the keys before it edit
+        lost = [k for k in keys[:keys.index("agents")] if k.startswith("agents.")]
+        if lost:
+            raise ValueError(f"config file {path}: {lost[0]} edits an agent that the agents list "
+                             f"after it replaces (it would be lost): move it after the list, or "
+                             f"into it")
+    return flat
 
 
 def _unique_keys_loader(yaml):

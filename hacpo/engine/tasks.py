@@ -25,9 +25,10 @@ from typing import Sequence
 
 from hacpo.engine.data import Example
 
-__all__ = ["ArithmeticTask", "DIFFICULTIES", "reference_solution", "parse_problem",
+__all__ = ["ArithmeticTask", "DIFFICULTIES", "WORDINGS", "reference_solution", "parse_problem",
            "solve_steps"]
 
+WORDINGS = ("word", "symbolic")     # data.wording
 DIFFICULTIES: dict[str, dict] = {
     "easy": dict(num_steps=(2, 2), max_operand=9, ops="+-"),
     "medium": dict(num_steps=(2, 3), max_operand=20, ops="+-"),
@@ -81,7 +82,7 @@ class ArithmeticTask:
             raise ValueError(f"max_operand must be >= 1, got {self.max_operand}")
         if not self.ops or set(self.ops) - set("+-*"):
             raise ValueError(f"ops must be a non-empty subset of '+-*', got {self.ops!r}")
-        if self.wording not in ("word", "symbolic"):
+        if self.wording not in WORDINGS:
             raise ValueError(f"wording must be 'word' or 'symbolic', got {self.wording!r}")
 
     @classmethod
