@@ -193,3 +193,26 @@ def reap(pids) -> None:
                     os.kill(pid, sig)
                 except ProcessLookupError:
                     pass
+
+
+def install_ray_stand_ins(monkeypatch, module, fake_ray, cluster_base, **more):
+    """A Ray launcher module (ray_rollout, ray_trainer) without a Ray cluster: its ``ray`` is
+    ``fake_ray``, ``connect`` gives a ``cluster_base`` subclass (made with the shared call log;
+    its ``release`` recorded), the placement strategy its keyword arguments, and each of
+    ``more`` that module attribute. Returns ``fake_ray``, whose ``log`` holds the cluster's
+    calls and ``released`` what ``close`` released."""
+    log, released = [], []
+
+    class Cluster(cluster_base):
+        @staticmethod
+        def release(actors, pgs):
+            released.append((list(actors), list(pgs)))
+
+    def connect(address, *, timeout_s, num_cpus, weights):
+        log.append(("connect", num_cpus))
+        return Cluster(log)
+    for name, value in {"ray": fake_ray, "connect": connect, "RayCluster": Cluster,
+                        "PlacementGroupSchedulingStrategy": lambda **kw: kw, **more}.items():
+        monkeypatch.setattr(module, name, value)
+    fake_ray.log, fake_ray.released = log, released
+    return fake_ray

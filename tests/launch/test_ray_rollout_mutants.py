@@ -23,7 +23,7 @@ from hacpo.launch.ray_rollout import RayRolloutEngine, RolloutActor
 from hacpo.models.generation import Rollout
 from hacpo.models.policy import build_policy
 
-from ._launch_helpers import perturb_weights
+from ._launch_helpers import install_ray_stand_ins, perturb_weights
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
@@ -177,25 +177,9 @@ class _Cluster:
 def stand_in(monkeypatch):
     """Installs the stand-ins; yields the module's stand-in ``ray``, whose ``log`` has the
     cluster's calls and ``released`` what ``close`` released."""
-    fake, log = _Ray(), []
-    released = []
-
-    class Cluster(_Cluster):
-        @staticmethod
-        def release(actors, pgs):
-            released.append((list(actors), list(pgs)))
-
-    def connect(address, *, timeout_s, num_cpus, weights):
-        log.append(("connect", num_cpus))
-        return Cluster(log)
-    monkeypatch.setattr(ray_rollout, "ray", fake)
-    monkeypatch.setattr(ray_rollout, "connect", connect)
-    monkeypatch.setattr(ray_rollout, "RayCluster", Cluster)
-    monkeypatch.setattr(ray_rollout, "next_ready", _next_ready)
-    monkeypatch.setattr(ray_rollout, "PlacementGroupSchedulingStrategy", lambda **kw: kw)
     threads = torch.get_num_threads()
-    fake.log, fake.released = log, released
-    yield fake
+    yield install_ray_stand_ins(monkeypatch, ray_rollout, _Ray(), _Cluster,
+                                next_ready=_next_ready)
     torch.set_num_threads(threads)
 
 
