@@ -7,11 +7,7 @@ import pytest
 from hacpo.engine import data as data_mod
 from hacpo.engine.run_config import load_config
 
-
-def _yaml(tmp_path, text: str) -> str:
-    path = tmp_path / "run.yaml"
-    path.write_text(text)
-    return str(path)
+from .test_config_validation import _yaml
 
 
 @pytest.mark.parametrize("key,bad,msg", [

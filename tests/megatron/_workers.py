@@ -125,6 +125,11 @@ def bad_positions_worker(rank, world, out_path):
                         dict(positions=pos, mask=mask, micro_batch_size=-1))]
     calls.append(lambda: pol.logprobs_at(torch.zeros(S, B, 64), targets, positions=pos))
     calls.append(lambda: pol.logprobs_at(torch.zeros(S + 1, B, 64), targets))
+    torch.save(value_error_messages(calls), out_path)
+
+
+def value_error_messages(calls) -> list:
+    """Each call's ValueError message, None where it raised none."""
     msgs = []
     for call in calls:
         try:
@@ -132,7 +137,7 @@ def bad_positions_worker(rank, world, out_path):
             msgs.append(None)
         except ValueError as e:
             msgs.append(str(e))
-    torch.save(msgs, out_path)
+    return msgs
 
 
 def sgd_loss(lp, mb):

@@ -34,14 +34,7 @@ def _more_bad_positions_worker(rank, world):
              lambda: pol.logprobs_at(torch.zeros(W.S, W.B, 64), targets, positions=pos[:2],
                                      mask=mask[:2]),
              lambda: pol.logprobs_at(torch.zeros(W.S, W.B + 1, 64), targets)]
-    msgs = []
-    for call in calls:
-        try:
-            call()
-            msgs.append(None)
-        except ValueError as e:
-            msgs.append(str(e))
-    return msgs
+    return W.value_error_messages(calls)
 
 
 def test_more_bad_scoring_requests_are_clear_errors():
