@@ -586,6 +586,23 @@ def _wait_for(what: str, ok, timeout_s: float, poll_s: float = 0.5) -> None:
         time.sleep(poll_s)
 
 
+def _start_requeued_job_now(env: dict, job: str) -> None:
+    """Slurm holds a requeued job back a while (BeginTime): let it start at once, but only
+    once its nodes have ended its last run (all idle, not completing) and a second later.
+    Started sooner, the job's new credential can date from the same second as the old run's
+    revoked one: slurmd refuses the launch ("Killing non-startable batch JobId=N: Job
+    credential revoked" in slurmctld's log) and the job ends, never resumed (seen in CI and
+    reproduced: the requeue and the new allocation 0.6 s apart)."""
+    def nodes_idle() -> bool:
+        r = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], env={**os.environ, **env},
+                           capture_output=True, text=True, timeout=60)
+        states = r.stdout.split()
+        return r.returncode == 0 and bool(states) and set(states) == {"idle"}
+    _wait_for("the requeued job's nodes idle", nodes_idle, 120)
+    time.sleep(1.5)        # (credentials are compared by the second)
+    _scontrol(env, "update", f"JobId={job}", "StartTime=now")
+
+
 def _submit_long_run(local_slurm: dict, tmp_path: Path, checkpoint_every: int, *extra: str):
     """A 2-node job of a 1000-step tiny run, submitted (not waited for): (run dir, job id,
     job output path, a function reading the steps metrics.jsonl holds so far)."""
@@ -628,13 +645,12 @@ def test_requeued_slurm_job_resumes_the_run(local_slurm, tmp_path):
                   lambda: len(steps()) >= 2 and (out / "checkpoint.pt").exists(), 300)
         print(f"requeue test: 2 steps after {time.time() - t0:.0f}s")
         _scontrol(local_slurm, "requeue", job)
-        # Slurm holds a requeued job back for a while (BeginTime): let it start at once
         _wait_for("the job back in the queue", lambda: _state(local_slurm, job) == "PENDING",
                   120)
         show = _scontrol(local_slurm, "show", "job", job)
         fields = re.findall(r"(?:JobState|Reason|StartTime|Restarts)=\S+", show)
         print(f"requeue test: requeued after {time.time() - t0:.0f}s: {fields}")
-        _scontrol(local_slurm, "update", f"JobId={job}", "StartTime=now")
+        _start_requeued_job_now(local_slurm, job)
         _wait_for("the resumed driver", lambda: job_out.exists() and "[resume]" in
                   job_out.read_text(), 300)
         log = job_out.read_text()
@@ -684,7 +700,7 @@ def test_slurm_job_signalled_before_its_time_limit_checkpoints_and_requeues(loca
         from hacpo.engine import checkpoint as ckpt
         at = ckpt.load(str(out / "checkpoint.pt"))["step"]
         assert at >= 1 and steps() == list(range(at))
-        _scontrol(local_slurm, "update", f"JobId={job}", "StartTime=now")
+        _start_requeued_job_now(local_slurm, job)
         _wait_for("the resumed driver", lambda: job_out.exists() and "[resume]" in
                   job_out.read_text(), 300)
         log = job_out.read_text()
