@@ -571,6 +571,12 @@ def test_every_run_and_eval_flag_reaches_its_command(tmp_path, command_calls, ca
     assert got["eval"][1] == {"agents": None, "samples": 1, "temperature": None, "top_p": None,
                               "max_new_tokens": None, "limit": None, "template": None,
                               "out_dir": None, "batch": 128, "seed": None, "moved": {}}
+    # a repeated --bench / --agents adds to the earlier ones, as --set does (the last one
+    # replaced them: those benchmarks and agents went unscored without a word)
+    assert main(["eval", "r1", "--bench", "a=x.jsonl", "--agents", "q", "--bench", "b=y.jsonl",
+                 "c=z.jsonl", "--agents", "p"]) == 0
+    (ck, bench), kw = got["eval"]
+    assert (bench, kw["agents"]) == (["a=x.jsonl", "b=y.jsonl", "c=z.jsonl"], ["q", "p"])
     with pytest.raises(SystemExit):           # --pass-k: an integer >= 0
         main(["compare", "--preset", "tiny3", "--pass-k", "-1"])
     assert "must be an integer >= 0, got -1" in capsys.readouterr().err

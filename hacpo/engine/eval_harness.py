@@ -83,6 +83,7 @@ def parse_benchmark_spec(spec: str) -> Benchmark:
 
 def resolve_checkpoint(path: str) -> tuple[str, str]:
     """A run dir or a checkpoint file -> (checkpoint path, run dir). FileNotFoundError if none."""
+    path = os.fspath(path)     # a pathlib.Path: recorded in eval.json, which writes no Path
     if os.path.isdir(path):
         ck = os.path.join(path, CHECKPOINT)
         if not os.path.isfile(ck):
@@ -269,7 +270,13 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
     out_dir, per-run files go to ``out_dir/<run>``). Each folder written is locked meanwhile
     (``.hacpo-eval.lock``): one another evaluation writes is a RuntimeError naming its holder.
     Returns the ``eval.json`` content plus ``"table"`` (markdown) and ``"out_dirs"``.
+    A single checkpoint, benchmark or agent name may be given alone (not in a list).
     """
+    # one given alone: a string iterated was its characters ("run dir / holds no
+    # checkpoint.pt", "malformed benchmark spec 'g'", "unknown agent(s) ['c', 'h', ...]")
+    checkpoints, benchmarks, agents = (
+        [x] if isinstance(x, (str, os.PathLike, Benchmark)) else x
+        for x in (checkpoints, benchmarks, agents))
     if not checkpoints:
         raise ValueError("no checkpoint given")
     if not benchmarks:
@@ -286,7 +293,8 @@ def evaluate_checkpoints(checkpoints: Sequence[str], benchmarks: Sequence, *,
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if temperature is not None and not 0 <= temperature < math.inf:
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
-    benches = [b if isinstance(b, Benchmark) else parse_benchmark_spec(b) for b in benchmarks]
+    benches = [dataclasses.replace(b, path=os.fspath(b.path)) if isinstance(b, Benchmark)
+               else parse_benchmark_spec(b) for b in benchmarks]
     names = [b.name for b in benches]
     if len(set(names)) != len(names):
         raise ValueError(f"benchmark names must be unique, got {names}")
@@ -383,16 +391,20 @@ def _evaluate(runs, labels, out_dirs, out_dir, benches, loaded, names, *, agents
     def summary_at(d):
         return "written again when this one finishes" if d in targets else \
             f"this one's are written to {out_dir}"
-    for d in folders:
+
+    def drop_stale_summaries():
         # an earlier evaluation's summary: this one's per-pair files replace that one's as they
         # are scored, so a stopped evaluation left a summary of files it no longer described;
-        # it is rewritten when this one finishes
-        stale = [f for f in ("eval.md", "eval.json") if os.path.isfile(os.path.join(d, f))]
-        for f in stale:
-            os.unlink(os.path.join(d, f))
-        if stale:
-            echo(f"[eval] {d}: removed {' and '.join(stale)} of an earlier evaluation "
-                 f"({summary_at(d)})")
+        # it is rewritten when this one finishes. Removed as the first per-pair file is
+        # written, not before: an error before any (a --max-new-tokens too large for an
+        # agent, a moved model folder) removed it and wrote no other
+        for d in folders:
+            stale = [f for f in ("eval.md", "eval.json") if os.path.isfile(os.path.join(d, f))]
+            for f in stale:
+                os.unlink(os.path.join(d, f))
+            if stale:
+                echo(f"[eval] {d}: removed {' and '.join(stale)} of an earlier evaluation "
+                     f"({summary_at(d)})")
     results: list[dict] = []
     written: set[str] = set()
     for (ck_path, run_dir, state, cfg, _), label, rdir in zip(runs, labels, out_dirs):
@@ -449,6 +461,8 @@ def _evaluate(runs, labels, out_dirs, out_dir, benches, loaded, names, *, agents
                            "seed": seed0 + 1000 * bi, **_summary(per, samples), **counts,
                            "problems": [{k: p[k] for k in ("id", "gold", "status", "rewards",
                                                           "responses")} for p in per]}
+                    if not written:
+                        drop_stale_summaries()
                     ckpt.write_text_atomic(os.path.join(rdir, f"{name}__{b.name}.json"),
                                            json.dumps(rec, indent=1))
                     written.add(os.path.join(rdir, f"{name}__{b.name}.json"))

@@ -518,10 +518,14 @@ def _main(argv: list[str] | None) -> int:
                                     "markdown table with 95%% CIs + JSON per agent/benchmark")
     e.add_argument("checkpoints", nargs="+", type=os.path.expanduser,
                    help="run dirs or checkpoint.pt files")
-    e.add_argument("--bench", nargs="+", required=True, metavar="NAME=PATH[:FIELDMAP]",
+    # (extend: a repeated --bench / --agents adds to the earlier ones, as --set does; it
+    # replaced them, and the earlier benchmarks or agents went unscored without a word)
+    e.add_argument("--bench", nargs="+", action="extend", required=True,
+                   metavar="NAME=PATH[:FIELDMAP]",
                    help="benchmark file (.jsonl/.parquet); FIELDMAP: auto (default), gsm8k, "
                         "math, math_answer, question_answer")
-    e.add_argument("--agents", nargs="+", default=None, help="agent names (default: all)")
+    e.add_argument("--agents", nargs="+", action="extend", default=None,
+                   help="agent names (default: all)")
     e.add_argument("--samples", type=int, default=1, help="k: avg@k and pass@k (default 1)")
     e.add_argument("--temperature", type=float, default=None,
                    help="default 0 (greedy) for --samples 1, else the run's rollout temperature")

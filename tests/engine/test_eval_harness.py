@@ -934,3 +934,22 @@ def test_the_policies_are_scored_with_the_runs_thread_count(run, tmp_path, monke
         assert seen == [1] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_python_api_takes_paths_and_one_checkpoint_benchmark_or_agent_alone(run, tmp_path):
+    """The API called as a user would: a pathlib.Path to a checkpoint.pt, or a Benchmark of a
+    Path, crashed after the first pair was scored (eval.json writes no Path: "Object of type
+    PosixPath is not JSON serializable"); one run, benchmark or agent name given alone, not in
+    a list, was iterated by character ("run dir / holds no checkpoint.pt", "malformed
+    benchmark spec 'g'", "unknown agent(s) ['c', 'h', 'a', 'r']")."""
+    ck = run["dir"] / "checkpoint.pt"
+    kw = dict(limit=1, max_new_tokens=8, echo=lambda *_: None)
+    rep = evaluate_checkpoints([ck], [Benchmark("gsm", run["tmp"] / "gsm.jsonl", "gsm8k")],
+                               agents=["char"], out_dir=str(tmp_path / "a"), **kw)
+    rec = json.loads((tmp_path / "a" / "char__gsm.json").read_text())
+    assert (rec["checkpoint"], rec["path"]) == (str(ck), str(run["tmp"] / "gsm.jsonl"))
+    assert json.loads((tmp_path / "a" / "eval.json").read_text())["rows"] == rep["rows"]
+    alone = evaluate_checkpoints(str(run["dir"]), run["benches"][0], agents="char",
+                                 out_dir=str(tmp_path / "b"), **kw)
+    assert [(r["agent"], list(r["benchmarks"])) for r in alone["rows"]] == [("char", ["gsm"])]
+    assert alone["rows"] == rep["rows"]
