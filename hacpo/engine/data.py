@@ -307,14 +307,15 @@ def _to_example(row: dict, fm: FieldMap, loc: str, source: str) -> Example:
     try:
         gold = parse_gold(row[fm.answer], fm.answer_format)
     except ValueError as e:
-        hint = " (data.field_map=question_answer reads answers that are the answer itself)" \
+        hint = " (data.field_map=question_answer, or `hacpo eval --bench NAME=PATH:" \
+            "question_answer`, reads answers that are the answer itself)" \
             if fm == GSM8K_FIELDS and "####" in str(e) else ""
         raise DataError(f"{loc}: field {fm.answer!r}: {e}{hint}") from None
     if fm == QUESTION_ANSWER_FIELDS and "####" in gold:
         raise DataError(f"{loc}: field {fm.answer!r}: a GSM8K solution ('#### x') where the "
                         f"answer itself was expected (field map question_answer: auto-detected "
-                        f"when a file's first good row has no '####'); data.field_map=gsm8k reads "
-                        f"GSM8K answers")
+                        f"when a file's first good row has no '####'); data.field_map=gsm8k "
+                        f"(`hacpo eval --bench NAME=PATH:gsm8k`) reads GSM8K answers")
     if fm.id is not None:
         if row.get(fm.id) is None:
             raise DataError(f"{loc}: missing field {fm.id!r}")

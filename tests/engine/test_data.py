@@ -74,7 +74,8 @@ def test_bad_rows_name_file_and_line(tmp_path):
         load_examples(ok)
     nomark = _write_jsonl(tmp_path / "bad3.jsonl", [{"question": "q", "answer": "text"}])
     with pytest.raises(DataError, match=r"bad3.jsonl:line 1: field 'answer': no '####.*"
-                                        r"data.field_map=question_answer reads answers"):
+                                        r"data.field_map=question_answer, or `hacpo eval "
+                                        r"--bench NAME=PATH:question_answer`, reads answers"):
         load_examples(nomark, GSM8K_FIELDS)
     examples, stats = load_examples(path, skip_bad_rows=True)
     assert [e.answer for e in examples] == ["7", "1000"]
@@ -97,7 +98,8 @@ def test_question_and_the_answer_itself_is_detected(tmp_path):
                                                     {"question": "3+3?", "answer": "3+3=6\n#### 6"}])
     with pytest.raises(DataError, match=r"mixed.jsonl:line 2: field 'answer': a GSM8K solution "
                                         r"\('#### x'\) where the answer itself was expected.*"
-                                        r"data.field_map=gsm8k"):
+                                        r"data.field_map=gsm8k \(`hacpo eval --bench "
+                                        r"NAME=PATH:gsm8k`\)"):
         load_examples(mixed)
     # a GSM8K file is still GSM8K (its first row's answer has the marker)
     gsm = _write_jsonl(tmp_path / "gsm.jsonl", GSM_ROWS)
