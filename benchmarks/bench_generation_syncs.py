@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import subprocess
@@ -115,6 +116,16 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=positive_int, default=1)
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args(argv)
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        ap.error(f"--temperature must be finite and >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        ap.error(f"--top-p must be in (0, 1], got {args.top_p}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        ap.error(f"--device {args.device!r} is not a torch device (cpu, cuda, cuda:1, ...)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: no CUDA device here")
     if args.results_dir:
         results_dir(ap, args.results_dir)
     torch.set_num_threads(args.threads)

@@ -47,7 +47,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks._timing import pct, positive_int, results_dir  # noqa: E402
+from benchmarks._timing import pct, positive_float, positive_int, results_dir  # noqa: E402
 
 MODES = ("fwd", "bwd", "both")
 OPS = ("logits", "fused_linear")
@@ -331,7 +331,7 @@ def main(argv=None):
     ap.add_argument("--dtype", choices=DTYPES, default=None,
                     help="default: float32 on CPU, bfloat16 on CUDA")
     ap.add_argument("--ops", type=op_list, default=list(OPS), help="comma-separated")
-    ap.add_argument("--case-timeout", type=float, default=None,
+    ap.add_argument("--case-timeout", type=positive_float, default=None,
                     help="seconds per (op, impl, mode) subprocess; a case over it is skipped")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -430,8 +430,11 @@ def main(argv=None):
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(rows)
+    png = os.path.join(out_dir, "results.png")
+    if os.path.exists(png):     # an earlier run's plot: not of the results written now
+        os.remove(png)
     if rows:
-        plot(rows, os.path.join(out_dir, "results.png"), env)
+        plot(rows, png, env)
         print(f"wrote {out_dir}/results.{{csv,json,png}}")
         return 0
     print(f"no case ran (see skipped): wrote {out_dir}/results.{{csv,json}}, no plot")

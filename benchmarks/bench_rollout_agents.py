@@ -61,6 +61,8 @@ def main(argv=None) -> int:
         ap.error("--reps must be >= 1 (the generation is timed) and --sync-reps >= 0")
     if min(a.prompts, a.group, a.max_new_tokens) < 1:
         ap.error("--prompts, --group and --max-new-tokens must be >= 1")
+    if min(a.d_model, a.layers) < 0:
+        ap.error("--d-model and --layers must be >= 1 (or 0: tiny3's)")
     if a.results_dir:
         results_dir(ap, a.results_dir)
 

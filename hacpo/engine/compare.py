@@ -179,8 +179,15 @@ def render_table(results: dict, pass_k: int) -> str:
                     if pass_k > 1 else "")
                  + "); mean ± 95% CI (Student t) over seeds. Before RL (after the shared "
                  "warm-up): "
-                 + ", ".join(f"{a} {100 * v:.1f}" for a, v in before.items()) + ".")
+                 + ", ".join(f"{a} {100 * v:.1f}" for a, v in before.items()) + "."
+                 + (" One seed: no interval (undefined), its mean alone."
+                    if _one_seed(results) else ""))
     return "\n".join(lines) + "\n"
+
+
+def _one_seed(results: dict) -> bool:
+    """Has a cell of the table (or a bar of the plot) a single seed, so no 95% interval?"""
+    return any(len(rows) == 1 for per in results.values() for rows in per.values())
 
 
 def plot_compare(results: dict, path: str) -> None:
@@ -198,5 +205,6 @@ def plot_compare(results: dict, path: str) -> None:
         ax.bar(np.arange(len(algos)) + j * width, ms, width, yerr=cis, capsize=3, label=a)
     ax.set_xticks(np.arange(len(algos)) + width * (len(agents) - 1) / 2, algos)
     ax.set_ylabel("held-out greedy accuracy (%)"), ax.legend()
-    ax.set_title("hacpo compare: mean ± 95% CI over seeds")
+    ax.set_title("hacpo compare: mean ± 95% CI over seeds"
+                 + (" (one seed: no interval)" if _one_seed(results) else ""))
     save_figure(fig, path)

@@ -181,12 +181,20 @@ def build_report(measured: dict, names: list[str], *, kappas=(1,)) -> dict:
                                 "extra_over_gspo": ha["agent_time"] / ga["agent_time"] - 1,
                                 "cross_trained": ha["trained_cross"] > 0}
     if h and g2:
-        ph = h["step_time"] / h["trained_samples"]
-        p2 = g2["step_time"] / g2["trained_samples"]
-        rep["per_trained_sample"] = {
-            "hacpo_s": ph, "gspo2x_s": p2, "ratio": ph / p2, "n_agents": len(names),
-            "cross_trained": any(h["agents"][a]["trained_cross"] > 0 for a in names)}
-    if g:
+        # a run that trained no sample (every response empty) has no time per trained sample
+        none = [algo for algo, m in (("hacpo", h), ("gspo2x", g2)) if m["trained_samples"] <= 0]
+        if none:
+            why = " and ".join(none) + " trained no sample"
+            rep["per_trained_sample"] = {"not_measured": why}
+        else:
+            ph = h["step_time"] / h["trained_samples"]
+            p2 = g2["step_time"] / g2["trained_samples"]
+            rep["per_trained_sample"] = {
+                "hacpo_s": ph, "gspo2x_s": p2, "ratio": ph / p2, "n_agents": len(names),
+                "cross_trained": any(h["agents"][a]["trained_cross"] > 0 for a in names)}
+    if g and g["trained_samples"] <= 0:     # no token to fit per-token costs on
+        rep["cost_model_not_fitted"] = "gspo trained no sample"
+    elif g:
         model = fit_cost_model(g, names, cross_from=h)
         rep["cost_model"] = model.to_dict()
         checks = {}
@@ -359,8 +367,10 @@ def render_report(rep: dict) -> str:
     lines += ["| algorithm | measured steps | step time (s) | trained samples/step | "
               "s per trained sample |", "| --- | --- | --- | --- | --- |"]
     for algo, m in meas.items():
+        per = (f"{m['step_time'] / m['trained_samples']:.5f}" if m["trained_samples"] > 0
+               else "–")
         lines.append(f"| {algo} | {m['steps']} | {m['step_time']:.2f} | "
-                     f"{m['trained_samples']:.0f} | {m['step_time'] / m['trained_samples']:.5f} |")
+                     f"{m['trained_samples']:.0f} | {per} |")
     if rep["agents"]:
         lines += ["", "| agent | GSPO agent time (s) | HACPO agent time (s) | cross scoring: "
                   f"forward + re-tokenization, vs GSPO (target <= {TARGET_EXTRA:.0%}) | "
@@ -372,7 +382,10 @@ def render_report(rep: dict) -> str:
             lines.append(f"| {a} | {r['gspo_agent_time']:.2f} | {r['hacpo_agent_time']:.2f} | "
                          f"+{r['cross_scoring_share']:.0%} {mark} | "
                          f"+{r['cross_backward_share']:.0%} | {r['extra_over_gspo']:+.0%} |")
-    if "per_trained_sample" in rep:
+    if "not_measured" in rep.get("per_trained_sample", {}):
+        lines += ["", "HACPO wall time per trained sample / GSPO x2's: not measured ("
+                      f"{rep['per_trained_sample']['not_measured']})"]
+    elif "per_trained_sample" in rep:
         p = rep["per_trained_sample"]
         # the target compares HACPO's two agents with GSPO on twice the samples: with no cross
         # sample trained, or another number of agents, the ratio is not that comparison
@@ -393,6 +406,8 @@ def render_report(rep: dict) -> str:
         for a, d in m["agents"].items():
             lines.append(f"| {algo} | {a} | " + " | ".join(
                 f"{d[s]:.3f}" for s in AGENT_STAGES + UPDATE_PARTS) + " |")
+    if "cost_model_not_fitted" in rep:
+        lines += ["", f"Cost model: not fitted ({rep['cost_model_not_fitted']})"]
     if "cost_model" in rep:
         cm, chk = rep["cost_model"], rep["model_check"]
         src = ("cross costs measured on HACPO" if cm["cross_measured"] else
