@@ -391,7 +391,11 @@ class HFTokenizer(Tokenizer):
             raise ValueError(f"tokenizer {name!r} has no eos token: give the folder that holds "
                              f"its tokenizer_config.json (which names it) rather than a "
                              f"tokenizer.json file alone, or pass eos_token= (the library)")
-        orig_eos = hf.convert_tokens_to_ids(eos_token)
+        vocab = hf.get_vocab()
+        orig_eos = vocab.get(eos_token)     # (convert_tokens_to_ids: None, or the unk id)
+        if orig_eos is None:
+            raise ValueError(f"tokenizer {name!r}: its eos token {eos_token!r} is not a token "
+                             f"of its vocabulary")
         orig_pad = hf.pad_token_id if hf.pad_token_id is not None else orig_eos
         orig_bos = hf.bos_token_id
         self._orig_specials = frozenset(hf.all_special_ids) | frozenset(
@@ -400,7 +404,6 @@ class HFTokenizer(Tokenizer):
                          and orig_bos is not None)
 
         self._byte_ids: list[int] | None = None  # original ids of the 256 byte tokens
-        vocab = hf.get_vocab()
         table = _bytes_to_unicode()
         if all(ch in vocab for ch in table.values()):
             self._byte_char_to_id = {ch: vocab[ch] for ch in table.values()}
@@ -484,6 +487,10 @@ class HFTokenizer(Tokenizer):
                     f"tokenizer {self.name!r} (reduced vocabulary of {self.vocab_size}): token "
                     f"{piece!r} (id {o}) in {text[:60]!r} was not in the reduction corpus"
                     + ("" if self._byte_ids is not None else "; no byte fallback exists"))
+            added = self.hf.added_tokens_decoder.get(o)   # its text, not byte-level pieces
+            if added is not None:
+                table = _bytes_to_unicode()
+                piece = "".join(table[b] for b in added.content.encode("utf-8"))
             out.extend(self._from_orig[self._byte_char_to_id[ch]] for ch in piece)
         return out
 
@@ -622,7 +629,29 @@ KNOWN_TOKENIZERS = {
 
 @functools.lru_cache(maxsize=8)
 def _load_hf(path: str):
-    """Load (and cache: ~1 s each) a tokenizers-backed HF tokenizer from local files."""
+    """Load (and cache: ~1 s each) a tokenizers-backed HF tokenizer from local files.
+
+    Files that cannot be read (not a tokenizer.json, e.g. a SentencePiece ``tokenizer.model``
+    given as the file; corrupt JSON) and files that define no vocabulary (a folder with its
+    tokenizer_config.json but not the tokenizer.json it goes with: every text would encode
+    to no ids) raise ValueError naming ``path``."""
+    try:
+        hf = _read_hf(path)
+    except (OSError, ImportError):  # these name their file, or the package it needs
+        raise
+    except Exception as e:  # the tokenizers library raises a bare Exception for a bad file
+        raise ValueError(f"tokenizer files in {path!r} cannot be read as a Hugging Face "
+                         f"tokenizer ({type(e).__name__}: {e})") from e
+    specials = set(hf.all_special_ids) | {int(i) for i, t in hf.added_tokens_decoder.items()
+                                          if t.special}
+    if not set(hf.get_vocab().values()) - specials:
+        raise ValueError(f"tokenizer files in {path!r} define no vocabulary (only the special "
+                         f"tokens {sorted(hf.get_vocab())[:5]}): every text would encode to no "
+                         f"ids. Is the folder's tokenizer.json missing?")
+    return hf
+
+
+def _read_hf(path: str):
     from transformers import AutoTokenizer, GPT2TokenizerFast, PreTrainedTokenizerFast
 
     if os.path.isfile(path):
