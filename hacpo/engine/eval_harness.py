@@ -81,16 +81,30 @@ def parse_benchmark_spec(spec: str) -> Benchmark:
     return Benchmark(name, os.path.expanduser(path), fm)     # (a shell leaves NAME=~/x)
 
 
+def _not_a_file(ck: str) -> None:
+    """Raise what ``ck`` (there, but no checkpoint file) is: never "no checkpoint saved"."""
+    if os.path.isdir(ck):
+        raise IsADirectoryError(f"checkpoint {ck} is a directory, not a checkpoint file")
+    if os.path.islink(ck) and not os.path.exists(ck):
+        raise FileNotFoundError(f"{ck} is a symbolic link to {os.readlink(ck)}, which does "
+                                f"not exist: restore its target")
+    raise FileNotFoundError(f"checkpoint {ck} is not a regular file")
+
+
 def resolve_checkpoint(path: str) -> tuple[str, str]:
     """A run dir or a checkpoint file -> (checkpoint path, run dir). FileNotFoundError if none."""
     path = os.fspath(path)     # a pathlib.Path: recorded in eval.json, which writes no Path
     if os.path.isdir(path):
         ck = os.path.join(path, CHECKPOINT)
+        if os.path.lexists(ck) and not os.path.isfile(ck):
+            _not_a_file(ck)
         if not os.path.isfile(ck):
             raise FileNotFoundError(f"run dir {path} holds no {CHECKPOINT} (did the run save one?)")
         return ck, os.path.abspath(path)
     if os.path.isfile(path):
         return path, os.path.dirname(os.path.abspath(path))
+    if os.path.islink(path):
+        _not_a_file(path)
     raise FileNotFoundError(f"no checkpoint at {path} (pass a run dir or a {CHECKPOINT} path)")
 
 

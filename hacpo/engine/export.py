@@ -267,6 +267,21 @@ def _write_agent(pol, final: str, *, record: dict, tokenizer: bool,
         raise
 
 
+def _holds_the_run(dirs: dict, ck_path: str, run_dir: str) -> Optional[str]:
+    """Why an agent's folder may not be written (None if each may): it is the run dir or the
+    checkpoint, or a folder holding them (``--out`` the run dir's parent with an agent of the
+    run dir's name), which writing it (``--force``) would replace. A link there is replaced
+    itself, never its target: compared as a link."""
+    run = [os.path.realpath(p) for p in (ck_path, run_dir)]
+    for n, d in dirs.items():
+        here = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(d))),
+                            os.path.basename(d))
+        if any(os.path.commonpath([here, p]) == here for p in run):
+            return (f"cannot export agent {n} to {d}: that folder holds the run it is exported "
+                    f"from ({run_dir}), which writing it would replace (--out chooses another)")
+    return None
+
+
 @build.keeps_torch_threads
 def export_checkpoint(checkpoint: str, out_dir: str, *, agents: Optional[Sequence[str]] = None,
                       tokenizer: bool = True, dtype: Optional[str] = None,
@@ -308,6 +323,8 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, agents: Optional[Sequenc
     chosen = [n for n in chosen if n not in bad]
     folder = _dir_names([a.policy.name for a in cfg.agents])
     dirs = {n: os.path.join(out_dir, folder[n]) for n in chosen}
+    if clash := _holds_the_run(dirs, ck_path, run_dir):
+        raise ValueError(clash)
     for d in dirs.values():     # first: a previous export it puts back is one that exists
         if gone := sweep_dead_exports(d):
             echo(f"[export] removed what an export of {d} killed while writing left: "
