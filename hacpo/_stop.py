@@ -39,3 +39,49 @@ def record_checkpoint_signal() -> None:
     if threading.current_thread() is threading.main_thread():
         clear_stop_request()
         signal.signal(CHECKPOINT_SIGNAL, lambda signum, frame: request_stop())
+
+
+# --------------------------------------------------------------------------------------------
+# Ctrl-C and SIGTERM as the CLI raises them (KeyboardInterrupt, SystemExit(TERMINATED)). Python
+# runs a signal's handler between any two bytecodes of the main thread, a finalizer's or a
+# garbage-collector callback's too, where the exception is printed ("Exception ignored in:
+# <WeakKeyDictionary ...>") and dropped: the command went on as if no signal had come, to
+# exit 0. Each one raised is recorded until the command sees it unwind; one still recorded at
+# a step's end (or when the command returns) was lost, and is raised again there.
+# --------------------------------------------------------------------------------------------
+
+TERMINATED = 143                  # exit status of a command stopped by SIGTERM (128 + 15)
+
+_raised: list[int] = []           # the signals whose exceptions were raised, not yet unwound
+
+
+def raise_interrupt(signum, frame):
+    """SIGINT's handler in the CLI: KeyboardInterrupt, recorded (see above)."""
+    _raised.append(signal.SIGINT)
+    raise KeyboardInterrupt
+
+
+def raise_terminated(signum, frame):
+    """SIGTERM's handler in the CLI: SystemExit(TERMINATED), recorded (see above)."""
+    _raised.append(signal.SIGTERM)
+    raise SystemExit(TERMINATED)
+
+
+def interrupts_unwound() -> None:
+    """The command saw its Ctrl-C / SIGTERM (or starts): none is lost."""
+    _raised.clear()
+
+
+def lost_interrupt() -> BaseException | None:
+    """The exception of a Ctrl-C / SIGTERM raised where Python dropped it (cleared: raise it),
+    or None. Called where nothing of it can be unwinding: at a step's end, between runs."""
+    if not _raised:
+        return None
+    sig = _raised[0]
+    _raised.clear()
+    return SystemExit(TERMINATED) if sig == signal.SIGTERM else KeyboardInterrupt()
+
+
+def raise_lost_interrupt() -> None:
+    if (e := lost_interrupt()) is not None:
+        raise e

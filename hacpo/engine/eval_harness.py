@@ -32,6 +32,7 @@ import re
 import statistics
 from typing import Callable, Optional, Sequence
 
+from hacpo._stop import raise_lost_interrupt
 from hacpo.models.tokenizer import UnencodableTextError
 
 from . import build, checkpoint as ckpt
@@ -457,6 +458,7 @@ def _evaluate(runs, labels, out_dirs, out_dir, benches, loaded, names, *, agents
                                      f"fit its policy rebuilt from the run's config "
                                      f"({build.vocab_source(cfg)}): {e}") from None
                 for bi, b in enumerate(benches):
+                    raise_lost_interrupt()   # a Ctrl-C Python dropped: the stop, before a pair
                     exs = loaded[b.name]
                     qs = [apply_prompt_template(tmpl, e.prompt) for e in exs]
                     per, counts = _score_policy(

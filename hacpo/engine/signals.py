@@ -14,7 +14,8 @@ import signal
 import threading
 
 from hacpo._stop import (CHECKPOINT_SIGNAL, CHECKPOINT_STOPPED,  # noqa: F401 (re-exported)
-                         clear_stop_request, request_stop, stop_requested)
+                         clear_stop_request, raise_lost_interrupt, request_stop,
+                         stop_requested)
 
 
 @contextlib.contextmanager
@@ -66,7 +67,9 @@ class RunStopped(Exception):
 
 def stop_between_runs(out_dir: str) -> None:
     """compare / profile, before each run: a request that came after the run before took its
-    last checkpoint (during its evaluation after RL) stops here, not in the next run."""
+    last checkpoint (during its evaluation after RL) stops here, not in the next run; so
+    does a Ctrl-C / SIGTERM that Python dropped (hacpo._stop)."""
+    raise_lost_interrupt()
     if stop_requested():
         clear_stop_request()
         raise RunStopped(None, out_dir)

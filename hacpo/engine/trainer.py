@@ -56,7 +56,8 @@ from .run_config import (TrainConfig, accepted_encoding_agents, check_new_run_na
                          drop_unused_policy_settings, fingerprint_dict, resolve_paths,
                          resolve_stored_paths, revalidated, unused_rollout_settings)
 # request_stop: the API's way to stop a run at a checkpoint (hacpo.engine.signals)
-from .signals import RunStopped, clear_stop_request, request_stop, stop_requested  # noqa: F401
+from .signals import (RunStopped, clear_stop_request, raise_lost_interrupt,  # noqa: F401
+                      request_stop, stop_requested)
 from .timing import Stopwatch, device_sync, null_timer
 
 CHECKPOINT = "checkpoint.pt"
@@ -983,6 +984,7 @@ def _run(cfg, rc, data, agents, engine, state, warm, ck_path, echo) -> dict:
         saved, saving = at, None
 
     def stop_if_requested(at: int) -> None:   # request_stop() (SIGUSR1): here, checkpointed
+        raise_lost_interrupt()    # a Ctrl-C / SIGTERM Python dropped (hacpo._stop): here
         if stop_requested():
             if saved != at:
                 save(at)

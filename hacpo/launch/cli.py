@@ -6,6 +6,7 @@ import os
 import sys
 
 import hacpo
+from hacpo._stop import TERMINATED    # exit status of a command stopped by SIGTERM (143)
 
 
 def _demo(args) -> int:
@@ -240,9 +241,6 @@ def _storage_message(e: BaseException, command: str) -> str | None:
     return msg
 
 
-TERMINATED = 143                  # exit status of a command stopped by SIGTERM (128 + 15)
-
-
 def _stoppable(args, func) -> int:
     """``func(args)`` with SIGTERM (kill, a supervisor, a scheduler's time limit) unwinding
     like Ctrl-C: the command's `finally` blocks close reward workers, engines and a private
@@ -252,8 +250,15 @@ def _stoppable(args, func) -> int:
     import signal
     import threading
 
-    prev = (signal.signal(signal.SIGTERM, _raise_terminated)
-            if threading.current_thread() is threading.main_thread() else None)
+    from hacpo import _stop
+    main = threading.current_thread() is threading.main_thread()
+    prev = signal.signal(signal.SIGTERM, _raise_terminated) if main else None
+    # Ctrl-C recorded as it is raised (hacpo._stop: one raised where Python drops it is raised
+    # again at a step's end); SIGINT left alone where it is not Python's default handler (a
+    # background job started by a shell ignores it)
+    prev_int = (signal.signal(signal.SIGINT, _stop.raise_interrupt)
+                if main and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+                else None)
     import os
 
     def again() -> str:     # only a run that wrote its config.json can be continued (one
@@ -264,10 +269,13 @@ def _stoppable(args, func) -> int:
             os.path.join(run_dir, "config.json")) else ""
 
     _SIGTERM_SEEN.clear()
+    _stop.interrupts_unwound()
     if args.command in TRAINING_COMMANDS:      # SIGUSR1: a checkpoint at this step's end, stop
         func = _checkpoint_stoppable(func, again)
     try:
-        return func(args)
+        rc = func(args)
+        _stop.raise_lost_interrupt()     # a Ctrl-C / SIGTERM Python dropped: still the stop
+        return rc
     except KeyboardInterrupt:
         print(f"hacpo {args.command}: interrupted (Ctrl-C){again()}", file=sys.stderr)
         return 130
@@ -296,8 +304,11 @@ def _stoppable(args, func) -> int:
         print(f"hacpo {args.command}: terminated (SIGTERM){again()}{also}", file=sys.stderr)
         raise SystemExit(TERMINATED) from e
     finally:
+        _stop.interrupts_unwound()
         if prev is not None:
             signal.signal(signal.SIGTERM, prev)
+        if prev_int is not None:
+            signal.signal(signal.SIGINT, prev_int)
 
 
 # the commands that train: SIGUSR1 (Slurm's --signal before a time limit) stops them at a
@@ -339,8 +350,9 @@ _SIGTERM_SEEN: list[bool] = []
 
 
 def _raise_terminated(signum, frame):
+    from hacpo._stop import raise_terminated
     _SIGTERM_SEEN.append(True)
-    raise SystemExit(TERMINATED)
+    raise_terminated(signum, frame)
 
 
 def _input_error(command: str, e: BaseException) -> int:
