@@ -91,6 +91,12 @@ def run_profile(base: TrainConfig, out_dir: str, *, algorithms=DEFAULT_ALGORITHM
     with user_errors(ValueError, OSError):
         if rounds < 1 or steps_per_round < 1 or skip_steps < 0:
             raise ValueError("rounds and steps_per_round must be >= 1, skip_steps >= 0")
+        if not algorithms:
+            raise ValueError("hacpo profile needs at least one algorithm")
+        if twice := sorted({a for a in algorithms if list(algorithms).count(a) > 1}):
+            # (they were one run, measured and reported once, without a word)
+            raise ValueError(f"algorithm {', '.join(twice)} given more than once; each "
+                             f"algorithm is one run directory, list it once")
         if rounds * steps_per_round <= skip_steps:
             raise ValueError(f"rounds x steps_per_round = {rounds * steps_per_round} steps "
                              f"leave nothing after skipping {skip_steps}")

@@ -2,7 +2,8 @@
 trained no sample (every response empty, so every sample was dropped)."""
 import pytest
 
-from hacpo.engine.profile import build_report, render_report
+from hacpo.engine.profile import build_report, render_report, run_profile
+from hacpo.engine.run_config import load_config
 
 from .test_profile import _run
 
@@ -39,3 +40,16 @@ def test_a_run_that_trained_no_sample_has_no_time_per_trained_sample(algo):
         assert rep["per_trained_sample"] == {"not_measured": f"{algo} trained no sample"}
         assert (f"HACPO wall time per trained sample / GSPO x2's: not measured ({algo} "
                 f"trained no sample)") in md
+
+
+@pytest.mark.parametrize("algorithms, why", [
+    (["gspo", "hacpo", "gspo"], "algorithm gspo given more than once; each algorithm is one "
+                                "run directory, list it once"),
+    ([], "hacpo profile needs at least one algorithm")])
+def test_a_repeated_or_missing_algorithm_is_refused_before_any_run(tmp_path, algorithms, why):
+    """`hacpo profile --algorithms gspo hacpo gspo` measured gspo once and said nothing (hacpo
+    compare refuses it); no algorithm at all (the Python API) was a ZeroDivisionError."""
+    base = load_config("tiny3", overrides={"out_dir": str(tmp_path / "unused")})
+    with pytest.raises(ValueError, match=f"^{why}$"):
+        run_profile(base, str(tmp_path / "p"), algorithms=algorithms, echo=lambda *_: None)
+    assert not (tmp_path / "p").exists()
