@@ -53,7 +53,7 @@ from hacpo.models.tokenizer import CharTokenizer
 from . import build, checkpoint as ckpt
 from .data import apply_prompt_template
 from .errors import StorageError, require
-from .eval_harness import _load_run
+from .eval_harness import CHECKPOINT, _load_run
 
 __all__ = ["export_checkpoint", "EXPORT_FILE", "PLACEHOLDER"]
 
@@ -267,18 +267,33 @@ def _write_agent(pol, final: str, *, record: dict, tokenizer: bool,
         raise
 
 
-def _holds_the_run(dirs: dict, ck_path: str, run_dir: str) -> Optional[str]:
-    """Why an agent's folder may not be written (None if each may): it is the run dir or the
-    checkpoint, or a folder holding them (``--out`` the run dir's parent with an agent of the
-    run dir's name), which writing it (``--force``) would replace. A link there is replaced
-    itself, never its target: compared as a link."""
+def _holds_the_run(dirs: dict, ck_path: str, run_dir: str, cfg) -> Optional[str]:
+    """Why an agent's folder may not be written (None if each may): writing it (``--force``)
+    would replace what a run needs: the run dir or the checkpoint exported from, or a folder
+    holding them (``--out`` the run dir's parent with an agent of the run dir's name); a
+    model or tokenizer folder an agent of the run is built from (``--out`` the folder of the
+    base models: eval and --resume of the run read them); another run (a folder holding a
+    checkpoint.pt). A link there is replaced itself, never its target: compared as a link."""
     run = [os.path.realpath(p) for p in (ck_path, run_dir)]
+    built = {os.path.realpath(p): f"agent {a.policy.name}'s policy.{key}" for a in cfg.agents
+             for key in build.MOVABLE if build.is_folder(key, p := getattr(a.policy, key),
+                                                         a.policy.kind) and os.path.exists(p)}
     for n, d in dirs.items():
         here = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(d))),
                             os.path.basename(d))
-        if any(os.path.commonpath([here, p]) == here for p in run):
-            return (f"cannot export agent {n} to {d}: that folder holds the run it is exported "
-                    f"from ({run_dir}), which writing it would replace (--out chooses another)")
+
+        def holds(p: str) -> bool:
+            return os.path.commonpath([here, p]) == here
+        what = None
+        if any(holds(p) for p in run):
+            what = f"the run it is exported from ({run_dir})"
+        elif held := [why for p, why in built.items() if holds(p)]:
+            what = f"what the run is built from ({', '.join(held)})"
+        elif not os.path.islink(d) and os.path.isfile(os.path.join(d, CHECKPOINT)):
+            what = f"another run ({os.path.join(d, CHECKPOINT)})"
+        if what is not None:
+            return (f"cannot export agent {n} to {d}: that folder holds {what}, which writing "
+                    f"it would replace (--out chooses another)")
     return None
 
 
@@ -323,7 +338,7 @@ def export_checkpoint(checkpoint: str, out_dir: str, *, agents: Optional[Sequenc
     chosen = [n for n in chosen if n not in bad]
     folder = _dir_names([a.policy.name for a in cfg.agents])
     dirs = {n: os.path.join(out_dir, folder[n]) for n in chosen}
-    if clash := _holds_the_run(dirs, ck_path, run_dir):
+    if clash := _holds_the_run(dirs, ck_path, run_dir, cfg):
         raise ValueError(clash)
     for d in dirs.values():     # first: a previous export it puts back is one that exists
         if gone := sweep_dead_exports(d):

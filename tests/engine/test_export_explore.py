@@ -78,3 +78,44 @@ def test_a_checkpoint_that_is_no_file_is_named_not_never_saved(tmp_path, what, c
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"hacpo export: error: {want}") and "\n" not in err
     assert sorted(os.listdir(tmp_path)) == ["run"]
+
+
+def test_an_agent_folder_holding_another_run_is_refused(run, tmp_path):  # noqa: F811
+    """--out a folder of runs (an agent named as one of them): --force replaced that run."""
+    out = tmp_path / "runs"
+    shutil.copytree(run / "run", out / "g2")
+    before = _tree(out)
+    with pytest.raises(ValueError, match=r"cannot export agent g2 to .*runs/g2: that folder "
+                                         r"holds another run \(.*runs/g2/checkpoint.pt\)"):
+        export_checkpoint(str(run / "run"), str(out), agents=["g2"], overwrite=True,
+                          echo=_quiet)
+    assert _tree(out) == before
+
+
+def test_an_agent_folder_holding_a_model_the_run_is_built_from_is_refused(tmp_path):
+    """--out the folder of the base models, an agent named as its model's folder: --force
+    replaced the model the run's eval and --resume build the agent from."""
+    from types import SimpleNamespace
+
+    from hacpo.engine.export import _holds_the_run
+    models = tmp_path / "models"
+    (models / "smollm2").mkdir(parents=True)
+    (models / "tok").mkdir()
+    run_dir = tmp_path / "run"
+
+    def cfg(path, tokenizer):
+        pol = SimpleNamespace(name="smollm2", kind="hf", path=path, tokenizer=tokenizer)
+        return SimpleNamespace(agents=[SimpleNamespace(policy=pol)])
+    dirs = {"smollm2": str(models / "smollm2")}
+    why = _holds_the_run(dirs, str(run_dir / "checkpoint.pt"), str(run_dir),
+                         cfg(str(models / "smollm2"), "qwen3"))
+    assert why == (f"cannot export agent smollm2 to {models / 'smollm2'}: that folder holds "
+                   f"what the run is built from (agent smollm2's policy.path), which writing "
+                   f"it would replace (--out chooses another)")
+    why = _holds_the_run({"smollm2": str(models)}, str(run_dir / "checkpoint.pt"),
+                         str(run_dir), cfg(str(models / "smollm2"), str(models / "tok")))
+    assert "(agent smollm2's policy.path, agent smollm2's policy.tokenizer)" in why
+    # a tokenizer known by name, a model elsewhere: nothing of the run there
+    (tmp_path / "elsewhere").mkdir()
+    assert _holds_the_run(dirs, str(run_dir / "checkpoint.pt"), str(run_dir),
+                          cfg(str(tmp_path / "elsewhere"), "qwen3")) is None
