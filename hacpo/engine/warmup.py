@@ -26,6 +26,7 @@ def supervised_warmup(policy, prompt_ids: list[list[int]], target_ids: list[list
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / max(1, steps // 10)) * max(0.1, 1 - s / steps))
     g = torch.Generator().manual_seed(seed)
+    was_training = policy.training
     policy.train()
     losses = []
     for step in range(steps):
@@ -51,4 +52,7 @@ def supervised_warmup(policy, prompt_ids: list[list[int]], target_ids: list[list
         losses.append(total)
         if progress is not None:
             progress(step, total)
+    # RL scores and samples in the mode the policy came in (an HF model's eval mode: no
+    # dropout, deterministic log-probs)
+    policy.train(was_training)
     return losses

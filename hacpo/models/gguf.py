@@ -75,6 +75,14 @@ def _field(reader, key: str, default=None):
     return default if f is None else f.contents()
 
 
+def _required(reader, path: str, key: str):
+    """A metadata value the model cannot be built without (llama.cpp requires it too)."""
+    v = _field(reader, key)
+    if v is None:
+        raise GGUFConversionError(f"{path}: metadata key {key!r} is missing")
+    return v
+
+
 def _f32(x: float) -> float:
     """A float32 metadata value as the shortest decimal that rounds to it (1e-05, not
     9.999999747378752e-06): the value HF configs were written with, the same float32."""
@@ -127,22 +135,29 @@ def read_llama_gguf(path: str) -> tuple[dict, dict]:
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise GGUFConversionError(f"{path}: GGUF architecture {arch!r}; only 'llama' is handled")
-    scaling = [k for k in reader.fields if k.startswith("llama.rope.scaling.")]
-    if scaling and _field(reader, "llama.rope.scaling.type", "none") != "none":
+    scaling = [k for k in reader.fields if k.startswith("llama.rope.scaling.")
+               or k == "llama.rope.scale_linear"]      # the factor's old name
+    # llama.cpp scales linearly by a factor given without a type (its default type)
+    factor = _field(reader, "llama.rope.scaling.factor",
+                    _field(reader, "llama.rope.scale_linear", 0.0))
+    stype = _field(reader, "llama.rope.scaling.type")
+    if scaling and stype != "none" and (stype is not None or factor not in (0.0, 1.0)):
         raise GGUFConversionError(f"{path}: rope scaling {scaling} is not handled")
     p = "llama."
-    hidden = int(_field(reader, p + "embedding_length"))
-    heads = int(_field(reader, p + "attention.head_count"))
+    hidden = int(_required(reader, path, p + "embedding_length"))
+    heads = int(_required(reader, path, p + "attention.head_count"))
     kv_heads = int(_field(reader, p + "attention.head_count_kv", heads))
     head_dim = int(_field(reader, p + "rope.dimension_count", hidden // heads))
     names = {t.name for t in reader.tensors}
-    vocab = _field(reader, p + "vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    vocab = (_field(reader, p + "vocab_size")
+             or len(_required(reader, path, "tokenizer.ggml.tokens")))
+    ffn = int(_required(reader, path, p + "feed_forward_length"))
     config = dict(
-        hidden_size=hidden, intermediate_size=int(_field(reader, p + "feed_forward_length")),
-        num_hidden_layers=int(_field(reader, p + "block_count")),
+        hidden_size=hidden, intermediate_size=ffn,
+        num_hidden_layers=int(_required(reader, path, p + "block_count")),
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-        max_position_embeddings=int(_field(reader, p + "context_length")),
-        rms_norm_eps=_f32(_field(reader, p + "attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(_required(reader, path, p + "context_length")),
+        rms_norm_eps=_f32(_required(reader, path, p + "attention.layer_norm_rms_epsilon")),
         rope_theta=_f32(_field(reader, p + "rope.freq_base", 10000.0)),
         vocab_size=int(vocab), tie_word_embeddings="output.weight" not in names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
@@ -156,7 +171,12 @@ def read_llama_gguf(path: str) -> tuple[dict, dict]:
         except KeyError:
             raise GGUFConversionError(f"{path}: tensor {t.name!r} has no transformers Llama "
                                       f"name (not converted rather than dropped)") from None
-        w = gguf.dequantize(t.data, t.tensor_type)
+        try:
+            w = gguf.dequantize(t.data, t.tensor_type)
+        except NotImplementedError:     # the gguf package reads these types but cannot expand
+            raise GGUFConversionError(f"{path}: tensor {t.name!r} is stored as "
+                                      f"{t.tensor_type.name}, which the gguf package cannot "
+                                      f"dequantize") from None
         if name.endswith("q_proj.weight"):
             w = unpermute_rope(w, heads)
         elif name.endswith("k_proj.weight"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 
 import torch
 
@@ -79,6 +80,30 @@ def build_hf_model(config: dict, *, vocab_size: int, pad_id: int | None = None,
     return model.to(dtype).eval()  # RL log-probs must be deterministic: no dropout
 
 
+# the weight files transformers reads (not e.g. a Trainer folder's training_args.bin)
+_WEIGHT_FILE = re.compile(r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)")
+
+
+def _unreadable_weight_files(path: str) -> list[str]:
+    """The weight files in ``path`` that cannot be opened as such."""
+    from safetensors import safe_open
+
+    bad = []
+    for name in sorted(os.listdir(path)):
+        full = os.path.join(path, name)
+        if not _WEIGHT_FILE.fullmatch(name):
+            continue
+        try:
+            if name.endswith(".safetensors"):
+                with safe_open(full, framework="pt"):   # checks the header covers the file
+                    pass
+            else:
+                torch.load(full, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:
+            bad.append(name)
+    return bad
+
+
 def load_hf_model(path: str, *, dtype: torch.dtype = torch.float32):
     """Load a local checkpoint directory (``config.json`` + weights); never downloads."""
     _require_transformers()
@@ -87,12 +112,26 @@ def load_hf_model(path: str, *, dtype: torch.dtype = torch.float32):
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"no HF model at {path!r}: expected a local directory with "
                                 f"config.json and weights (hub downloads are disabled)")
-    model, info = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype,
-                                                       output_loading_info=True)
+    try:
+        # ignore_mismatched_sizes: a weight of another shape than config.json's is reported
+        # below by name (transformers 5 raises a RuntimeError pointing at its logged report)
+        model, info = AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
+                                                           dtype=dtype, output_loading_info=True,
+                                                           ignore_mismatched_sizes=True)
+    except Exception as e:
+        # a damaged weight file fails inside safetensors / torch.load with a message naming no
+        # file ("header too small", "[Errno 22] Invalid argument", a bare EOFError) and, for
+        # safetensors, an error type the command line does not report as the user's
+        bad = [] if isinstance(e, ImportError) else _unreadable_weight_files(path)
+        if not bad:
+            raise                # transformers' own (no weights, a missing shard, model_type)
+        raise ValueError(f"HF checkpoint {path!r}: weight file(s) {bad} cannot be read "
+                         f"(damaged or incomplete?): {type(e).__name__}: {e}") from e
     # transformers fills weights the checkpoint lacks (or holds in another shape) with random
     # ones and only logs it: a policy must start from the weights it was given
-    bad = {k: sorted(str(x) for x in info.get(k) or ()) for k in ("missing_keys",
-                                                                  "mismatched_keys")}
+    bad = {k: sorted(x if isinstance(x, str) else
+                     f"{x[0]} (checkpoint {list(x[1])}, config {list(x[2])})"
+                     for x in info.get(k) or ()) for k in ("missing_keys", "mismatched_keys")}
     if any(bad.values()):
         raise ValueError(f"HF checkpoint {path!r} does not hold all of "
                          f"{type(model).__name__}'s weights (they would be random): "

@@ -100,6 +100,10 @@ class Policy(nn.Module):
         self.name = name
         self.lm_head = lm_head
         self.kind = "decoder" if isinstance(model, Decoder) else "hf"
+        # the model's mode (HF models come in eval mode: dropout off); a new Module is in
+        # training mode, which the rollout and evaluation restore after sampling with
+        # policy.train(was): that turned on a loaded model's dropout (GPT-2's 0.1) for RL
+        self.train(model.training)
         n_emb = self.output_weight.shape[0]
         if n_emb < tokenizer.vocab_size:
             raise ValueError(f"policy {name!r}: model has {n_emb} output ids but tokenizer "
