@@ -418,7 +418,7 @@ say "Ray cluster of {nodes} nodes up after $(( $(date +%s) - T0 ))s"
 
 # 3. the driver
 DRIVER=({driver} "rollout.ray_address=$ADDR")
-if (( ${{SLURM_RESTART_COUNT:-0}} > 0 )) && [[ " ${{DRIVER[*]}} " != *" --resume "* ]]; then
+if (( ${{SLURM_RESTART_COUNT:-0}} > 0 )) && ! {resumes}; then   # (true: launched with --resume)
   DRIVER+=(--resume)   # requeued (preemption, node failure): continue from the last checkpoint
   say "restart $SLURM_RESTART_COUNT of this job: the driver resumes the run"
 fi
@@ -469,6 +469,14 @@ def render_sbatch(args, cfg, *, python: str | None = None) -> str:
         if "\\" in path or "\n" in path:
             raise LaunchError(f"{what} {path!r} holds a backslash or a newline, which an "
                               f"#SBATCH line cannot carry: choose a path without them")
+    for flag, value in (("--job-name", args.job_name), ("--partition", args.partition),
+                        ("--time", args.time),
+                        *(("--sbatch-arg", a) for a in args.sbatch_arg or [])):
+        # the same holds for every #SBATCH value: a newline ended the #SBATCH block (sbatch
+        # then ignored --nodes, --output, ...; bash read the rest as commands)
+        if value is not None and ("\\" in value or "\n" in value):
+            raise LaunchError(f"{flag} {value!r} holds a backslash or a newline, which an "
+                              f"#SBATCH line cannot carry")
     extra = []
     if args.partition:
         extra.append(f"--partition={q(args.partition)}")
@@ -506,7 +514,8 @@ def render_sbatch(args, cfg, *, python: str | None = None) -> str:
         node_args=" ".join(a if "${" in a else q(a) for a in node_args),
         driver=" ".join(q(a) for a in driver_argv(args, cfg, python)),
         socket_tail=RAY_SOCKET_TAIL, socket_max=LINUX_AF_UNIX_PATH_MAX,
-        requeue_on_stop=int(before is not None), stopped=CHECKPOINT_STOPPED)
+        requeue_on_stop=int(before is not None), stopped=CHECKPOINT_STOPPED,
+        resumes="true" if args.resume else "false")
 
 
 # --------------------------------------------------------------------------------------------
@@ -659,7 +668,9 @@ def launch_slurm(args) -> int:
     run_dir = Path(cfg.out_dir).resolve()
     (run_dir / "slurm").mkdir(parents=True, exist_ok=True)
     path = run_dir / "slurm" / "job.sbatch"
-    path.write_text(script)
+    # the bytes of the paths and values as given (a name not in UTF-8 raised
+    # UnicodeEncodeError and left an empty script)
+    path.write_bytes(os.fsencode(script))
     t0 = time.time()
     job_id = submit(path)
     out = run_dir / "slurm" / f"slurm-{job_id}.out"
