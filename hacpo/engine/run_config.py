@@ -351,6 +351,11 @@ def _check_policy(p: PolicyConfig) -> None:
                              f"one (its config.json sets the architecture)")
         if p.path is None:
             _check_hf_arch_config(where, p.arch, p.hf_config)
+        elif p.tokenizer == "char" and (own := _own_tokenizer(p.path)):
+            # (the default tokenizer: a pretrained model trained on character ids, silently)
+            raise ValueError(f"{where}: policy.path={p.path!r} holds its own tokenizer "
+                             f"({own}) but policy.tokenizer is 'char' (the default): the model "
+                             f"would read character ids; set policy.tokenizer={p.path!r}")
         return
     default = PolicyConfig()       # a setting nothing would use: say so, never ignore it
     set_ = [f"policy.{k}={getattr(p, k)!r}" for k in HF_ONLY_POLICY_FIELDS
@@ -369,6 +374,22 @@ def _check_policy(p: PolicyConfig) -> None:
     except ValueError as e:
         sizes = "" if "d_model=" in str(e) else f" (d_model={p.d_model}, n_heads={p.n_heads})"
         raise ValueError(f"{where}: policy: {e}{sizes}") from None
+
+
+def _own_tokenizer(path: str) -> str | None:
+    """The tokenizer file a model folder holds (None: none, or the char tokenizer's own, as
+    `hacpo export` writes it for a char agent)."""
+    if not os.path.isdir(path):
+        return None
+    own = next((f for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+                if os.path.isfile(os.path.join(path, f))), None)
+    try:
+        with open(os.path.join(path, "hacpo_export.json")) as f:
+            if json.load(f)["tokenizer"]["name"] == "char":
+                return None
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return own
 
 
 def _check_agent_name(i: int, name, *, new_run: bool = False) -> None:
