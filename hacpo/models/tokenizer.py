@@ -342,6 +342,11 @@ def _batch_ids(backend, texts: Sequence[str]):
             yield encs[text].ids
 
 
+# the date a chat template that would write today's is given (its date_string): the fallback
+# of Llama 3.x Instruct's own template, so prompts are the same whatever the day
+CHAT_TEMPLATE_DATE = "26 Jul 2024"
+
+
 class HFTokenizer(Tokenizer):
     """A ``transformers`` fast tokenizer loaded from local files, optionally vocabulary-reduced.
 
@@ -384,6 +389,12 @@ class HFTokenizer(Tokenizer):
         self.template = template
         self.template_kwargs = dict(template_kwargs or {})
         self._use_chat = template is None and bool(getattr(hf, "chat_template", None))
+        if (self._use_chat and "strftime_now" in str(hf.chat_template)
+                and "date_string" not in self.template_kwargs):
+            # a template that writes today's date unless given date_string (Llama 3.x
+            # Instruct's system header): every prompt changed each day, so a resume or an
+            # evaluation on another day read another encoding (refused as an encoding change)
+            self.template_kwargs["date_string"] = CHAT_TEMPLATE_DATE
         if template is None and not self._use_chat:
             self.template = PLAIN_TEMPLATE
         eos_token = eos_token or hf.eos_token

@@ -73,3 +73,29 @@ def test_an_eos_token_outside_the_vocabulary_is_refused():
                                              f"'<eos>' is not a token of its vocabulary"):
             load_tokenizer(spec, eos_token="<eos>")
     assert load_tokenizer("llama3.2", eos_token="<|end_of_text|>").eos_id == 128001
+
+
+DATED_TEMPLATE = (
+    '{%- if not date_string is defined %}{%- if strftime_now is defined %}'
+    '{%- set date_string = strftime_now("%d %b %Y") %}{%- else %}'
+    '{%- set date_string = "1 Jan 2000" %}{%- endif %}{%- endif %}'
+    'Today Date: {{ date_string }}\n{% for m in messages %}{{ m["content"] }}\n{% endfor %}'
+    '{% if add_generation_prompt %}A: {% endif %}')
+
+
+def test_a_chat_template_that_writes_todays_date_is_given_a_fixed_one():
+    """A model folder whose chat template writes today's date (Llama 3.x Instruct's system
+    header, through transformers' strftime_now): every prompt changed from day to day, so a
+    run resumed or evaluated on another day read another encoding (refused as an encoding
+    change). It gets a fixed date_string; one the caller gives wins."""
+    from transformers import PreTrainedTokenizerFast
+
+    from hacpo.models.tokenizer import CHAT_TEMPLATE_DATE
+    hf = PreTrainedTokenizerFast(tokenizer_file=f"{tokenizer_path('llama3.2')}/tokenizer.json",
+                                 eos_token="<|eot_id|>")
+    hf.chat_template = DATED_TEMPLATE
+    tok = HFTokenizer(hf, name="dated")
+    assert tok.prompt_text("2+2?") == f"Today Date: {CHAT_TEMPLATE_DATE}\n2+2?\nA: "
+    assert tok._prompt_texts(["2+2?", "3+3?"])[1] == f"Today Date: {CHAT_TEMPLATE_DATE}\n3+3?\nA: "
+    given = HFTokenizer(hf, name="dated", template_kwargs={"date_string": "5 May 2025"})
+    assert given.prompt_text("2+2?") == "Today Date: 5 May 2025\n2+2?\nA: "
