@@ -18,6 +18,9 @@ ALGORITHMS = ("grpo", "gspo", "gspo2x", "naive", "hacpo")
 MINIBATCH_ORDERS = ("mixed", "self_first")
 
 
+MAX_LOG_FLOAT32 = math.log(D.FLOAT32_MAX)    # ~88.72: exp of a larger log-ratio is inf
+
+
 def _require(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
@@ -64,7 +67,8 @@ class AdvantageConfig:
     capability_baseline: bool = True  # off: every w_i = 1 (plain mean baseline over the pool)
 
     def __post_init__(self):
-        _require(0 < self.eps < math.inf,
+        # past float32's largest it is infinite in the (float32) rewards' arithmetic
+        _require(0 < self.eps <= D.FLOAT32_MAX,
                  f"advantage.eps must be finite and > 0 (a uniform or one-sample group's sigma "
                  f"is eps; an infinite one makes every advantage 0), got {self.eps}")
         _require(self.cross_baseline in D.CROSS_BASELINES,
@@ -98,11 +102,16 @@ class LossConfig:
         for name in ("self_clip_low", "self_clip_high", "grpo_clip_low", "grpo_clip_high"):
             v = getattr(self, name)
             _require(0 <= v, f"loss.{name} must be >= 0, got {v}")
-        _require(self.self_clip_low < 1 and self.grpo_clip_low < 1,
-                 "loss.self_clip_low and loss.grpo_clip_low must be < 1")
-        _require(0 < self.max_abs_log_ratio < math.inf,
+        for name in ("self_clip_low", "grpo_clip_low"):     # the ratio's lower bound 1 - v
+            v = getattr(self, name)
+            _require(v < 1, f"loss.{name} must be in [0, 1) (the ratio's lower clip bound is "
+                            f"1 - {name}), got {v}")
+        # the log-ratio is exponentiated in float32: a bound whose exp overflows bounds nothing
+        # (an infinite ratio, a NaN loss), and one past float32's range fails the clamp
+        _require(0 < self.max_abs_log_ratio <= MAX_LOG_FLOAT32,
                  f"loss.max_abs_log_ratio must be finite and > 0 (it bounds the log-ratio that "
-                 f"is exponentiated), got {self.max_abs_log_ratio}")
+                 f"is exponentiated) and <= {MAX_LOG_FLOAT32:.4g} (exp of more overflows "
+                 f"float32), got {self.max_abs_log_ratio}")
         _require(0 <= self.kl_coef < math.inf,
                  f"loss.kl_coef must be finite and >= 0, got {self.kl_coef}")
 
@@ -148,7 +157,8 @@ class AlgorithmConfig(ConfigMixin):
 
     def unused_settings(self) -> list[str]:
         """``KEY=VALUE`` of the settings this algorithm never reads that differ from their
-        default (e.g. ``loss.alpha`` under gspo, the GSPO clip under grpo); ``capability.*``
+        default (e.g. ``loss.alpha`` under gspo, the GSPO clip under grpo, the stepwise clip's
+        step under hacpo with ``loss.cross_clip=static``); ``capability.*``
         is read by every algorithm (the tracker's metrics), hacpo's ratios by hacpo only."""
         default = AlgorithmConfig()
         if self.name == "hacpo":
@@ -157,6 +167,9 @@ class AlgorithmConfig(ConfigMixin):
             keys = HACPO_ONLY + SEQUENCE_ONLY
         else:
             keys = HACPO_ONLY + GRPO_ONLY
+        if self.name == "hacpo" and self.loss.cross_clip != "stepwise":
+            keys = keys + (("loss.cross_clip_step",) if self.loss.cross_clip == "static"
+                           else ("loss.cross_clip_delta", "loss.cross_clip_step"))
         out = []
         for key in keys:
             section, name = key.split(".")

@@ -738,7 +738,10 @@ def unused_algorithm_note(cfg: TrainConfig) -> str | None:
     unused = cfg.algorithm.unused_settings()
     if not unused:
         return None
-    return (f"{', '.join(unused)}: algorithm {cfg.algorithm.name} never reads "
+    algo = cfg.algorithm
+    clip = (f" with loss.cross_clip={algo.loss.cross_clip}"
+            if algo.name == "hacpo" and algo.loss.cross_clip != "stepwise" else "")
+    return (f"{', '.join(unused)}: algorithm {algo.name}{clip} never reads "
             f"{'these' if len(unused) > 1 else 'this'} (the run trains as if "
             f"{'they were' if len(unused) > 1 else 'it was'} not set)")
 
