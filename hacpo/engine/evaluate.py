@@ -16,10 +16,15 @@ def score_named(rc, texts: list[str], golds: list[str], where):
     try:
         return rc.score(texts, golds)
     except ValueError as e:
-        m = re.search(r"item (\d+)", str(e))
-        if not m:
-            raise
-        raise ValueError(f"{e} ({where(int(m.group(1)))})") from e
+        # the item's index: RewardComputer's error holds it (its message may hold another
+        # "item 7", in the reward's name or value); another scorer's message names it
+        index = getattr(e, "item", None)
+        if index is None:
+            m = re.search(r"item (\d+)", str(e))
+            if not m:
+                raise
+            index = int(m.group(1))
+        raise ValueError(f"{e} ({where(index)})") from e
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

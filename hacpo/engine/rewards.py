@@ -637,18 +637,30 @@ def register_reward(name: str, *, fast_path: Optional[FastPathFn] = None,
                         f"@register_reward(\"name\") (got {name!r})")
 
     def decorator(fn: RewardFn) -> RewardFn:
+        if not callable(fn):    # every item would score 0 as an error, the run going on
+            raise TypeError(f"reward {name!r}: register a callable (response, gold) -> float, "
+                            f"not {fn!r}")
         old = _REGISTRY.get(name)
+        # a module re-import registers a function of the same module and qualname again; not
+        # a lambda, a closure, a class instance or a partial (others of one name are no copy)
+        qualname = getattr(fn, "__qualname__", None)
         same = old is not None and (old.fn is fn or (
-            getattr(old.fn, "__module__", None) == getattr(fn, "__module__", None)
-            and getattr(old.fn, "__qualname__", None) == getattr(fn, "__qualname__", None)
-            and "<lambda>" not in getattr(fn, "__qualname__", "")))  # a module re-import
+            isinstance(qualname, str) and "<" not in qualname
+            and getattr(old.fn, "__module__", None) == getattr(fn, "__module__", None)
+            and getattr(old.fn, "__qualname__", None) == qualname))
         if old is not None and not overwrite and not same:
-            raise ValueError(f"reward {name!r} is already registered "
-                             f"({_REGISTRY[name].fn.__module__}.{_REGISTRY[name].fn.__qualname__})")
+            raise ValueError(f"reward {name!r} is already registered ({_where(old.fn)}); pass "
+                             f"overwrite=True to replace it")
         _REGISTRY[name] = RewardSpec(name, fn, fast_path, in_process)
         return fn
 
     return decorator
+
+
+def _where(fn) -> str:
+    """``module.qualname`` of a reward (a class instance or a partial: its repr)."""
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    return f"{module}.{qualname}" if isinstance(qualname, str) else repr(fn)
 
 
 # what an unknown reward name is, most often: one registered by a user's code the CLI never ran
@@ -729,6 +741,18 @@ def _call_guarded(fn: RewardFn, response: str, gold: str, timeout_s: Optional[fl
             if caller_delay > 0:
                 left = caller_delay - (time.monotonic() - start)
                 signal.setitimer(signal.ITIMER_REAL, max(left, 1e-6), caller_interval)
+
+
+def _call_in_worker(fn: RewardFn, response: str, gold: str, timeout_s: Optional[float]):
+    """``_call_guarded`` in a pool worker; ``("unsent", why)`` for a value that does not pickle
+    (no number: the caller refuses it as one returned in-process, not a reward error)."""
+    status, value = _call_guarded(fn, response, gold, timeout_s)
+    if status == "ok":
+        try:
+            pickle.dumps(value)
+        except Exception as e:
+            return "unsent", f"{type(e).__name__}: {e}"
+    return status, value
 
 
 def _worker_init() -> None:
@@ -829,6 +853,25 @@ class RewardStats:
         """Scalar counts, e.g. for a metrics logger."""
         return {f: getattr(self, f) for f in ("total", "fast_path", "slow_path", "errors",
                                               "timeouts", "pool_restarts", "seconds")}
+
+
+class _Unsent:
+    """What a reward returned in a worker that could not be sent back (no number: a
+    generator, a lambda...), for ``_validate`` to refuse as one returned in-process is."""
+
+    def __init__(self, why: str):
+        self.why = why
+
+    def __repr__(self) -> str:
+        return f"a value its worker process could not send back ({self.why})"
+
+
+def _item_error(index: int, message: str) -> ValueError:
+    """A ValueError about item ``index`` of a batch, which it holds as ``item`` (a caller names
+    the item's prompt and agent by it: the message may hold other numbers, e.g. the value)."""
+    err = ValueError(message)
+    err.item = index
+    return err
 
 
 class RewardComputer:
@@ -977,8 +1020,9 @@ class RewardComputer:
             for i, gold in enumerate(golds):
                 if not isinstance(gold, str) or not gold.strip():
                     # not a reward of 0 counted as an error (an int gold scored 0 always)
-                    raise ValueError(f"reward {self.name!r}: the gold answer of item {i} is "
-                                     f"{gold!r} ({type(gold).__name__}), not a non-empty string")
+                    raise _item_error(i, f"reward {self.name!r}: the gold answer of item {i} "
+                                         f"is {gold!r} ({type(gold).__name__}), not a non-empty "
+                                         f"string")
         t0 = time.perf_counter()
         stats = RewardStats(total=len(responses))
         raw: list = [None] * len(responses)
@@ -1013,12 +1057,14 @@ class RewardComputer:
             if isinstance(value, str):
                 raise TypeError
             r = float(value)
+        except OverflowError:       # an int beyond float range: out of [0, 1]
+            r = math.inf
         except (TypeError, ValueError):
-            raise ValueError(f"reward {self.name!r} returned {value!r} for item {index}: "
-                             "not a number") from None
+            raise _item_error(index, f"reward {self.name!r} returned {value!r} for item "
+                                     f"{index}: not a number") from None
         if not math.isfinite(r) or r < 0.0 or r > 1.0:
-            raise ValueError(f"reward {self.name!r} returned {r!r} for item {index}: rewards "
-                             "must be finite and in [0, 1]")
+            raise _item_error(index, f"reward {self.name!r} returned {r!r} for item {index}: "
+                                     "rewards must be finite and in [0, 1]")
         return r
 
     @staticmethod
@@ -1057,12 +1103,12 @@ class RewardComputer:
             if suspects:
                 if not inflight:
                     i = suspects.popleft()
-                    fut = pool.submit(_call_guarded, fn, responses[i], golds[i], self.timeout_s)
+                    fut = pool.submit(_call_in_worker, fn, responses[i], golds[i], self.timeout_s)
                     inflight[fut] = (i, time.monotonic())
             else:
                 while pending and len(inflight) < self.num_workers:
                     i = pending.popleft()
-                    fut = pool.submit(_call_guarded, fn, responses[i], golds[i], self.timeout_s)
+                    fut = pool.submit(_call_in_worker, fn, responses[i], golds[i], self.timeout_s)
                     inflight[fut] = (i, time.monotonic())
             next_deadline = min(t for _, t in inflight.values()) + self.hard_timeout_s
             done, _ = cf.wait(list(inflight), timeout=max(0.0, next_deadline - time.monotonic()),
@@ -1074,8 +1120,8 @@ class RewardComputer:
                 exc = fut.exception()
                 if exc is None:
                     status, value = fut.result()
-                    if status == "ok":
-                        raw[i] = value
+                    if status in ("ok", "unsent"):
+                        raw[i] = _Unsent(value) if status == "unsent" else value
                     else:
                         self._fail(stats, i, status, value, raw)
                 elif isinstance(exc, cf.process.BrokenProcessPool):   # a worker died
