@@ -46,13 +46,16 @@ def record_checkpoint_signal() -> None:
 # runs a signal's handler between any two bytecodes of the main thread, a finalizer's or a
 # garbage-collector callback's too, where the exception is printed ("Exception ignored in:
 # <WeakKeyDictionary ...>") and dropped: the command went on as if no signal had come, to
-# exit 0. Each one raised is recorded until the command sees it unwind; one still recorded at
-# a step's end (or when the command returns) was lost, and is raised again there.
+# exit 0. While a command runs (``interrupts_recorded(True)``), each one raised is recorded
+# until the command sees it unwind; one still recorded at a step's end (or when the command
+# returns) was lost, and is raised again there. Outside a command (the library called from
+# Python, where these handlers are not Python's own) nothing is raised again.
 # --------------------------------------------------------------------------------------------
 
 TERMINATED = 143                  # exit status of a command stopped by SIGTERM (128 + 15)
 
 _raised: list[int] = []           # the signals whose exceptions were raised, not yet unwound
+_recording: list[bool] = []       # non-empty while a command runs
 
 
 def raise_interrupt(signum, frame):
@@ -67,15 +70,17 @@ def raise_terminated(signum, frame):
     raise SystemExit(TERMINATED)
 
 
-def interrupts_unwound() -> None:
-    """The command saw its Ctrl-C / SIGTERM (or starts): none is lost."""
+def interrupts_recorded(on: bool) -> None:
+    """A command starts (``on``) or has ended: none raised before counts as lost."""
     _raised.clear()
+    _recording[:] = [True] if on else []
 
 
 def lost_interrupt() -> BaseException | None:
-    """The exception of a Ctrl-C / SIGTERM raised where Python dropped it (cleared: raise it),
-    or None. Called where nothing of it can be unwinding: at a step's end, between runs."""
-    if not _raised:
+    """The exception of a Ctrl-C / SIGTERM raised where Python dropped it while a command runs
+    (cleared: raise it), or None. Called where nothing of it can be unwinding: at a step's
+    end, between runs."""
+    if not (_raised and _recording):
         return None
     sig = _raised[0]
     _raised.clear()

@@ -66,6 +66,21 @@ def test_a_ctrl_c_the_command_saw_is_not_raised_again(dropped, capsys):
     assert dropped == [] and _stop.lost_interrupt() is None
 
 
+def test_outside_a_command_a_dropped_signal_is_not_raised_again(dropped, capsys):
+    """The library called from Python (a test, a notebook) with the CLI's handler installed:
+    nothing is raised again later (a train() after it stopped at its first step), and the
+    next command starts with none."""
+    before = signal.signal(signal.SIGTERM, _stop.raise_terminated)
+    try:
+        _signal_dropped(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert dropped == [SystemExit] and _stop.lost_interrupt() is None
+    _stop.raise_lost_interrupt()
+    assert _stoppable(argparse.Namespace(command="eval"), lambda a: 0) == 0
+    assert capsys.readouterr().err == ""
+
+
 def test_an_ignored_sigint_stays_ignored(dropped):
     """A background job started by a shell ignores SIGINT: the CLI leaves it so."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -76,7 +91,7 @@ def test_an_ignored_sigint_stays_ignored(dropped):
 
 
 def test_a_run_stops_at_the_end_of_the_step_a_ctrl_c_was_dropped_in(dropped, tmp_path,
-                                                                     monkeypatch):
+                                                                     monkeypatch, capsys):
     """The run does not go on to its next step (it trained all its steps and returned)."""
     import hacpo.engine.trainer as trainer_mod
     from hacpo.engine.trainer import train
@@ -90,9 +105,9 @@ def test_a_run_stops_at_the_end_of_the_step_a_ctrl_c_was_dropped_in(dropped, tmp
             _signal_dropped(signal.SIGINT)
         return real(*a, **k)
     monkeypatch.setattr(trainer_mod, "generate_agents", dropped_in_step_0)
-    signal.signal(signal.SIGINT, _stop.raise_interrupt)      # as `hacpo train` runs it
-    with pytest.raises(KeyboardInterrupt):
-        train(cfg, echo=lambda *_: None)
+    args = argparse.Namespace(command="train", run_dir=cfg.out_dir)
+    assert _stoppable(args, lambda a: train(cfg, echo=lambda *_: None) and 0) == 130
     assert dropped == [KeyboardInterrupt] and len(calls) == 1
-    assert _stop.lost_interrupt() is None
+    assert capsys.readouterr().err == ("hacpo train: interrupted (Ctrl-C); continue it with "
+                                       "--resume\n")
     assert not (tmp_path / "run" / "summary.json").exists()

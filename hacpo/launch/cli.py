@@ -269,7 +269,7 @@ def _stoppable(args, func) -> int:
             os.path.join(run_dir, "config.json")) else ""
 
     _SIGTERM_SEEN.clear()
-    _stop.interrupts_unwound()
+    _stop.interrupts_recorded(True)
     if args.command in TRAINING_COMMANDS:      # SIGUSR1: a checkpoint at this step's end, stop
         func = _checkpoint_stoppable(func, again)
     try:
@@ -304,7 +304,7 @@ def _stoppable(args, func) -> int:
         print(f"hacpo {args.command}: terminated (SIGTERM){again()}{also}", file=sys.stderr)
         raise SystemExit(TERMINATED) from e
     finally:
-        _stop.interrupts_unwound()
+        _stop.interrupts_recorded(False)
         if prev is not None:
             signal.signal(signal.SIGTERM, prev)
         if prev_int is not None:
