@@ -351,11 +351,6 @@ def _check_policy(p: PolicyConfig) -> None:
                              f"one (its config.json sets the architecture)")
         if p.path is None:
             _check_hf_arch_config(where, p.arch, p.hf_config)
-        elif p.tokenizer == "char" and (own := _own_tokenizer(p.path)):
-            # (the default tokenizer: a pretrained model trained on character ids, silently)
-            raise ValueError(f"{where}: policy.path={p.path!r} holds its own tokenizer "
-                             f"({own}) but policy.tokenizer is 'char' (the default): the model "
-                             f"would read character ids; set policy.tokenizer={p.path!r}")
         return
     default = PolicyConfig()       # a setting nothing would use: say so, never ignore it
     set_ = [f"policy.{k}={getattr(p, k)!r}" for k in HF_ONLY_POLICY_FIELDS
@@ -432,9 +427,19 @@ def accepted_encoding_agents(accept: bool | Sequence[str],
 
 
 def check_new_run_names(cfg: "TrainConfig") -> None:
-    """The stricter agent-name rules for a run about to start (not a resume, not an eval)."""
+    """The stricter rules for a run about to start (not a resume, not an eval): agent names;
+    no policy.path model folder holding its own tokenizer with policy.tokenizer left at the
+    default, char (a pretrained model trained on character ids, silently; a run that did
+    is still evaluated, exported and resumed)."""
     for i, a in enumerate(cfg.agents):
         _check_agent_name(i, a.policy.name, new_run=True)
+        p = a.policy
+        if (p.kind == "hf" and p.path is not None and p.tokenizer == "char"
+                and (own := _own_tokenizer(p.path))):
+            raise ValueError(f"agent {p.name!r}: policy.path={p.path!r} holds its own "
+                             f"tokenizer ({own}) but policy.tokenizer is 'char' (the default): "
+                             f"the model would read character ids; set "
+                             f"policy.tokenizer={p.path!r}")
 
 
 def _check_hf_arch_config(where: str, arch, hf_config: dict) -> None:

@@ -89,21 +89,26 @@ def test_an_agent_edit_before_the_agents_list_that_replaces_it_is_an_error(tmp_p
 def test_a_model_folder_with_its_own_tokenizer_and_the_default_char_is_refused(tmp_path):
     """policy.path of a pretrained model (its tokenizer files beside it) with no
     policy.tokenizer: the default, char, was used, and the model trained on character ids
-    without a word. Naming its tokenizer loads; a folder `hacpo export` wrote for a char agent
-    (its tokenizer is the char tokenizer's) and a folder with no tokenizer file load too."""
+    without a word. A new run refuses it; naming its tokenizer runs; a folder `hacpo export`
+    wrote for a char agent (its tokenizer is the char tokenizer's) and a folder with no
+    tokenizer file run too. A stored run's config still loads (eval, export, resume)."""
     import json
+
+    from hacpo.engine.run_config import check_new_run_names
     d = tmp_path / "smollm2"
     d.mkdir()
     (d / "config.json").write_text("{}")
     over = {"agents.0.policy.kind": "hf", "agents.0.policy.path": str(d)}
-    assert load_config("tiny3", overrides=over).agents[0].policy.tokenizer == "char"
+    check_new_run_names(load_config("tiny3", overrides=over))
     (d / "tokenizer.json").write_text("{}")
+    cfg = load_config("tiny3", overrides=over)
+    assert cfg.agents[0].policy.tokenizer == "char"
     with pytest.raises(ValueError, match=rf"^agent 'char': policy.path='{d}' holds its own "
                                          rf"tokenizer \(tokenizer.json\) but policy.tokenizer "
                                          rf"is 'char' \(the default\): the model would read "
                                          rf"character ids; set policy.tokenizer='{d}'$"):
-        load_config("tiny3", overrides=over)
-    named = load_config("tiny3", overrides={**over, "agents.0.policy.tokenizer": str(d)})
-    assert named.agents[0].policy.tokenizer == str(d)
+        check_new_run_names(cfg)
+    check_new_run_names(load_config("tiny3", overrides={**over,
+                                                        "agents.0.policy.tokenizer": str(d)}))
     (d / "hacpo_export.json").write_text(json.dumps({"tokenizer": {"name": "char"}}))
-    assert load_config("tiny3", overrides=over).agents[0].policy.tokenizer == "char"
+    check_new_run_names(load_config("tiny3", overrides=over))
