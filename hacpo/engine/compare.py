@@ -64,12 +64,7 @@ def run_compare(base: TrainConfig, algorithms: list[str], seeds: list[int], root
     from .trainer import train
     with user_errors(ValueError, OSError):
         for what, xs in (("algorithm", algorithms), ("seed", seeds)):
-            if not xs:
-                raise ValueError(f"hacpo compare needs at least one {what}")
-            twice = sorted({str(x) for x in xs if list(xs).count(x) > 1})
-            if twice:                             # one run counted twice: a false mean +- CI
-                raise ValueError(f"{what} {', '.join(twice)} given more than "
-                                 f"once; each {what} is one run directory, list it once")
+            check_run_list("compare", what, xs)
         # every run's config (each algorithm's name and settings, each seed's range) before
         # any run starts: a bad last seed must not end a compare after hours of its runs
         planned = [(algo, seed, with_algorithm(
@@ -149,6 +144,17 @@ def dotted(obj, key: str):
     for part in key.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def check_run_list(command: str, what: str, xs) -> None:
+    """``xs`` (``hacpo <command>``'s algorithms or seeds) names one run directory each: none is
+    an error, and so is one given twice (a run counted twice: a false mean +- CI; measured
+    once without a word)."""
+    if not xs:
+        raise ValueError(f"hacpo {command} needs at least one {what}")
+    if twice := sorted({str(x) for x in xs if list(xs).count(x) > 1}):
+        raise ValueError(f"{what} {', '.join(twice)} given more than once; each {what} is one "
+                         f"run directory, list it once")
 
 
 def render_table(results: dict, pass_k: int) -> str:

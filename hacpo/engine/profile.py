@@ -84,19 +84,14 @@ def run_profile(base: TrainConfig, out_dir: str, *, algorithms=DEFAULT_ALGORITHM
     write profile.json, profile.md and profile.png into ``out_dir``. Returns the report dict.
     Every measurement is new: an ``out_dir`` that already holds one of the runs is an error
     (its timings are not mixed into, nor replaced by, this profile's)."""
-    from .compare import with_algorithm
+    from .compare import check_run_list, with_algorithm
     from .errors import user_errors
     from .signals import stop_between_runs
     from .trainer import train
     with user_errors(ValueError, OSError):
         if rounds < 1 or steps_per_round < 1 or skip_steps < 0:
             raise ValueError("rounds and steps_per_round must be >= 1, skip_steps >= 0")
-        if not algorithms:
-            raise ValueError("hacpo profile needs at least one algorithm")
-        if twice := sorted({a for a in algorithms if list(algorithms).count(a) > 1}):
-            # (they were one run, measured and reported once, without a word)
-            raise ValueError(f"algorithm {', '.join(twice)} given more than once; each "
-                             f"algorithm is one run directory, list it once")
+        check_run_list("profile", "algorithm", algorithms)
         if rounds * steps_per_round <= skip_steps:
             raise ValueError(f"rounds x steps_per_round = {rounds * steps_per_round} steps "
                              f"leave nothing after skipping {skip_steps}")

@@ -463,20 +463,19 @@ def render_sbatch(args, cfg, *, python: str | None = None) -> str:
     python = python or sys.executable
     q = shlex.quote
     run_dir = Path(cfg.out_dir).resolve()
-    for what, path in (("the run dir", str(run_dir)), ("the working directory", os.getcwd())):
+    advice = ": choose a path without them"
+    lines = [("the run dir", str(run_dir), advice), ("the working directory", os.getcwd(), advice)]
+    lines += [(flag, v, "") for flag, v in (("--job-name", args.job_name),
+                                            ("--partition", args.partition),
+                                            ("--time", args.time)) if v is not None]
+    lines += [("--sbatch-arg", a, "") for a in args.sbatch_arg or []]
+    for what, value, why in lines:
         # sbatch reads '\' in an #SBATCH line as an escape, quoted or not (--output, --chdir
-        # then name another folder); a newline ends the line
-        if "\\" in path or "\n" in path:
-            raise LaunchError(f"{what} {path!r} holds a backslash or a newline, which an "
-                              f"#SBATCH line cannot carry: choose a path without them")
-    for flag, value in (("--job-name", args.job_name), ("--partition", args.partition),
-                        ("--time", args.time),
-                        *(("--sbatch-arg", a) for a in args.sbatch_arg or [])):
-        # the same holds for every #SBATCH value: a newline ended the #SBATCH block (sbatch
-        # then ignored --nodes, --output, ...; bash read the rest as commands)
-        if value is not None and ("\\" in value or "\n" in value):
-            raise LaunchError(f"{flag} {value!r} holds a backslash or a newline, which an "
-                              f"#SBATCH line cannot carry")
+        # then name another folder; a value loses it); a newline ends the line and the #SBATCH
+        # block (sbatch then ignored --nodes, --output, ...; bash read the rest as commands)
+        if "\\" in value or "\n" in value:
+            raise LaunchError(f"{what} {value!r} holds a backslash or a newline, which an "
+                              f"#SBATCH line cannot carry{why}")
     extra = []
     if args.partition:
         extra.append(f"--partition={q(args.partition)}")

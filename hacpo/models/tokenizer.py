@@ -486,7 +486,7 @@ class HFTokenizer(Tokenizer):
             return list(map(self._from_orig.__getitem__, orig_ids))
         except KeyError:
             pass
-        out = []
+        out, added, to_char = [], None, None
         for o in orig_ids:
             i = self._from_orig.get(o)
             if i is not None:
@@ -498,10 +498,10 @@ class HFTokenizer(Tokenizer):
                     f"tokenizer {self.name!r} (reduced vocabulary of {self.vocab_size}): token "
                     f"{piece!r} (id {o}) in {text[:60]!r} was not in the reduction corpus"
                     + ("" if self._byte_ids is not None else "; no byte fallback exists"))
-            added = self.hf.added_tokens_decoder.get(o)   # its text, not byte-level pieces
-            if added is not None:
-                table = _bytes_to_unicode()
-                piece = "".join(table[b] for b in added.content.encode("utf-8"))
+            if added is None:       # (built once per text: it holds every added token)
+                added, to_char = self.hf.added_tokens_decoder, _bytes_to_unicode()
+            if o in added:          # its text, not byte-level pieces
+                piece = "".join(to_char[b] for b in added[o].content.encode("utf-8"))
             out.extend(self._from_orig[self._byte_char_to_id[ch]] for ch in piece)
         return out
 
